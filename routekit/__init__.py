@@ -1,1 +1,29 @@
-"""routekit: rewrite the graph of any block-stacked PyTorch model for cheaper training."""
+"""routekit: rewrite the graph of any block-stacked PyTorch model for cheaper training.
+
+    routed = routekit.apply(model, routes="default", example_inputs=(x, t, y))
+    routed.train()  # blocks 2..depth-4 see half the tokens (TREAD)
+    routed.eval()   # the original forward, bit for bit
+"""
+
+from .analysis import GraphReport
+from .config import DAR, Route
+from .errors import (
+    AnalysisError,
+    ConfigError,
+    InferenceChanged,
+    InputError,
+    NonFiniteError,
+    RoutekitError,
+    TraceError,
+)
+from .inspection import inspect
+from .model import RoutedModel, apply, last_route_mask, report_of, strip
+from .selectors import register_selector, selector_names
+from .verify import verify
+
+__all__ = [
+    "DAR", "AnalysisError", "ConfigError", "GraphReport", "InferenceChanged", "InputError", "NonFiniteError",
+    "Route", "RoutedModel", "RoutekitError", "TraceError", "apply", "inspect", "last_route_mask",
+    "register_selector", "report_of", "selector_names", "strip", "verify",
+]
+__version__ = "0.1.0"

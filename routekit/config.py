@@ -1,0 +1,134 @@
+"""Validated, serialisable configuration: `Route` and `DAR`, and the check of a plan against a model.
+
+Configs are plain data (pydantic), so they print, compare, and round-trip through YAML/JSON.
+Errors are `ConfigError`s that say what was wrong and what would be valid.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from .errors import ConfigError
+from .selectors import get_selector
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or type(self).__name__}: {e['msg'].removeprefix('Value error, ')}"
+                for e in err.errors()
+            )
+            raise ConfigError(f"invalid {type(self).__name__}: {problems}") from None
+
+
+class Route(_Config):
+    """A TREAD token route: blocks `start..end` (inclusive) see only the kept tokens.
+
+    `rate` is the fraction of tokens routed *around* the blocks (TREAD's best is 0.5). At block
+    `start` the selector picks the kept tokens; after block `end` the routed tokens rejoin with
+    their value at the route start.
+    """
+
+    start: int
+    end: int
+    rate: float = 0.5
+    selector: str = "random"
+
+    @field_validator("start", "end")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"block index must be >= 0, got {v}")
+        return v
+
+    @field_validator("rate")
+    @classmethod
+    def _rate_in_range(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"rate is the fraction of tokens routed around the blocks and must be in [0, 1), got {v}")
+        return v
+
+    @field_validator("selector")
+    @classmethod
+    def _known_selector(cls, v: str) -> str:
+        try:
+            get_selector(v)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Route:
+        if self.start > self.end:
+            raise ValueError(f"start ({self.start}) must be <= end ({self.end}); the route covers blocks start..end")
+        return self
+
+    @classmethod
+    def default(cls, depth: int, rate: float = 0.5, selector: str = "random") -> Route:
+        """TREAD's default route for a stack of `depth` blocks: 2 → depth−4 (DiT-B/2 2→8, XL/2 2→24)."""
+        if depth < 7:
+            raise ConfigError(f"the default route 2→depth-4 needs at least 7 blocks, the stack has {depth}")
+        return cls(start=2, end=depth - 4, rate=rate, selector=selector)
+
+
+class DAR(_Config):
+    """Diffusion-Adaptive Routing: residual adds become softmax aggregations over sublayer outputs.
+
+    `query`: "static" (w_l, zero-init), "static_t" (w_l + e(t), the model's timestep embedding),
+    "dynamic" (W_l v_{l-1}, zero-init). `chunk`: a sublayer sees summaries of earlier chunks of
+    `chunk` sublayers plus the raw outputs of its own chunk. `timestep`: the fx node or module name
+    of the timestep embedding, when analysis cannot find it.
+    """
+
+    query: Literal["static", "static_t", "dynamic"] = "static"
+    chunk: int | None = None
+    kernel: Literal["auto", "triton", "torch"] = "auto"
+    timestep: str | None = None
+    eps: float = 1e-6
+
+    @field_validator("chunk")
+    @classmethod
+    def _positive_chunk(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"chunk is a number of sublayers and must be >= 1 (or None for no chunking), got {v}")
+        return v
+
+
+def coerce_routes(routes, depth: int) -> list[Route]:
+    """Accept a Route, a list of Routes/dicts, None, or "default" (TREAD's 2 → depth−4)."""
+    if routes is None:
+        return []
+    if routes == "default":
+        return [Route.default(depth)]
+    if isinstance(routes, (Route, dict)):
+        routes = [routes]
+    if isinstance(routes, str) or not hasattr(routes, "__iter__"):
+        raise ConfigError(f"routes must be a Route, a list of Routes, None or 'default'; got {routes!r}")
+    return [r if isinstance(r, Route) else Route(**r) for r in routes]
+
+
+def check_routes(routes: list[Route], block_names: list[str]) -> None:
+    """Refuse routes that do not fit a stack with these blocks; the error lists the valid blocks."""
+    depth = len(block_names)
+    listing = ", ".join(f"{i}: {n}" for i, n in enumerate(block_names))
+    for k, r in enumerate(routes):
+        if r.end >= depth:
+            raise ConfigError(
+                f"route {k} ({r.start}→{r.end}) ends past the last block: valid block indices are "
+                f"0..{depth - 1} ({listing})"
+            )
+    ordered = sorted(enumerate(routes), key=lambda kr: kr[1].start)
+    for (i, a), (j, b) in zip(ordered, ordered[1:]):
+        if b.start <= a.end:
+            raise ConfigError(
+                f"route {j} ({b.start}→{b.end}) overlaps route {i} ({a.start}→{a.end}): routes must be disjoint; "
+                f"a route after route {i} can start at block {a.end + 1} or later"
+            )

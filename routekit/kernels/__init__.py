@@ -1,0 +1,54 @@
+"""Kernels behind routekit's graph rewrites, each with a plain PyTorch reference beside it.
+
+``dar_aggregate`` is the one entry point for DAR's softmax-over-sources residual; it picks
+the fused Triton kernel where it can run and the reference otherwise.  Triton is imported
+only when the Triton kernel is chosen, so this package imports on machines without it.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from routekit.errors import ConfigError
+from routekit.kernels.dar_reference import (
+    DarInputError,
+    Sources,
+    check_dar_inputs,
+    dar_aggregate_reference,
+)
+
+__all__ = ["DarInputError", "UnknownKernelError", "dar_aggregate", "dar_aggregate_reference", "KERNELS"]
+
+KERNELS = ("auto", "triton", "torch")
+"""Valid ``kernel`` names for ``dar_aggregate``."""
+
+
+class UnknownKernelError(ConfigError):
+    """Raised when ``kernel`` names no implementation."""
+
+
+def dar_aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, kernel: str = "auto") -> Tensor:
+    """DAR aggregation: sum_s softmax_s(query . RMSNorm(v_s) / sqrt(D)) v_s.
+
+    ``sources``: a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors;
+    ``query`` broadcasts to (B, N, D).  ``kernel``: "triton" (fused), "torch" (reference),
+    or "auto": Triton for CUDA tensors when triton imports and D is within its limit,
+    the reference otherwise.
+    """
+    if kernel not in KERNELS:
+        raise UnknownKernelError(f"unknown kernel {kernel!r}; valid kernels are {', '.join(KERNELS)}")
+    d = check_dar_inputs(sources, query)[3]
+    if kernel == "auto":
+        kernel = "torch"
+        if query.is_cuda:
+            try:
+                from routekit.kernels import dar_triton
+            except ImportError:
+                dar_triton = None
+            if dar_triton is not None and d <= dar_triton.MAX_D:
+                kernel = "triton"
+    if kernel == "torch":
+        return dar_aggregate_reference(sources, query, eps)
+    from routekit.kernels.dar_triton import dar_aggregate_triton
+
+    return dar_aggregate_triton(sources, query, eps)

@@ -1,0 +1,85 @@
+"""Reference DAR aggregation: the plain PyTorch path and the oracle for the fused kernel.
+
+DAR (Diffusion-Adaptive Routing) replaces the residual sum by a softmax-weighted mix of
+every earlier source: h = sum_s softmax_s(q . RMSNorm(v_s) / sqrt(D)) v_s.  This module
+keeps the obvious implementation (stack, normalise, softmax, weighted sum) so the kernel
+in ``dar_triton`` has something simple to be held against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from routekit.errors import InputError
+
+Sources = Tensor | Sequence[Tensor]
+
+
+class DarInputError(InputError):
+    """Sources or query of a DAR aggregation that no implementation can use."""
+
+
+def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, int]:
+    """Validate ``sources`` and ``query``; return (S, B, N, D).
+
+    Shared by every implementation so that all of them reject the same inputs with the
+    same message.
+    """
+    if isinstance(sources, Tensor):
+        if sources.dim() != 4:
+            raise DarInputError(f"stacked sources must be 4-D (S, B, N, D), got shape {tuple(sources.shape)}")
+        shape, device = tuple(sources.shape), sources.device
+    else:
+        sources = list(sources)
+        if not sources:
+            raise DarInputError("sources is empty: DAR needs at least one source")
+        first = sources[0]
+        for i, src in enumerate(sources):
+            if not isinstance(src, Tensor) or src.dim() != 3:
+                got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+                raise DarInputError(f"source {i} must be a 3-D (B, N, D) tensor, got {got}")
+            if src.shape != first.shape or src.dtype != first.dtype or src.device != first.device:
+                raise DarInputError(
+                    f"source {i} is {tuple(src.shape)} {src.dtype} on {src.device}, but source 0 is "
+                    f"{tuple(first.shape)} {first.dtype} on {first.device}: all sources must match"
+                )
+        shape, device = (len(sources), *first.shape), first.device
+    s, b, n, d = shape
+    if s == 0 or d == 0:
+        raise DarInputError(f"sources (S, B, N, D) = {shape} must have S >= 1 and D >= 1")
+    if not isinstance(query, Tensor) or query.dim() == 0 or query.dim() > 3 or query.shape[-1] != d:
+        got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
+        raise DarInputError(
+            f"query must end in D={d} and broadcast to (B, N, D)=({b}, {n}, {d}), e.g. ({d},), "
+            f"({b}, 1, {d}) or ({b}, {n}, {d}); got {got}"
+        )
+    try:
+        broadcast = torch.broadcast_shapes(query.shape, (b, n, d))
+    except RuntimeError:
+        broadcast = None
+    if broadcast != (b, n, d):
+        raise DarInputError(
+            f"query of shape {tuple(query.shape)} does not broadcast to (B, N, D)=({b}, {n}, {d})"
+        )
+    if query.device != device:
+        raise DarInputError(f"query is on {query.device} but the sources are on {device}")
+    return s, b, n, d
+
+
+def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6) -> Tensor:
+    """Softmax-over-sources mix of ``sources`` keyed by their RMS-normalised values.
+
+    ``sources`` is a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors and
+    ``query`` broadcasts to (B, N, D).  Math is fp32; the result has the sources' dtype.
+    """
+    d = check_dar_inputs(sources, query)[3]
+    stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
+    values = stacked.float()
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    logits = (keys * query.float()).sum(-1) / math.sqrt(d)
+    weights = torch.softmax(logits, dim=0)
+    return (weights.unsqueeze(-1) * values).sum(0).to(stacked.dtype)

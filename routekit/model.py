@@ -1,0 +1,339 @@
+"""`apply`: the one verb. It returns a RoutedModel: the user's model, routed in training only.
+
+The routed model is an instance of a subclass of the model's own class that shares every submodule,
+parameter and buffer with the model (held once): `state_dict` keys are the model's, an original
+checkpoint loads strictly, attributes and methods are all there, and `isinstance` still holds. In
+`eval()` its forward *is* the original forward; in `train()` it runs the routed graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .analysis import GraphReport, analyse
+from .config import DAR, Route, check_routes, coerce_routes
+from .errors import ConfigError, InputError, NonFiniteError
+from .ops import RouteSelect
+from .rewrite import compile_graph, constants_to_inputs, route_graph
+from .selectors import keeps_rows, needs_grid
+from .trace import TensorMeta, Trace, bind_arguments, call_spec, preserved_state, shallow_copy, trace
+
+_STATE = "routekit"  # the one submodule routekit adds; it holds parameters only with DAR
+
+
+@dataclass
+class Program:
+    """A compiled training graph for one call signature (and one set of shapes, if specialised)."""
+
+    fn: Any
+    out_spec: pytree.TreeSpec
+    constants: tuple
+    specialised: bool
+    report: GraphReport
+
+    def __call__(self, module: nn.Module, tensors: list[torch.Tensor]) -> Any:
+        return pytree.tree_unflatten(list(self.fn(module, *tensors, *self.constants)), self.out_spec)
+
+
+class RoutekitState(nn.Module):
+    """Everything routekit adds to a model, under one name: route selectors (and DAR, later)."""
+
+    def __init__(self, routes: list[Route], grid: tuple[int, int] | None):
+        super().__init__()
+        self.routes = nn.ModuleList([RouteSelect(r, grid) for r in routes])
+
+
+class RoutedModel(nn.Module):
+    """Mixin before the model's class: training forward through the routed graph."""
+
+    _routekit_base: type
+
+    def forward(self, *args, **kwargs):
+        if not self.training:
+            return super().forward(*args, **kwargs)
+        tensors, program = self._routekit_program(args, kwargs)
+        out = program(self, tensors)
+        if self._routekit_check_finite:
+            _check_finite(out, self._routekit_routes)
+        return out
+
+    def _routekit_program(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Program]:
+        bound = bind_arguments(self._routekit_base.forward, args, kwargs)
+        spec = call_spec(bound)
+        tensors = [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
+        bucket = self._routekit_programs.setdefault(spec.key(), {})
+        program = bucket.get(None)
+        if program is None:
+            shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+            program = bucket.get(shapes)
+            if program is None:
+                program = _build_program(self, args, kwargs)
+                bucket[shapes if program.specialised else None] = program
+        return tensors, program
+
+    def __repr__(self) -> str:
+        return f"Routed{super().__repr__()}"
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _routed_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Routed{cls.__name__}", (RoutedModel, cls),
+                             {"_routekit_base": cls, "__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module, mode: bool):
+    """Temporarily put every submodule in train or eval mode, restoring each flag after."""
+    flags = {m: m.training for m in model.modules()}
+    model.train(mode)
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _original_view(routed: nn.Module) -> nn.Module:
+    """The routed model seen as its original class (shared state), for tracing the original forward."""
+    return shallow_copy(routed, cls=routed._routekit_base)
+
+
+def _build_program(routed: nn.Module, args: tuple, kwargs: dict) -> Program:
+    original = _original_view(routed)
+    tr = trace(original, args, kwargs)
+    report = analyse(tr, original, routed._routekit_stack)
+    return _program(tr, report, routed._routekit_routes, routed._routekit_grid)
+
+
+def _program(tr: Trace, report: GraphReport, routes: list[Route], grid) -> Program:
+    graph = route_graph(tr.graph, report, routes, grid_fixed=grid is not None)
+    constants = constants_to_inputs(graph, tr.constants)
+    fn = compile_graph(graph, f"{report.model} train graph")
+    return Program(fn, tr.out_spec, tuple(constants), bool(tr.specialised), report)
+
+
+def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, residual: DAR | None = None,
+          example_inputs: tuple | torch.Tensor = (), example_kwargs: dict | None = None, *,
+          grid: tuple[int, int] | None = None, stack: str | None = None,
+          generator: torch.Generator | None = None, check_finite: bool = False) -> nn.Module:
+    """Route `model`'s training graph; returns the routed model (the model itself is left unchanged).
+
+    routes: a Route, a list of disjoint Routes, or "default" (TREAD's 2 → depth−4, rate 0.5).
+    example_inputs / example_kwargs: one call's arguments, used once to trace and check shapes.
+    grid: the (H, W) token grid when it cannot be read off a patch embedding. stack: the qualified
+    name of the block container when several chains exist. generator: makes selections reproducible.
+    check_finite: raise NonFiniteError when a routed forward produces NaN/Inf.
+    """
+    model = _unwrapped(model)
+    if residual is not None:
+        raise ConfigError("residual=DAR(...) is not available in this version; pass residual=None")
+    args, kwargs = _example_call(model, example_inputs, example_kwargs)
+    with training_mode(model, True):
+        tr = trace(model, args, kwargs)
+        report = analyse(tr, model, stack)
+        if grid is not None:
+            report.grid, report.grid_node = _checked_grid(grid, report), None
+        routes = coerce_routes(routes, report.depth)
+        check_plan(model, report, routes, args, kwargs)
+        report.routes = routes
+        routed = shallow_copy(model, cls=_routed_class(type(model)))
+        routed.add_module(_STATE, RoutekitState(routes, grid))
+        routed.__dict__.update(
+            _routekit_routes=routes, _routekit_grid=grid, _routekit_stack=stack, _routekit_report=report,
+            _routekit_check_finite=check_finite, _routekit_programs={},
+        )
+        for select in getattr(routed, _STATE).routes:
+            select.generator = generator
+        program = _program(tr, report, routes, grid)
+        spec = call_spec(bind_arguments(type(model).forward, args, kwargs))
+        shapes = tuple((tuple(t.shape), t.dtype) for t in _tensors(spec, args, kwargs, model))
+        routed._routekit_programs[spec.key()] = {shapes if program.specialised else None: program}
+        _dry_run(routed, tr, args, kwargs)
+    routed.train(model.training)
+    return routed
+
+
+def _tensors(spec, args, kwargs, model) -> list[torch.Tensor]:
+    bound = bind_arguments(type(model).forward, args, kwargs)
+    return [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
+
+
+def _unwrapped(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise InputError(f"routekit.apply takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, RoutedModel):
+        raise ConfigError(
+            f"{type(model).__name__} is already routed; call routekit.strip(model) first to re-apply with new routes"
+        )
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise InputError("model is wrapped by torch.compile: apply routekit to the plain model, then compile the result")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise InputError("model is wrapped by DistributedDataParallel: apply routekit first, then wrap (or accelerate.prepare)")
+    return model
+
+
+def _example_call(model: nn.Module, example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    if not args and not kwargs:
+        raise InputError("example_inputs are required: one call's arguments, e.g. example_inputs=(x, t, y)")
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    for value in pytree.tree_leaves((args, kwargs)):
+        if isinstance(value, torch.Tensor) and devices and value.device not in devices:
+            raise InputError(
+                f"an example input is on {value.device} but the model is on {', '.join(map(str, devices))}; "
+                "move the inputs (or the model) so they share a device"
+            )
+    return args, kwargs
+
+
+def _checked_grid(grid, report: GraphReport) -> tuple[int, int]:
+    if len(grid) != 2 or grid[0] * grid[1] != report.tokens:
+        raise ConfigError(f"grid {tuple(grid)} does not match the stream's {report.tokens} tokens (H·W must equal it)")
+    return (int(grid[0]), int(grid[1]))
+
+
+def check_plan(model: nn.Module, report: GraphReport, routes: list[Route], args: tuple, kwargs: dict) -> None:
+    """Refuse routes this model cannot take, naming the block and what would be valid."""
+    check_routes(routes, [b.qualname for b in report.blocks])
+    for k, route in enumerate(routes):
+        blocks = report.blocks[route.start:route.end + 1]
+        for block in blocks:
+            bad = [s for s in block.side_inputs if s.kind == "token-first"]
+            if bad:
+                raise ConfigError(
+                    f"route {k} cannot contain {block.qualname}: its input {bad[0].slot!r} has the token axis first "
+                    f"and no batch axis ({bad[0].meta}); per-sample selection would need it batched"
+                )
+            if block.aux_escapes:
+                raise ConfigError(
+                    f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "
+                    f"({block.aux_escapes[0]}), which would have only the kept tokens"
+                )
+        for block in blocks[:-1]:
+            if block.escapes:
+                raise ConfigError(
+                    f"route {k} cannot pass through {block.qualname}: its output is also used by "
+                    f"{block.escapes[0].split(' → ')[1]}, outside the chain; end the route at block {block.index} "
+                    "or start it after"
+                )
+        if needs_grid(route.selector) and report.grid is None:
+            raise ConfigError(
+                f"route {k}: selector {route.selector!r} needs the token grid, and none was found (no 4-D patch "
+                "embedding output upstream of the stream); pass grid=(H, W) to routekit.apply"
+            )
+        if not keeps_rows(route.selector):
+            for block in blocks:
+                if _needs_whole_rows(model, report, block):
+                    raise ConfigError(
+                        f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
+                        f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
+                    )
+
+
+def _needs_whole_rows(model: nn.Module, report: GraphReport, block) -> bool:
+    """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows."""
+    if report.grid is None or report.grid[1] == 1:
+        return False
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    tokens = report.tokens - 1
+
+    def fake(meta, per_token):
+        if not isinstance(meta, TensorMeta):
+            return meta
+        shape = list(meta.shape)
+        if per_token:
+            shape[1] = tokens
+        return torch.zeros(shape, dtype=meta.dtype, device=device)
+
+    call_args, call_kwargs = {}, {}
+    stream = fake(report.stream, True)
+    (call_args if isinstance(report.stream_slot, int) else call_kwargs)[report.stream_slot] = stream
+    for side in block.side_inputs:
+        (call_args if isinstance(side.slot, int) else call_kwargs)[side.slot] = fake(side.meta, side.kind == "per-token")
+    positional = [call_args[i] for i in sorted(call_args)]
+    module = model.get_submodule(block.qualname)
+    with preserved_state(model, [stream]):
+        try:
+            module(*positional, **call_kwargs)
+        except Exception:
+            return True
+    return False
+
+
+def _dry_run(routed: nn.Module, tr: Trace, args: tuple, kwargs: dict) -> None:
+    """Run the routed graph once on the example inputs: its outputs must match the original's shapes."""
+    with preserved_state(routed, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]):
+        try:
+            out = routed(*args, **kwargs)
+        except Exception as err:
+            raise ConfigError(
+                f"the routed training graph failed on the example inputs: {type(err).__name__}: {err}"
+            ) from err
+    got = [TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(out)]
+    output = next(n for n in tr.graph.nodes if n.op == "output")
+    want = [a.meta["rk"] if isinstance(a, torch.fx.Node) else a for a in output.args[0]]
+    for select in getattr(routed, _STATE).routes:
+        select.last_index = None
+    if [getattr(g, "shape", g) for g in got] != [getattr(w, "shape", w) for w in want]:
+        raise ConfigError(f"routing changed the training output shapes: original {want}, routed {got}")
+
+
+def _check_finite(out, routes) -> None:
+    for i, t in enumerate(pytree.tree_leaves(out)):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+            raise NonFiniteError(
+                f"output {i} of the routed forward has NaN/Inf (routes: "
+                f"{', '.join(f'{r.start}→{r.end}' for r in routes)}); check_finite=True raised it"
+            )
+
+
+def strip(routed: nn.Module) -> nn.Module:
+    """The plain model back: same class as the original, sharing the routed model's weights."""
+    if not isinstance(routed, RoutedModel):
+        raise InputError(f"strip takes a model returned by routekit.apply, got {type(routed).__name__}")
+    plain = shallow_copy(routed, cls=routed._routekit_base)
+    del plain._modules[_STATE]
+    for key in [k for k in plain.__dict__ if k.startswith("_routekit_")]:
+        del plain.__dict__[key]
+    return plain
+
+
+def report_of(routed: nn.Module) -> GraphReport:
+    """The analysis `apply` made, with the routes it placed."""
+    if not isinstance(routed, RoutedModel):
+        raise InputError(f"expected a model returned by routekit.apply, got {type(routed).__name__}")
+    return routed._routekit_report
+
+
+def last_route_mask(routed: nn.Module, route: int | None = None) -> torch.Tensor:
+    """Bool (B, N): True for tokens routed around the blocks in the last training forward.
+
+    With several routes, a token counts as routed if any route set it aside (or pass `route=k`).
+    For losses that weight routed tokens differently; TREAD's own loss uses all tokens.
+    """
+    selects = list(getattr(routed, _STATE).routes) if isinstance(routed, RoutedModel) else []
+    if not selects:
+        raise InputError("last_route_mask needs a model returned by routekit.apply with at least one route")
+    if route is not None:
+        if not 0 <= route < len(selects):
+            raise InputError(f"route {route} does not exist; valid routes are 0..{len(selects) - 1}")
+        selects = [selects[route]]
+    if any(s.last_index is None for s in selects):
+        raise InputError("no routed forward has run yet: call the model in train() mode first")
+    masks = []
+    for s in selects:
+        kept = torch.zeros(s.last_index.shape[0], s.last_tokens, dtype=torch.bool, device=s.last_index.device)
+        masks.append(~kept.scatter(1, s.last_index, True))
+    return torch.stack(masks).any(0)

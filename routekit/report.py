@@ -1,0 +1,104 @@
+"""Printing and drawing a GraphReport: a table for the terminal, a PNG for docs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .analysis import GraphReport
+
+
+def format_report(r: GraphReport) -> str:
+    batch, tokens, channels = r.stream.shape
+    grid = f"{r.grid[0]}×{r.grid[1]}" + (f" (read off {r.grid_node})" if r.grid_node else " (given)") if r.grid else "none found"
+    others = {k: v for k, v in r.candidates.items() if k != r.stack}
+    lines = [
+        f"routekit report for {r.model}  [{r.mode} mode]",
+        f"  block stack : {r.stack} ({r.depth} blocks)" + (f"; other chains: {others}" if others else ""),
+        f"  token stream: {r.stream} = (batch {batch}, tokens {tokens}, channels {channels}), "
+        f"block input {r.stream_slot!r}" + (f", output [{r.stream_out_index}]" if r.stream_out_index is not None else ""),
+        f"  token grid  : {grid}",
+        "",
+        f"  {'#':>3}  {'block':<24} {'class':<18} {'side inputs':<44} notes",
+    ]
+    routed = {i: k for k, route in enumerate(r.routes) for i in range(route.start, route.end + 1)}
+    for b in r.blocks:
+        sides = ", ".join(f"{s.slot}: {s.kind} {s.meta}" for s in b.side_inputs) or "-"
+        notes = []
+        if b.index in routed:
+            notes.append(f"route {routed[b.index]}")
+        if b.escapes:
+            notes.append(f"output also used by {b.escapes[0].split(' → ')[1]}")
+        if b.aux_escapes:
+            notes.append(f"per-token side output {b.aux_escapes[0]}")
+        if b.index in r.residual_adds:
+            notes.append(f"{len(r.residual_adds[b.index])} residual adds")
+        lines.append(f"  {b.index:>3}  {b.qualname:<24} {b.cls:<18} {sides:<44} {'; '.join(notes)}")
+    lines.append("")
+    for k, route in enumerate(r.routes):
+        kept = tokens - int(tokens * route.rate)
+        share = (route.end - route.start + 1) / r.depth
+        lines.append(
+            f"  route {k}: blocks {route.start}→{route.end}, rate {route.rate}, selector {route.selector!r}: "
+            f"{kept} of {tokens} tokens go through; {share:.0%} of the blocks see {kept / tokens:.0%} of the tokens"
+        )
+    if r.routes:
+        lines.append(f"  block FLOPs per step: ×{block_flop_fraction(r):.3f} of the original (token-linear estimate)")
+    lines.append(f"  leafed submodules: {r.leafed or 'none'}")
+    lines.append(f"  specialised to example shapes: {len(r.specialised) if r.specialised else 'nothing'}")
+    return "\n".join(lines)
+
+
+def block_flop_fraction(r: GraphReport) -> float:
+    """Fraction of block compute left with the routes, counting compute as linear in tokens."""
+    tokens = r.tokens
+    kept = {i: tokens - int(tokens * route.rate) for route in r.routes for i in range(route.start, route.end + 1)}
+    return sum(kept.get(i, tokens) for i in range(r.depth)) / (tokens * r.depth)
+
+
+def draw_report(r: GraphReport, path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import FancyBboxPatch
+    except ImportError as err:
+        from .errors import RoutekitError
+
+        raise RoutekitError("drawing needs matplotlib: pip install 'routekit[plot]'") from err
+    tokens = r.tokens
+    width = max(8.0, 0.55 * r.depth + 3)
+    fig, ax = plt.subplots(figsize=(width, 3.6))
+    x0 = 1.6
+    colours = ["#e4572e", "#17bebb", "#ffc914", "#76b041", "#7d5ba6"]
+    kept = {}
+    for k, route in enumerate(r.routes):
+        for i in range(route.start, route.end + 1):
+            kept[i] = (tokens - int(tokens * route.rate)) / tokens
+        c = colours[k % len(colours)]
+        left, right = x0 + route.start - 0.45, x0 + route.end + 0.45
+        ax.annotate("", xy=(right + 0.5, 0.1), xytext=(left - 0.5, 0.1),
+                    arrowprops=dict(arrowstyle="->", color=c, lw=2, connectionstyle="arc3,rad=0.25"))
+        ax.text((left + right) / 2, -0.8, f"route {k}: {route.start}→{route.end}, {route.rate:.0%} routed "
+                f"({route.selector})", ha="center", color=c, fontsize=9)
+    for i, b in enumerate(r.blocks):
+        h = 1.6 * kept.get(i, 1.0)
+        ax.add_patch(FancyBboxPatch((x0 + i - 0.4, 1.0 - h / 2 + 0.8), 0.8, h, boxstyle="round,pad=0.02",
+                                    fc="#4c72b0" if i not in kept else "#a1c9f4", ec="black", lw=0.8))
+        ax.text(x0 + i, 0.45, str(i), ha="center", fontsize=8)
+    ax.add_patch(FancyBboxPatch((0.0, 1.0), 0.9, 1.2, boxstyle="round,pad=0.02", fc="#dddddd", ec="black"))
+    ax.text(0.45, 1.6, "embed", ha="center", va="center", fontsize=8)
+    end = x0 + r.depth + 0.2
+    ax.add_patch(FancyBboxPatch((end, 1.0), 0.9, 1.2, boxstyle="round,pad=0.02", fc="#dddddd", ec="black"))
+    ax.text(end + 0.45, 1.6, "head", ha="center", va="center", fontsize=8)
+    grid = f", grid {r.grid[0]}×{r.grid[1]}" if r.grid else ""
+    ax.set_title(f"{r.model}: {r.stack} ({r.depth} blocks), stream {r.stream}{grid}; box height = tokens seen",
+                 fontsize=10)
+    ax.set_xlim(-0.3, end + 1.2)
+    ax.set_ylim(-1.0, 3.0)
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
