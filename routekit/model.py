@@ -178,7 +178,9 @@ def _unwrapped(model: Any) -> nn.Module:
     if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         raise InputError("model is wrapped by torch.compile: apply routekit to the plain model, then compile the result")
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise InputError("model is wrapped by DistributedDataParallel: apply routekit first, then wrap (or accelerate.prepare)")
+        raise InputError(
+            "model is wrapped by DistributedDataParallel: apply routekit first, then wrap it (or accelerate.prepare it)"
+        )
     return model
 
 

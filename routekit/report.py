@@ -10,7 +10,9 @@ if TYPE_CHECKING:
 
 def format_report(r: GraphReport) -> str:
     batch, tokens, channels = r.stream.shape
-    grid = f"{r.grid[0]}×{r.grid[1]}" + (f" (read off {r.grid_node})" if r.grid_node else " (given)") if r.grid else "none found"
+    grid = "none found"
+    if r.grid:
+        grid = f"{r.grid[0]}×{r.grid[1]}" + (f" (read off {r.grid_node})" if r.grid_node else " (given)")
     others = {k: v for k, v in r.candidates.items() if k != r.stack}
     lines = [
         f"routekit report for {r.model}  [{r.mode} mode]",
@@ -82,7 +84,7 @@ def draw_report(r: GraphReport, path: str) -> str:
                     arrowprops=dict(arrowstyle="->", color=c, lw=2, connectionstyle="arc3,rad=0.25"))
         ax.text((left + right) / 2, -0.8, f"route {k}: {route.start}→{route.end}, {route.rate:.0%} routed "
                 f"({route.selector})", ha="center", color=c, fontsize=9)
-    for i, b in enumerate(r.blocks):
+    for i, _b in enumerate(r.blocks):
         h = 1.6 * kept.get(i, 1.0)
         ax.add_patch(FancyBboxPatch((x0 + i - 0.4, 1.0 - h / 2 + 0.8), 0.8, h, boxstyle="round,pad=0.02",
                                     fc="#4c72b0" if i not in kept else "#a1c9f4", ec="black", lw=0.8))
