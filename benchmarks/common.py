@@ -1,0 +1,55 @@
+"""Shared by the benchmarks: where results go, what machine and commit they ran on."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """GPU, versions, commit and the exact command: every result file carries them."""
+    commit = os.environ.get("RK_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "command": "python " + " ".join(sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write(name: str, payload: dict, markdown: str, out: Path | None = None) -> Path:
+    """Write NAME.json and NAME.md under `out` (default benchmarks/results)."""
+    out = Path(out or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+    (out / f"{name}.md").write_text(markdown)
+    return out
+
+
+def header(info: dict) -> str:
+    return (f"Machine: {info['device']}; torch {info['torch']}" + (f", triton {info['triton']}" if "triton" in info else "")
+            + f"; commit `{info['commit']}`; {info['date']}\n\nCommand: `{info['command']}`\n")

@@ -1,0 +1,369 @@
+"""DAR aggregation at the SiT-XL/2 working point: naive vs torch.compile vs the fused Triton kernel.
+
+DAR mixes S=57 sources (embedding + 56 sublayer outputs of a 28-block SiT-XL/2) of 256 tokens
+by 1152 features.  The naive path stacks them and materialises several fp32 copies; the
+fused kernel reads each source once.  This script measures what that buys, on one GPU:
+
+    python benchmarks/dar_kernel.py                      # H200: batch 32 and 256, bf16
+    python benchmarks/dar_kernel.py --quick --out /tmp/dar  # CPU smoke (Triton interpreter)
+
+It checks the fused kernel against the reference first, then times forward and
+forward+backward of each variant (backward = the difference), records activation memory,
+sweeps the fused kernel's launch configuration, and writes dar_kernel.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before routekit.kernels.dar_triton is imported
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from routekit.kernels.dar_reference import dar_aggregate_reference  # noqa: E402
+
+VARIANTS = ("naive", "compiled", "fused")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sources", type=int, default=57, help="S: embedding + 2 per block for 28 blocks")
+    parser.add_argument("--dim", type=int, default=1152, help="D: SiT-XL hidden size")
+    parser.add_argument("--tokens", type=int, default=256, help="N: 256 patches of a 32x32 latent, patch 2")
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the fused kernel's launch-config sweep")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes that run on CPU in seconds")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    if args.quick:
+        args.sources, args.dim, args.tokens, args.batches = 5, 40, 8, [2]
+    return args
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds per call: triton's do_bench on GPU (L2 flushed), wall clock on CPU."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_inputs(s: int, b: int, n: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """S separate (B, N, D) sources of varied scale (as a model's sublayers give), a (D,) query
+    and an output gradient; all leaves that require grad, as in training."""
+    gen = torch.Generator(device).manual_seed(seed)
+    scales = torch.exp(torch.randn(s, generator=gen, device=device)).tolist()
+    sources = [
+        (torch.randn(b, n, d, generator=gen, device=device, dtype=dtype) * k).requires_grad_() for k in scales
+    ]
+    query = (torch.randn(d, generator=gen, device=device) * 2).requires_grad_()
+    grad = torch.randn(b, n, d, generator=gen, device=device, dtype=dtype)
+    return sources, query, grad
+
+
+def fwd_bwd(fn, sources, query, grad):
+    return torch.autograd.grad(fn(sources, query), [*sources, query], grad)
+
+
+def check_correctness(fused, sources, query, grad) -> dict[str, float]:
+    """Max abs and relative (to the reference's max magnitude) errors of output and gradients."""
+    want_out = dar_aggregate_reference(sources, query)
+    want = [want_out, *fwd_bwd(dar_aggregate_reference, sources, query, grad)]
+    del want_out
+    got_out = fused(sources, query)
+    got = [got_out, *fwd_bwd(fused, sources, query, grad)]
+    errors = {}
+    for name, g, w in (
+        ("output", got[0], want[0]),
+        ("grad_sources", torch.stack(got[1:-1]), torch.stack(want[1:-1])),
+        ("grad_query", got[-1], want[-1]),
+    ):
+        err = (g.float() - w.float()).abs().max().item()
+        errors[f"{name}_max_abs"] = err
+        errors[f"{name}_max_rel"] = err / max(w.float().abs().max().item(), 1e-30)
+    return errors
+
+
+def memory(fn, sources, query, grad) -> dict[str, float | None]:
+    """GiB: peak and retained (output + saved for backward) over a forward, peak over fwd+bwd."""
+    if not torch.cuda.is_available():
+        return {"fwd_peak_gib": None, "fwd_retained_gib": None, "fwd_bwd_peak_gib": None}
+    gib = 2.0**30
+    free_memory()
+    synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(sources, query)
+    synchronize()
+    result = {
+        "fwd_peak_gib": (torch.cuda.max_memory_allocated() - base) / gib,
+        "fwd_retained_gib": (torch.cuda.memory_allocated() - base) / gib,
+    }
+    del out
+    free_memory()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = fwd_bwd(fn, sources, query, grad)
+    synchronize()
+    result["fwd_bwd_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / gib
+    del grads
+    return result
+
+
+def measure(fn, sources, query, grad) -> dict[str, object]:
+    """Timing and memory of one variant; an OOM or a failure is recorded, not raised."""
+    try:
+        fwd = time_ms(lambda: fn(sources, query))
+        total = time_ms(lambda: fwd_bwd(fn, sources, query, grad))
+        return {"status": "ok", "fwd_ms": fwd, "fwd_bwd_ms": total, "bwd_ms": total - fwd,
+                **memory(fn, sources, query, grad)}  # fmt: skip
+    except torch.OutOfMemoryError:
+        return {"status": "OOM"}
+    except Exception as exc:  # a compile failure must not lose the other variants' numbers
+        return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        free_memory()
+
+
+def sweep(sources, query, grad) -> list[dict[str, object]]:
+    """Fused kernel over launch configurations, to retune dar_triton.launch_config on this GPU."""
+    from routekit.kernels.dar_triton import dar_aggregate_triton
+
+    rows = []
+    for block_rows in (1, 2, 4):
+        for num_warps in (2, 4, 8, 16):
+            fn = partial(dar_aggregate_triton, block_rows=block_rows, num_warps=num_warps)
+            try:
+                fwd = time_ms(lambda fn=fn: fn(sources, query))
+                total = time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad))
+                rows.append({"block_rows": block_rows, "num_warps": num_warps, "fwd_ms": fwd, "bwd_ms": total - fwd})
+            except Exception as exc:
+                rows.append({"block_rows": block_rows, "num_warps": num_warps, "status": f"{type(exc).__name__}"})
+            print(f"  sweep {rows[-1]}", flush=True)
+    return rows
+
+
+def environment(args: argparse.Namespace) -> dict[str, object]:
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    interpret = os.environ.get("TRITON_INTERPRET")
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor()})",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "triton_interpret": interpret,
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--", "routekit", "benchmarks/dar_kernel.py")),
+        "command": (f"TRITON_INTERPRET={interpret} " if interpret else "") + shlex.join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "shape": {"S": args.sources, "N": args.tokens, "D": args.dim, "batches": args.batches, "dtype": args.dtype},
+    }
+
+
+def speedup(results: dict, phase: str, against: str) -> float | None:
+    fused, other = results["fused"], results[against]
+    if fused.get("status") != "ok" or other.get("status") != "ok":
+        return None
+    return other[f"{phase}_ms"] / fused[f"{phase}_ms"]
+
+
+def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, object]:
+    from routekit.kernels.dar_triton import dar_aggregate_triton
+
+    dtype = DTYPES[args.dtype]
+    sources, query, grad = make_inputs(args.sources, batch, args.tokens, args.dim, dtype, device)
+    record: dict[str, object] = {"batch": batch}
+    try:
+        record["correctness"] = check_correctness(dar_aggregate_triton, sources, query, grad)
+    except torch.OutOfMemoryError:
+        record["correctness"] = "OOM in the reference"
+    free_memory()
+    print(f"batch {batch}: fused vs reference {record['correctness']}", flush=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(dar_aggregate_reference, dynamic=False)
+    fns = {"naive": dar_aggregate_reference, "compiled": compiled, "fused": dar_aggregate_triton}
+    results = {}
+    for name in VARIANTS:
+        results[name] = measure(fns[name], sources, query, grad)
+        print(f"batch {batch}: {name} {results[name]}", flush=True)
+    record["variants"] = results
+    source_bytes = args.sources * batch * args.tokens * args.dim * sources[0].element_size()
+    if results["fused"].get("status") == "ok":
+        record["fused_source_traffic_gbps"] = {
+            "fwd": source_bytes / results["fused"]["fwd_ms"] / 1e6,  # each source read once
+            "bwd": 2 * source_bytes / results["fused"]["bwd_ms"] / 1e6,  # read once, gradient written once
+        }
+    record["speedup"] = {
+        f"{phase}_vs_{other}": speedup(results, phase, other) for phase in ("fwd", "bwd") for other in VARIANTS[:2]
+    }
+    if not args.no_sweep and batch == min(args.batches):
+        record["sweep"] = sweep(sources, query, grad)
+    return record
+
+
+def fmt(value: object, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    shape = env["shape"]
+    lines = [
+        "# DAR aggregation: naive vs torch.compile vs fused Triton",
+        "",
+        f"S={shape['S']} sources, N={shape['N']} tokens, D={shape['D']}, {shape['dtype']}; "
+        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, "
+        f"commit `{env['git_commit'][:12]}`{' (dirty)' if env['git_dirty'] else ''}, {env['date']}.",
+        "",
+        f"Command: `{env['command']}`",
+        "",
+        "Times are medians in ms (backward = forward+backward − forward); memory in GiB over a",
+        "forward with grad-requiring sources (peak / retained for backward) and over forward+backward.",
+        "",
+        "| batch | variant | fwd ms | bwd ms | fwd+bwd ms | fwd peak | fwd retained | fwd+bwd peak |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for record in report["batches"]:
+        for name, res in record["variants"].items():
+            if res.get("status") != "ok":
+                lines.append(f"| {record['batch']} | {name} | {res['status']} | | | | | |")
+                continue
+            cells = [res[k] for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")]
+            cells += [res[k] for k in ("fwd_peak_gib", "fwd_retained_gib", "fwd_bwd_peak_gib")]
+            lines.append(f"| {record['batch']} | {name} | " + " | ".join(fmt(c, 3) for c in cells) + " |")
+    lines += ["", "| batch | fused speed-up | fwd | bwd |", "|---|---|---|---|"]
+    for record in report["batches"]:
+        sp = record["speedup"]
+        for other in VARIANTS[:2]:
+            lines.append(
+                f"| {record['batch']} | vs {other} | {fmt(sp[f'fwd_vs_{other}'])}× | {fmt(sp[f'bwd_vs_{other}'])}× |"
+            )
+    lines += ["", "Fused kernel vs reference (max abs / max relative to the reference's largest value):", ""]
+    for record in report["batches"]:
+        corr = record["correctness"]
+        if isinstance(corr, str):
+            lines.append(f"- batch {record['batch']}: {corr}")
+            continue
+        parts = [f"{k} {corr[f'{k}_max_abs']:.3g} / {corr[f'{k}_max_rel']:.3g}" for k in ("output", "grad_sources", "grad_query")]
+        lines.append(f"- batch {record['batch']}: " + "; ".join(parts))
+        if "fused_source_traffic_gbps" in record:
+            bw = record["fused_source_traffic_gbps"]
+            lines.append(f"  fused source traffic: fwd {bw['fwd']:.0f} GB/s, bwd {bw['bwd']:.0f} GB/s")
+    for record in report["batches"]:
+        if "sweep" in record:
+            lines += ["", f"Fused launch-config sweep at batch {record['batch']} (default marked *):", ""]
+            lines += ["| BLOCK_R | num_warps | fwd ms | bwd ms |", "|---|---|---|---|"]
+            default = tuple(report["default_launch_config"])
+            for row in record["sweep"]:
+                mark = "*" if (row["block_rows"], row["num_warps"]) == default else ""
+                lines.append(
+                    f"| {row['block_rows']}{mark} | {row['num_warps']} | {fmt(row.get('fwd_ms', row.get('status')), 3)}"
+                    f" | {fmt(row.get('bwd_ms'), 3)} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = report["batches"]
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    colors = {"naive": "#999999", "compiled": "#4c72b0", "fused": "#dd8452"}
+    for ax, record in zip(axes[0], batches):
+        for i, phase in enumerate(("fwd", "bwd")):
+            for j, name in enumerate(VARIANTS):
+                res = record["variants"][name]
+                x = i + (j - 1) * 0.27
+                if res.get("status") == "ok":
+                    value = res[f"{phase}_ms"]
+                    ax.bar(x, value, 0.25, color=colors[name], label=name if i == 0 else None)
+                    ax.annotate(f"{value:.2f}", (x, value), ha="center", va="bottom", fontsize=7)
+                else:
+                    ax.bar(x, 0, 0.25, color=colors[name], label=name if i == 0 else None)
+                    ax.annotate(res["status"][:5], (x, 0), ha="center", va="bottom", fontsize=7, rotation=90)
+        ax.set_xticks([0, 1], ["forward", "backward"])
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"batch {record['batch']}")
+        ax.legend(fontsize=8)
+    env = report["environment"]
+    fig.suptitle(f"DAR aggregation, S={env['shape']['S']} D={env['shape']['D']} {env['shape']['dtype']}, {env['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
+    from routekit.kernels.dar_triton import launch_config
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "environment": environment(args),
+        "default_launch_config": launch_config(args.dim, min(args.batches) * args.tokens),
+        "batches": [],
+    }
+    print(json.dumps(report["environment"], indent=1), flush=True)
+    for batch in args.batches:
+        report["batches"].append(run_batch(args, batch, device))
+        # Written after every batch, so a run cut short keeps what it measured.
+        (args.out / "dar_kernel.json").write_text(json.dumps(report, indent=1))
+        (args.out / "dar_kernel.md").write_text(markdown(report))
+        plot(report, args.out / "dar_kernel.png")
+    print(markdown(report))
+    print(f"wrote {args.out}/dar_kernel.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

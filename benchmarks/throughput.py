@@ -1,0 +1,242 @@
+"""Train-step throughput: vanilla vs routekit-routed vs a hand-written route, in one run.
+
+One train step = forward + backward + AdamW under bf16 autocast. For each backbone, size, batch and
+mode (eager / torch.compile) it reports the median step time, speed-up over vanilla, peak memory,
+and the speed-up FLOPs alone would give (torch.utils.flop_counter on one step). The hand-written
+route (DiT only) is written here, independently of routekit, as the bar routekit must meet.
+
+    python benchmarks/throughput.py --backbone dit --sizes B/2 XL/2 --batches 256 --modes compile
+    python benchmarks/throughput.py --quick      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+try:
+    from benchmarks.common import RESULTS, header, machine, write
+except ImportError:  # run as a script
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.common import RESULTS, header, machine, write
+
+import routekit as rk
+
+
+class HandRoutedDiT(nn.Module):
+    """DiT's forward re-written by hand with one TREAD route: the reference routekit must match."""
+
+    def __init__(self, dit: nn.Module, start: int, end: int, rate: float):
+        super().__init__()
+        self.dit, self.start, self.end, self.rate = dit, start, end, rate
+
+    def forward(self, x, t, y):
+        m = self.dit
+        x = m.x_embedder(x) + m.pos_embed
+        c = m.t_embedder(t) + m.y_embedder(y)
+        batch, tokens, dim = x.shape
+        keep = tokens - int(tokens * self.rate)
+        for i, block in enumerate(m.blocks):
+            if i == self.start:
+                order = torch.rand(batch, tokens, device=x.device).argsort(dim=1)[:, :keep].sort(dim=1).values
+                index = order.unsqueeze(-1).expand(batch, keep, dim)
+                skipped = x
+                x = torch.gather(x, 1, index)
+            x = block(x, c)
+            if i == self.end:
+                x = skipped.to(x.dtype).scatter(1, index, x)
+        return m.unpatchify(m.final_layer(x, c))
+
+
+def build(backbone: str, size: str, variant: str, device: str, example_batch: int = 2) -> nn.Module:
+    module = importlib.import_module(f"backbones.{backbone}")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = module.build(size)
+    route = rk.Route.default(model.depth if hasattr(model, "depth") else len(model.blocks),
+                             selector="random" if backbone == "dit" else "row")
+    if variant == "vanilla":
+        return model
+    if variant == "manual":
+        if backbone != "dit":
+            raise SystemExit("the hand-written route exists for the DiT backbone only")
+        return HandRoutedDiT(model, route.start, route.end, route.rate)
+    if variant == "routekit":
+        return rk.apply(model, routes=[route], example_inputs=module.example_inputs(model, example_batch, device=device))
+    raise SystemExit(f"unknown variant {variant}")
+
+
+def inputs_for(backbone: str, model: nn.Module, batch: int, device: str):
+    module = importlib.import_module(f"backbones.{backbone}")
+    inner = model.dit if isinstance(model, HandRoutedDiT) else model
+    return module.example_inputs(inner, batch, device=device, generator=torch.Generator(device).manual_seed(0))
+
+
+def train_step(model: nn.Module, opt, x, t, y, autocast: bool) -> torch.Tensor:
+    noise = torch.randn_like(x)
+    tt = t.view(-1, 1, 1, 1)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        pred = model((1 - tt) * x + tt * noise, t, y)
+    loss = F.mse_loss(pred.float(), noise - x)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, warmup: int, device: str) -> dict:
+    cuda = device == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    x, t, y = inputs_for(backbone, model, batch, device)
+    model.train()
+    runner = torch.compile(model) if mode == "compile" else model
+    start = time.perf_counter()
+    train_step(runner, opt, x, t, y, cuda)
+    if cuda:
+        torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    for _ in range(warmup):
+        train_step(runner, opt, x, t, y, cuda)
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            train_step(runner, opt, x, t, y, cuda)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            train_step(runner, opt, x, t, y, cuda)
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    return {"step_ms": statistics.median(times), "min_ms": min(times), "peak_gib": peak, "first_step_s": first}
+
+
+def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> int:
+    """FLOPs of one forward+backward (matmuls and attention), counted by torch's flop counter."""
+    x, t, y = inputs_for(backbone, model, batch, device)
+    model.train()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=device == "cuda"):
+        model(x, t, y).float().pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def run(args) -> list[dict]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for backbone in args.backbone:
+        variants = args.variants or (["vanilla", "routekit", "manual"] if backbone == "dit" else ["vanilla", "routekit"])
+        for size in args.sizes:
+            flops = {}
+            for variant in variants:
+                model = build(backbone, size, variant, device)
+                flops[variant] = step_flops(model, backbone, device)
+                del model
+            for batch in args.batches:
+                for mode in args.modes:
+                    for variant in variants:
+                        torch._dynamo.reset()
+                        model = build(backbone, size, variant, device)
+                        stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device)
+                        row = {"backbone": backbone, "size": size, "batch": batch, "mode": mode, "variant": variant,
+                               "flop_limit": flops["vanilla"] / flops[variant], **stats}
+                        rows.append(row)
+                        print(f"{backbone} {size} b{batch} {mode:8s} {variant:9s} {stats['step_ms']:8.2f} ms "
+                              f"peak {stats['peak_gib']:.1f} GiB (first step {stats['first_step_s']:.1f} s)", flush=True)
+                        del model
+                        if device == "cuda":
+                            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| backbone | size | batch | mode | variant | step ms | speed-up | vs hand-written | FLOP limit | peak GiB |",
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["backbone"], r["size"], r["batch"], r["mode"]), {})[r["variant"]] = r
+    for key, g in groups.items():
+        base = g.get("vanilla")
+        manual = g.get("manual")
+        for variant, r in g.items():
+            speed = base["step_ms"] / r["step_ms"] if base else float("nan")
+            rel = ""
+            if manual and variant != "vanilla" and base:
+                rel = f"{speed / (base['step_ms'] / manual['step_ms']):.3f}"
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | {speed:.3f}× | "
+                       f"{rel} | {r['flop_limit']:.3f}× | {r['peak_gib']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {}
+    for r in rows:
+        groups.setdefault(f"{r['backbone']} {r['size']}\nb{r['batch']} {r['mode']}", {})[r["variant"]] = r
+    labels = list(groups)
+    variants = [v for v in ["routekit", "manual", "dar_static_c4", "dar_dynamic_c4", "dar_tread"]
+                if any(v in g for g in groups.values())]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
+    width = 0.8 / (len(variants) + 1)
+    for k, v in enumerate(variants):
+        vals = [g["vanilla"]["step_ms"] / g[v]["step_ms"] if v in g and "vanilla" in g else 0 for g in groups.values()]
+        ax.bar([i + k * width for i in range(len(labels))], vals, width, label=v)
+    limits = [next(iter(g.values()))["flop_limit"] if "routekit" not in g else g["routekit"]["flop_limit"]
+              for g in groups.values()]
+    ax.bar([i + len(variants) * width for i in range(len(labels))], limits, width, label="FLOP limit", color="lightgrey")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([i + width * len(variants) / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel("train-step speed-up over vanilla")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", nargs="+", default=["dit"], choices=["dit", "rwkv", "mamba"])
+    p.add_argument("--sizes", nargs="+", default=["B/2", "XL/2"])
+    p.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
+    p.add_argument("--variants", nargs="+", default=None)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--name", default=None, help="results file stem (default throughput_<backbones>)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.sizes, args.batches, args.modes, args.steps, args.warmup = ["S/8"], [2], ["eager"], 2, 0
+    rows = run(args)
+    info = machine()
+    name = args.name or "throughput_" + "_".join(args.backbone)
+    md = f"# Train-step throughput ({', '.join(args.backbone)})\n\n{header(info)}\n{table(rows)}"
+    out = write(name, {"machine": info, "rows": rows}, md, args.out)
+    plot(rows, out / f"{name}.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
