@@ -138,7 +138,7 @@ def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> 
     return counter.get_total_flops()
 
 
-def run(args) -> list[dict]:
+def run(args, save=lambda rows: None) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for backbone in args.backbone:
@@ -158,6 +158,7 @@ def run(args) -> list[dict]:
                         row = {"backbone": backbone, "size": size, "batch": batch, "mode": mode, "variant": variant,
                                "flop_limit": flops["vanilla"] / flops[variant], **stats}
                         rows.append(row)
+                        save(rows)
                         print(f"{backbone} {size} b{batch} {mode:8s} {variant:9s} {stats['step_ms']:8.2f} ms "
                               f"peak {stats['peak_gib']:.1f} GiB (first step {stats['first_step_s']:.1f} s)", flush=True)
                         del model
@@ -229,13 +230,16 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.sizes, args.batches, args.modes, args.steps, args.warmup = ["S/8"], [2], ["eager"], 2, 0
-    rows = run(args)
     info = machine()
     name = args.name or "throughput_" + "_".join(args.backbone)
-    md = f"# Train-step throughput ({', '.join(args.backbone)})\n\n{header(info)}\n{table(rows)}"
-    out = write(name, {"machine": info, "rows": rows}, md, args.out)
-    plot(rows, out / f"{name}.png")
-    print(md)
+
+    def save(rows: list[dict]) -> str:  # after every row, so a run cut short still leaves its results
+        md = f"# Train-step throughput ({', '.join(args.backbone)})\n\n{header(info)}\n{table(rows)}"
+        out = write(name, {"machine": info, "rows": rows}, md, args.out)
+        plot(rows, out / f"{name}.png")
+        return md
+
+    print(save(run(args, save)))
 
 
 if __name__ == "__main__":
