@@ -148,6 +148,8 @@ def memory(fn, sources, query, grad) -> dict[str, float | None]:
 def measure(fn, sources, query, grad) -> dict[str, object]:
     """Timing and memory of one variant; an OOM or a failure is recorded, not raised."""
     try:
+        for _ in range(2):  # compile (torch.compile, Triton JIT) outside the timed region
+            fwd_bwd(fn, sources, query, grad)
         fwd = time_ms(lambda: fn(sources, query))
         total = time_ms(lambda: fwd_bwd(fn, sources, query, grad))
         return {"status": "ok", "fwd_ms": fwd, "fwd_bwd_ms": total, "bwd_ms": total - fwd,
@@ -171,9 +173,10 @@ def sweep(sources, query, grad) -> list[dict[str, object]]:
             try:
                 fwd = time_ms(lambda fn=fn: fn(sources, query))
                 total = time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad))
-                rows.append({"block_rows": block_rows, "num_warps": num_warps, "fwd_ms": fwd, "bwd_ms": total - fwd})
+                row = {"fwd_ms": fwd, "bwd_ms": total - fwd}
             except Exception as exc:
-                rows.append({"block_rows": block_rows, "num_warps": num_warps, "status": f"{type(exc).__name__}"})
+                row = {"status": type(exc).__name__}
+            rows.append({"block_rows": block_rows, "num_warps": num_warps, **row})
             print(f"  sweep {rows[-1]}", flush=True)
     return rows
 
@@ -181,7 +184,8 @@ def sweep(sources, query, grad) -> list[dict[str, object]]:
 def environment(args: argparse.Namespace) -> dict[str, object]:
     def git(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+            done = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True)
+            return done.stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return "unknown"
 
@@ -192,16 +196,25 @@ def environment(args: argparse.Namespace) -> dict[str, object]:
     except ImportError:
         triton_version = "not installed"
     interpret = os.environ.get("TRITON_INTERPRET")
+    command = shlex.join(["python", *sys.argv])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"
     return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor()})",
+        "device": device,
         "torch": torch.__version__,
         "triton": triton_version,
         "triton_interpret": interpret,
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--", "routekit", "benchmarks/dar_kernel.py")),
-        "command": (f"TRITON_INTERPRET={interpret} " if interpret else "") + shlex.join(["python", *sys.argv]),
+        "command": f"TRITON_INTERPRET={interpret} {command}" if interpret else command,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "shape": {"S": args.sources, "N": args.tokens, "D": args.dim, "batches": args.batches, "dtype": args.dtype},
+        "shape": {
+            "S": args.sources,
+            "N": args.tokens,
+            "D": args.dim,
+            "batches": args.batches,
+            "dtype": args.dtype,
+            "query": "(D,) fp32",
+        },
     }
 
 
@@ -240,7 +253,9 @@ def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, ob
             "bwd": 2 * source_bytes / results["fused"]["bwd_ms"] / 1e6,  # read once, gradient written once
         }
     record["speedup"] = {
-        f"{phase}_vs_{other}": speedup(results, phase, other) for phase in ("fwd", "bwd") for other in VARIANTS[:2]
+        f"{phase}_vs_{other}": speedup(results, phase, other)
+        for phase in ("fwd", "bwd")
+        for other in ("naive", "compiled")
     }
     if not args.no_sweep and batch == min(args.batches):
         record["sweep"] = sweep(sources, query, grad)
@@ -280,17 +295,19 @@ def markdown(report: dict) -> str:
     lines += ["", "| batch | fused speed-up | fwd | bwd |", "|---|---|---|---|"]
     for record in report["batches"]:
         sp = record["speedup"]
-        for other in VARIANTS[:2]:
-            lines.append(
-                f"| {record['batch']} | vs {other} | {fmt(sp[f'fwd_vs_{other}'])}× | {fmt(sp[f'bwd_vs_{other}'])}× |"
-            )
+        for other in ("naive", "compiled"):
+            fwd, bwd = fmt(sp[f"fwd_vs_{other}"]), fmt(sp[f"bwd_vs_{other}"])
+            lines.append(f"| {record['batch']} | vs {other} | {fwd}× | {bwd}× |")
     lines += ["", "Fused kernel vs reference (max abs / max relative to the reference's largest value):", ""]
     for record in report["batches"]:
         corr = record["correctness"]
         if isinstance(corr, str):
             lines.append(f"- batch {record['batch']}: {corr}")
             continue
-        parts = [f"{k} {corr[f'{k}_max_abs']:.3g} / {corr[f'{k}_max_rel']:.3g}" for k in ("output", "grad_sources", "grad_query")]
+        parts = [
+            f"{k} {corr[f'{k}_max_abs']:.3g} / {corr[f'{k}_max_rel']:.3g}"
+            for k in ("output", "grad_sources", "grad_query")
+        ]
         lines.append(f"- batch {record['batch']}: " + "; ".join(parts))
         if "fused_source_traffic_gbps" in record:
             bw = record["fused_source_traffic_gbps"]
@@ -302,10 +319,8 @@ def markdown(report: dict) -> str:
             default = tuple(report["default_launch_config"])
             for row in record["sweep"]:
                 mark = "*" if (row["block_rows"], row["num_warps"]) == default else ""
-                lines.append(
-                    f"| {row['block_rows']}{mark} | {row['num_warps']} | {fmt(row.get('fwd_ms', row.get('status')), 3)}"
-                    f" | {fmt(row.get('bwd_ms'), 3)} |"
-                )
+                fwd, bwd = fmt(row.get("fwd_ms", row.get("status")), 3), fmt(row.get("bwd_ms"), 3)
+                lines.append(f"| {row['block_rows']}{mark} | {row['num_warps']} | {fwd} | {bwd} |")
     return "\n".join(lines) + "\n"
 
 
@@ -334,8 +349,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("ms (median)")
         ax.set_title(f"batch {record['batch']}")
         ax.legend(fontsize=8)
-    env = report["environment"]
-    fig.suptitle(f"DAR aggregation, S={env['shape']['S']} D={env['shape']['D']} {env['shape']['dtype']}, {env['device']}")
+    env, shape = report["environment"], report["environment"]["shape"]
+    title = f"DAR aggregation, S={shape['S']} N={shape['N']} D={shape['D']} {shape['dtype']}"
+    fig.suptitle(f"{title}, {env['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -27,28 +27,37 @@ class UnknownKernelError(ConfigError):
     """Raised when ``kernel`` names no implementation."""
 
 
+def _fused_kernel(sources: Sources, query: Tensor, d: int):
+    """The Triton kernel if it can run these inputs here, else None."""
+    if not query.is_cuda:
+        return None
+    try:
+        from routekit.kernels import dar_triton
+    except ImportError:
+        return None
+    dtype = sources.dtype if isinstance(sources, Tensor) else sources[0].dtype
+    if d > dar_triton.MAX_D or dtype not in dar_triton.SUPPORTED_DTYPES:
+        return None
+    return dar_triton.dar_aggregate_triton
+
+
 def dar_aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, kernel: str = "auto") -> Tensor:
     """DAR aggregation: sum_s softmax_s(query . RMSNorm(v_s) / sqrt(D)) v_s.
 
     ``sources``: a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors;
     ``query`` broadcasts to (B, N, D).  ``kernel``: "triton" (fused), "torch" (reference),
-    or "auto": Triton for CUDA tensors when triton imports and D is within its limit,
-    the reference otherwise.
+    or "auto": the Triton kernel for CUDA tensors it supports (fp32/bf16/fp16, D <= 2048)
+    when triton imports, the reference otherwise.
     """
     if kernel not in KERNELS:
         raise UnknownKernelError(f"unknown kernel {kernel!r}; valid kernels are {', '.join(KERNELS)}")
     d = check_dar_inputs(sources, query)[3]
     if kernel == "auto":
-        kernel = "torch"
-        if query.is_cuda:
-            try:
-                from routekit.kernels import dar_triton
-            except ImportError:
-                dar_triton = None
-            if dar_triton is not None and d <= dar_triton.MAX_D:
-                kernel = "triton"
+        return (_fused_kernel(sources, query, d) or dar_aggregate_reference)(sources, query, eps)
     if kernel == "torch":
         return dar_aggregate_reference(sources, query, eps)
-    from routekit.kernels.dar_triton import dar_aggregate_triton
-
+    try:
+        from routekit.kernels.dar_triton import dar_aggregate_triton
+    except ImportError as exc:
+        raise ImportError("kernel='triton' needs the triton package: pip install 'routekit[gpu]'") from exc
     return dar_aggregate_triton(sources, query, eps)

@@ -62,7 +62,9 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
     except RuntimeError:
         broadcast = None
     if broadcast != (b, n, d):
-        raise DarInputError(f"query of shape {tuple(query.shape)} does not broadcast to (B, N, D)=({b}, {n}, {d})")
+        raise DarInputError(
+            f"query of shape {tuple(query.shape)} does not broadcast to (B, N, D)=({b}, {n}, {d})"
+        )
     if query.device != device:
         raise DarInputError(f"query is on {query.device} but the sources are on {device}")
     return s, b, n, d

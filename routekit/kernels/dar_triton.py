@@ -60,14 +60,15 @@ def _dar_fwd_kernel(
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    # Two sources stay in flight while one is reduced, so memory latency is hidden; the
-    # last iterations re-read source S-1, which is still in cache.
+    # Three sources stay in flight while one is reduced, to hide memory latency (they cost
+    # few registers while still in bf16); the last iterations re-read source S-1 from cache.
     v_next = _load_source(table_ptr, 0, like_ptr, offs, mask, ALIGNED)
-    v_after = _load_source(table_ptr, tl.minimum(1, S - 1), like_ptr, offs, mask, ALIGNED)
+    v_then = _load_source(table_ptr, tl.minimum(1, S - 1), like_ptr, offs, mask, ALIGNED)
+    v_last = _load_source(table_ptr, tl.minimum(2, S - 1), like_ptr, offs, mask, ALIGNED)
     for s in range(S):
         v = v_next.to(tl.float32)
-        v_next = v_after
-        v_after = _load_source(table_ptr, tl.minimum(s + 2, S - 1), like_ptr, offs, mask, ALIGNED)
+        v_next, v_then = v_then, v_last
+        v_last = _load_source(table_ptr, tl.minimum(s + 3, S - 1), like_ptr, offs, mask, ALIGNED)
         r = tl.rsqrt(tl.sum(v * v, 1) / D + eps)
         logit = tl.sum(q * v, 1) * r * scale
         m_new = tl.maximum(m, logit)
@@ -105,11 +106,12 @@ def _dar_bwd_kernel(
 
     dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     v_next = _load_source(table_ptr, 0, like_ptr, offs, mask, ALIGNED)
-    v_after = _load_source(table_ptr, tl.minimum(1, S - 1), like_ptr, offs, mask, ALIGNED)
+    v_then = _load_source(table_ptr, tl.minimum(1, S - 1), like_ptr, offs, mask, ALIGNED)
+    v_last = _load_source(table_ptr, tl.minimum(2, S - 1), like_ptr, offs, mask, ALIGNED)
     for s in range(S):
         v = v_next.to(tl.float32)
-        v_next = v_after
-        v_after = _load_source(table_ptr, tl.minimum(s + 2, S - 1), like_ptr, offs, mask, ALIGNED)
+        v_next, v_then = v_then, v_last
+        v_last = _load_source(table_ptr, tl.minimum(s + 3, S - 1), like_ptr, offs, mask, ALIGNED)
         r = tl.rsqrt(tl.sum(v * v, 1) / D + eps)
         q_dot_v = tl.sum(q * v, 1)
         w = tl.exp(q_dot_v * r * scale - lse)
@@ -124,10 +126,11 @@ def _dar_bwd_kernel(
 
 
 def launch_config(d: int, rows: int) -> tuple[int, int]:
-    """(BLOCK_R, num_warps): a tile of about 4K elements, at least 8 of them per thread."""
+    """(BLOCK_R, num_warps): tiles of about 2K elements, 16 per thread, so that many small
+    programs share each SM and keep loads in flight (retune from the benchmark's sweep)."""
     block_d = triton.next_power_of_2(d)
-    block_r = max(1, min(4096 // block_d, triton.next_power_of_2(rows)))
-    return block_r, max(1, min(8, block_r * block_d // 256))
+    block_r = max(1, min(2048 // block_d, triton.next_power_of_2(rows)))
+    return block_r, max(1, min(8, block_r * block_d // 512))
 
 
 def _pointer_table(tensors: tuple[Tensor, ...]) -> tuple[Tensor, bool]:
@@ -162,8 +165,9 @@ class _DarAggregate(torch.autograd.Function):
         b, n, d = like.shape[-3:]
         q = torch.broadcast_to(query, (b, n, d))
         out = torch.empty((b, n, d), dtype=like.dtype, device=like.device)
-        # Backward needs the output in fp32: a bf16 output would blur g . o.
-        o32 = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+        training = any(ctx.needs_input_grad)
+        # Backward needs the output in fp32: a rounded bf16 output would blur g . o.
+        o32 = torch.empty_like(out, dtype=torch.float32) if training and out.dtype != torch.float32 else out
         lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
         block_r, num_warps = config
         _dar_fwd_kernel[(triton.cdiv(b * n, block_r),)](
@@ -171,8 +175,9 @@ class _DarAggregate(torch.autograd.Function):
             BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned, STORE_O32=o32 is not out,
             num_warps=num_warps,
         )  # fmt: skip
-        ctx.save_for_backward(query, o32, lse, *sources)
-        ctx.eps, ctx.config = eps, config
+        if training:
+            ctx.save_for_backward(query, o32, lse, *sources)
+            ctx.eps, ctx.config = eps, config
         return out
 
     @staticmethod

@@ -1,0 +1,274 @@
+"""DiM / ZigMa style backbone: Mamba-2 blocks under adaLN-Zero, in plain PyTorch, no routing code.
+
+A block is adaLN modulation around a Mamba-2 mixer (Dao & Gu 2024): one input projection to
+z, x, B, C and dt; a short depthwise causal conv over (x, B, C); the SSD scan with one scalar
+decay per head; the output gated by silu(z) and RMS-normalised; an output projection. Scans run
+forward in even blocks and reversed in odd ones (DiM's alternating directions), optionally in
+zig-zag order over the token grid (ZigMa: every odd grid row reversed, so consecutive tokens stay
+neighbours). A block stores the grid width W and takes H' = N' // W rows from its token count, so it
+stays valid when a routekit row route hands it whole rows only; without zig-zag it needs no grid.
+
+Sizes: DiT widths, twice DiT's depth and no MLP sublayer (mlp_ratio=0), the usual Mamba
+convention: a mixer block has about 9·D² parameters, half a transformer block, so S/2 (384×24,
+34 M) and B/2 (768×24, 133 M) match DiT-S/2 and DiT-B/2 in parameters. DiM's published models
+are larger. mlp_ratio > 0 adds DiT's MLP as a second sublayer with its own adaLN gate.
+
+Scan implementations (`backbones.ops.ssd`): mamba-ssm's Triton SSD kernel for CUDA tensors when it
+imports, else the pure-PyTorch chunked SSD; set `SSD_IMPL` to force one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+import sys
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dit import FinalLayer, LabelEmbedder, Mlp, PatchEmbed, TimestepEmbedder, modulate, sincos_2d
+from .dit import example_inputs as example_inputs
+from .dit import grid as grid
+from .ops.grid import snake
+from .ops.ssd import ssd_chunked, ssd_reference
+
+SIZES: dict[str, dict] = {
+    "S/2": dict(depth=24, hidden=384, patch=2),
+    "B/2": dict(depth=24, hidden=768, patch=2),
+}
+
+SSD_IMPL: str | None = None  # None: "kernel" for CUDA tensors when mamba-ssm imports, else "chunked"
+
+INSTALL_HINT = (
+    "mamba-ssm's Triton SSD kernel is not importable ({error}). Install the package without "
+    "compiling its CUDA extension (only its Triton kernels are used here): "
+    "`MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation mamba-ssm`; "
+    "it also needs triton and einops. Or leave SSD_IMPL=None to use the pure-PyTorch chunked scan.")
+
+
+@functools.cache
+def _load_kernel() -> tuple[Callable | None, str]:
+    """The one place that imports mamba-ssm: (mamba_chunk_scan_combined, "") or (None, why not).
+
+    `import mamba_ssm` runs its package __init__, which imports the compiled selective-scan
+    extension unconditionally, so an install without that extension fails there even though the
+    Triton SSD kernels we use are pure Python. When the plain import fails we load the kernel
+    module under a bare stand-in for the package, which skips that __init__, then remove the stand-in.
+    """
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return mamba_chunk_scan_combined, ""
+    except (ImportError, OSError) as err:
+        error = f"{type(err).__name__}: {err}"
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None or not spec.submodule_search_locations:
+        return None, error
+    bare = types.ModuleType("mamba_ssm")
+    bare.__path__ = list(spec.submodule_search_locations)
+    sys.modules["mamba_ssm"] = bare
+    try:
+        return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined, ""
+    except (ImportError, OSError) as err:
+        return None, f"{error}; without its __init__: {type(err).__name__}: {err}"
+    finally:
+        if sys.modules.get("mamba_ssm") is bare:
+            del sys.modules["mamba_ssm"]
+
+
+def mamba_kernel() -> Callable:
+    """mamba-ssm's `mamba_chunk_scan_combined`, or an ImportError that says how to install it."""
+    kernel, error = _load_kernel()
+    if kernel is None:
+        raise ImportError(INSTALL_HINT.format(error=error))
+    return kernel
+
+
+def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+        chunk: int) -> torch.Tensor:
+    """The SSD scan by the implementation SSD_IMPL names, or the best one for x's device."""
+    name = SSD_IMPL
+    if name is None:
+        name = "chunked"
+        if x.is_cuda:
+            if _load_kernel()[0] is not None:
+                name = "kernel"
+            else:
+                warnings.warn(INSTALL_HINT.format(error=_load_kernel()[1]), stacklevel=2)
+    if name == "kernel":
+        return mamba_kernel()(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), chunk)
+    if name == "chunked":
+        return ssd_chunked(x, dt, A, B, C, chunk)
+    if name == "reference":
+        return ssd_reference(x, dt, A, B, C)
+    raise ValueError(f"unknown SSD_IMPL {name!r}; valid: 'kernel', 'chunked', 'reference' "
+                     "or None (by device)")
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 token mixer over a sequence (B, L, D) in scan order; causal along L.
+
+    Defaults follow Mamba-2 (expand 2, head dim 64, one group of B/C, conv width 4, A ~ U[1, 16]
+    per head, dt log-uniform in [1e-3, 1e-1] through its bias) except d_state 64 instead of 128,
+    plenty for 256-token images. `chunk` is the SSD chunk length of both the kernel and the
+    pure-PyTorch scan.
+    """
+
+    def __init__(self, hidden: int, d_state: int = 64, headdim: int = 64, expand: int = 2,
+                 d_conv: int = 4, chunk: int = 64):
+        super().__init__()
+        inner = expand * hidden
+        if inner % headdim:
+            raise ValueError(f"expand * hidden = {inner} must be a multiple of headdim {headdim}")
+        self.inner, self.d_state, self.headdim, self.chunk = inner, d_state, headdim, chunk
+        self.heads = inner // headdim
+        conv_dim = inner + 2 * d_state
+        self.in_proj = nn.Linear(hidden, inner + conv_dim + self.heads, bias=False)  # z, (x, B, C), dt
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, d_conv, groups=conv_dim, padding=d_conv - 1)
+        dt = torch.exp(torch.empty(self.heads).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(1, 16).log())
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = nn.RMSNorm(inner, eps=1e-5)
+        self.out_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        length = u.shape[1]
+        z, xbc, dt = self.in_proj(u).split([self.inner, self.inner + 2 * self.d_state, self.heads], dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))  # causal: first L
+        x, B, C = xbc.split([self.inner, self.d_state, self.d_state], dim=-1)
+        x = x.unflatten(-1, (self.heads, self.headdim))
+        dt = F.softplus(dt + self.dt_bias)
+        A = -torch.exp(self.A_log.float())
+        y = ssd(x, dt, A, B.unsqueeze(2), C.unsqueeze(2), self.chunk) + x * self.D[:, None]
+        return self.out_proj(self.norm(y.flatten(2) * F.silu(z)))
+
+
+class DiMBlock(nn.Module):
+    """Mamba-2 block conditioned on c (B, D) through adaLN-Zero; one gated residual add per sublayer.
+
+    `reverse`: scan from the last token to the first. `zigzag`: scan the grid in snake order, which
+    needs the grid, so then x must be (B, N', D) with N' = H'·W.
+    """
+
+    def __init__(self, hidden: int, width: int, *, reverse: bool, zigzag: bool, mlp_ratio: float = 0.0,
+                 **mixer_options):
+        super().__init__()
+        self.width, self.reverse, self.zigzag = width, reverse, zigzag
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.mixer = Mamba2Mixer(hidden, **mixer_options)
+        self.mlp = Mlp(hidden, mlp_ratio) if mlp_ratio > 0 else None
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6) if mlp_ratio > 0 else None
+        self.sublayers = 2 if mlp_ratio > 0 else 1
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 3 * self.sublayers * hidden))
+
+    def scan(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixer applied in this block's token order, the result put back in grid order."""
+        if self.zigzag:
+            x = snake(x, self.width)  # refuses partial rows
+        if self.reverse:
+            x = x.flip(1)
+        x = self.mixer(x)
+        if self.reverse:
+            x = x.flip(1)
+        if self.zigzag:
+            x = snake(x, self.width)  # snake order is its own inverse
+        return x
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        mod = self.adaLN_modulation(c).unsqueeze(1).chunk(3 * self.sublayers, dim=-1)  # each (B, 1, D)
+        x = x + mod[2] * self.scan(modulate(self.norm1(x), mod[0], mod[1]))
+        if self.mlp is not None:
+            x = x + mod[5] * self.mlp(modulate(self.norm2(x), mod[3], mod[4]))
+        return x
+
+
+class DiM(nn.Module):
+    """Class-conditional diffusion Mamba: forward(x, t, y) returns a tensor shaped like x
+    (twice the channels when learn_sigma). Same embedders and output layer as DiT."""
+
+    def __init__(self, depth: int, hidden: int, patch: int,
+                 input_size: int | tuple[int, int] = 32, in_channels: int = 4, num_classes: int = 1000,
+                 mlp_ratio: float = 0.0, zigzag: bool = True, learn_sigma: bool = False,
+                 class_dropout: float = 0.1, **mixer_options):
+        super().__init__()
+        height, width = (input_size, input_size) if isinstance(input_size, int) else input_size
+        if height % patch or width % patch or hidden % 4:
+            raise ValueError(f"need input_size ({height}, {width}) divisible by patch {patch} "
+                             f"and hidden {hidden} divisible by 4")
+        self.depth, self.hidden, self.patch = depth, hidden, patch
+        self.input_size = (height, width)
+        self.grid = (height // patch, width // patch)
+        self.in_channels = in_channels
+        self.out_channels = 2 * in_channels if learn_sigma else in_channels
+        self.num_classes = num_classes
+
+        self.x_embedder = PatchEmbed(patch, in_channels, hidden)
+        self.register_buffer("pos_embed", sincos_2d(hidden, self.grid), persistent=True)
+        self.t_embedder = TimestepEmbedder(hidden)
+        self.y_embedder = LabelEmbedder(num_classes, hidden, class_dropout)
+        self.blocks = nn.ModuleList([
+            DiMBlock(hidden, self.grid[1], reverse=i % 2 == 1, zigzag=zigzag, mlp_ratio=mlp_ratio,
+                     **mixer_options)
+            for i in range(depth)])
+        self.final_layer = FinalLayer(hidden, patch, self.out_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """DiT's initialisation; the zeros make every block start as the identity (adaLN-Zero).
+
+        The mixer's own parameters (conv, A_log, dt_bias, D) keep the values Mamba-2 gives them.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        conv = self.x_embedder.proj  # a linear map on flattened patches: initialised as one
+        nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
+        nn.init.zeros_(conv.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        # Zero gates: each residual branch adds nothing at init; a zero final layer outputs exactly 0.
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        for layer in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, h*w, p*p*C) -> image (B, C, h*p, w*p), with h, w from the stored grid."""
+        (h, w), p, c = self.grid, self.patch, self.out_channels
+        x = x.reshape(-1, h, w, p, p, c).permute(0, 5, 1, 3, 2, 4)
+        return x.reshape(-1, c, h * p, w * p)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y)
+        for block in self.blocks:
+            x = block(x, c)
+        return self.unpatchify(self.final_layer(x, c))
+
+
+def build(size: str = "S/2", **overrides) -> DiM:
+    """DiM of a named size ("S/2", "B/2"); overrides replace any constructor or mixer argument."""
+    if size not in SIZES:
+        raise ValueError(f"unknown DiM size {size!r}; valid sizes: {', '.join(SIZES)}")
+    return DiM(**{**SIZES[size], **overrides})
+
+
+def DiM_S_2(**overrides) -> DiM:
+    """DiM S/2: ``build("S/2", **overrides)``."""
+    return build("S/2", **overrides)
+
+
+def DiM_B_2(**overrides) -> DiM:
+    """DiM B/2: ``build("B/2", **overrides)``."""
+    return build("B/2", **overrides)

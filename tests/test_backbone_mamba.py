@@ -1,0 +1,260 @@
+"""DiM / ZigMa backbone: chunked SSD equals the token loop, scan orders, mamba-ssm shim, plain forward."""
+
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backbones import mamba
+from backbones.ops.grid import snake
+from backbones.ops.ssd import ssd_chunked, ssd_reference
+
+MIXER = dict(d_state=8, headdim=16)
+
+
+def small(**overrides) -> mamba.DiM:
+    """A tiny model (grid 8×8, width 32, 4 heads) that runs in milliseconds on CPU."""
+    return mamba.build("S/2", **{"depth": 2, "hidden": 32, "input_size": 16, "num_classes": 10,
+                                 **MIXER, **overrides})
+
+
+def inputs(model, batch: int = 2, seed: int = 0):
+    return mamba.example_inputs(model, batch, generator=torch.Generator().manual_seed(seed))
+
+
+def perturb(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
+    """Move every parameter off its init, so zero gates no longer hide the mixer."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def ssd_args(batch, n, groups, heads_per_group, headdim, state, seed, dt_scale=0.5):
+    gen = torch.Generator().manual_seed(seed)
+    heads = groups * heads_per_group
+    args = (torch.randn(batch, n, heads, headdim, generator=gen),
+            dt_scale * torch.rand(batch, n, heads, generator=gen) + 1e-3,
+            -4 * torch.rand(heads, generator=gen),
+            torch.randn(batch, n, groups, state, generator=gen),
+            torch.randn(batch, n, groups, state, generator=gen))
+    return [a.requires_grad_() for a in args]
+
+
+def assert_same_values_and_grads(fn, oracle, args, atol=1e-5, rtol=1e-4):
+    out, expected = fn(*args), oracle(*args)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad((out * weight).sum(), args)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), args)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 2), n=st.integers(1, 45), groups=st.integers(1, 2),
+       heads_per_group=st.integers(1, 2), headdim=st.integers(1, 4), state=st.integers(1, 5),
+       chunk=st.sampled_from([1, 4, 7, 16, 64]), seed=st.integers(0, 2**16))
+def test_chunked_ssd_equals_the_recurrence(batch, n, groups, heads_per_group, headdim, state, chunk, seed):
+    args = ssd_args(batch, n, groups, heads_per_group, headdim, state, seed)
+    assert_same_values_and_grads(lambda *a: ssd_chunked(*a, chunk=chunk), ssd_reference, args)
+
+
+def test_chunked_ssd_is_exact_under_strong_decay():
+    # per-token decays down to exp(-40): whole chunks forget everything, nothing may become nan
+    args = ssd_args(2, 40, 1, 2, 3, 4, seed=5, dt_scale=10.0)
+    assert_same_values_and_grads(lambda *a: ssd_chunked(*a, chunk=8), ssd_reference, args)
+
+
+def test_ssd_of_the_b2_shape_runs_in_bounded_memory():
+    x, dt, A, B, C = (a.detach() for a in ssd_args(8, 256, 1, 24, 64, 64, seed=0, dt_scale=0.1))
+    assert ssd_chunked(x, dt, A, B, C).shape == (8, 256, 24, 64)
+
+
+def test_snake_reverses_odd_rows_and_is_its_own_inverse():
+    x = torch.arange(12.0).view(1, 12, 1)
+    assert snake(x, 4).flatten().tolist() == [0, 1, 2, 3, 7, 6, 5, 4, 8, 9, 10, 11]
+    assert torch.equal(snake(snake(x, 4), 4), x)
+
+
+def scan_order_last(block: mamba.DiMBlock, rows: int) -> int:
+    """Grid index of the token the block scans last: only its own output may depend on it."""
+    order = torch.arange(rows * block.width, dtype=torch.float).view(1, -1, 1)
+    if block.zigzag:
+        order = snake(order, block.width)
+    return int(order.flatten()[0 if block.reverse else -1])
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("rows", [3, 4])
+def test_each_block_scans_in_its_direction_and_order(zigzag, index, rows):
+    block = small(zigzag=zigzag).blocks[index]
+    assert block.reverse == (index % 2 == 1) and block.zigzag == zigzag
+    x = torch.randn(1, rows * 8, 32)
+    last = scan_order_last(block, rows)
+    moved = x.clone()
+    moved[:, last] += 1.0
+    changed = (block.scan(moved) - block.scan(x)).abs().sum(-1).flatten() > 0
+    assert changed.nonzero().flatten().tolist() == [last]  # causal: nothing scanned earlier sees it
+
+
+def test_without_the_kernel_forcing_it_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mamba_ssm", None)  # "not installed", whatever this machine has
+    mamba._load_kernel.cache_clear()
+    monkeypatch.setattr(mamba, "SSD_IMPL", "kernel")
+    try:
+        with pytest.raises(ImportError, match="MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip"):
+            small().blocks[0](torch.randn(2, 64, 32), torch.randn(2, 32))
+    finally:
+        mamba._load_kernel.cache_clear()
+
+
+@pytest.fixture
+def triton_only_mamba_ssm(tmp_path, monkeypatch):
+    """A stand-in for mamba-ssm installed without its CUDA extension: the package __init__ fails,
+    the Triton module imports. Its kernel is the reference scan, so results can be compared."""
+    triton_dir = tmp_path / "mamba_ssm" / "ops" / "triton"
+    triton_dir.mkdir(parents=True)
+    (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda\n")
+    (tmp_path / "mamba_ssm" / "ops" / "__init__.py").write_text("")
+    (triton_dir / "__init__.py").write_text("")
+    (triton_dir / "ssd_combined.py").write_text(
+        "from backbones.ops.ssd import ssd_reference\n"
+        "calls = []\n"
+        "def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size):\n"
+        "    calls.append(chunk_size)\n"
+        "    return ssd_reference(x, dt, A, B, C)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mamba._load_kernel.cache_clear()
+    yield
+    mamba._load_kernel.cache_clear()
+    for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+        del sys.modules[name]
+
+
+def test_shim_loads_the_triton_kernel_when_the_package_init_fails(triton_only_mamba_ssm, monkeypatch):
+    kernel = mamba.mamba_kernel()
+    assert kernel.__module__ == "mamba_ssm.ops.triton.ssd_combined"
+    assert "mamba_ssm" not in sys.modules  # the bare stand-in is gone again
+    block = perturb(small()).blocks[1]
+    x, c = torch.randn(2, 64, 32), torch.randn(2, 32)
+    auto = block(x, c)  # CPU tensors: the chunked scan even though a kernel imports
+    assert sys.modules["mamba_ssm.ops.triton.ssd_combined"].calls == []
+    monkeypatch.setattr(mamba, "SSD_IMPL", "kernel")
+    torch.testing.assert_close(block(x, c), auto, atol=1e-5, rtol=1e-5)
+    assert sys.modules["mamba_ssm.ops.triton.ssd_combined"].calls == [block.mixer.chunk]
+
+
+def test_unknown_ssd_impl_lists_the_valid_ones(monkeypatch):
+    monkeypatch.setattr(mamba, "SSD_IMPL", "cuda")
+    with pytest.raises(ValueError, match="'kernel', 'chunked', 'reference'"):
+        small().blocks[0](torch.randn(2, 64, 32), torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("mlp_ratio", [0.0, 4.0])
+def test_forward_returns_an_image(mlp_ratio):
+    model = perturb(small(mlp_ratio=mlp_ratio, learn_sigma=True))
+    assert (model.blocks[0].mlp is None) == (mlp_ratio == 0)
+    x, t, y = inputs(model)
+    out = model(x, t, y)
+    assert out.shape == (2, 8, 16, 16) and torch.isfinite(out).all()
+
+
+def test_non_square_input_and_grid():
+    model = perturb(small(input_size=(8, 16)))
+    assert mamba.grid(model) == (4, 8) and model.blocks[0].width == 8
+    x, t, y = inputs(model)
+    assert model(x, t, y).shape == x.shape
+
+
+@pytest.mark.parametrize("mlp_ratio", [0.0, 4.0])
+def test_output_is_exactly_zero_at_init_and_every_block_is_the_identity(mlp_ratio):
+    model = small(mlp_ratio=mlp_ratio)
+    x, t, y = inputs(model)
+    assert torch.count_nonzero(model(x, t, y)) == 0
+    tokens, c = torch.randn(2, 64, 32), torch.randn(2, 32)
+    for block in model.blocks:
+        assert torch.equal(block(tokens, c), tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_block_runs_on_whole_rows_of_the_grid(rows):
+    block = perturb(small()).blocks[1]
+    x, c = torch.randn(3, rows * 8, 32), torch.randn(3, 32)
+    out = block(x, c)
+    assert out.shape == x.shape and torch.isfinite(out).all() and not torch.equal(out, x)
+
+
+def test_zigzag_block_refuses_a_partial_row_and_a_raster_block_needs_no_grid():
+    x, c = torch.randn(2, 20, 32), torch.randn(2, 32)
+    with pytest.raises(ValueError, match="8-token-wide grid"):
+        small().blocks[0](x, c)
+    assert small(zigzag=False).blocks[0](x, c).shape == x.shape
+
+
+def test_gradients_reach_every_parameter_and_are_finite():
+    model = perturb(small(mlp_ratio=2.0))
+    x, t, y = inputs(model)
+    model(x, t, y).square().mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_bf16_autocast_forward_is_finite():
+    model = perturb(small()).eval()
+    x, t, y = inputs(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, t, y)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), model(x, t, y), atol=0.05, rtol=0.05)
+
+
+def test_example_inputs_are_deterministic_and_valid():
+    model = small()
+    a, b = inputs(model, 5, seed=3), inputs(model, 5, seed=3)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    x, t, y = a
+    assert x.shape == (5, 4, 16, 16) and ((t >= 0) & (t < 1)).all() and y.dtype == torch.long
+    assert ((y >= 0) & (y < 10)).all()
+
+
+class BlocksAsLeaves(fx.Tracer):
+    """What routekit's tracer does: the blocks are opaque calls, the top-level forward is traced."""
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return qualname.startswith("blocks.") or super().is_leaf_module(m, qualname)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_top_level_forward_traces_to_a_plain_block_chain(train):
+    model = perturb(small(depth=3)).train(train)
+    graph = BlocksAsLeaves().trace(model)
+    calls = [n.target for n in graph.nodes if n.op == "call_module" and n.target.startswith("blocks.")]
+    assert calls == ["blocks.0", "blocks.1", "blocks.2"]
+    traced = fx.GraphModule(model, graph)
+    x, t, y = inputs(model, 3)
+    torch.manual_seed(1)
+    expected = model(x, t, y)
+    torch.manual_seed(1)
+    assert torch.equal(traced(x, t, y), expected)
+
+
+@pytest.mark.parametrize("size, millions", [("S/2", 34.2), ("B/2", 133.3)])
+def test_sizes_build_with_their_parameter_counts(size, millions):
+    with torch.device("meta"):
+        model = mamba.build(size)
+        named = getattr(mamba, "DiM_" + size.replace("/", "_"))()
+    assert len(model.blocks) == mamba.SIZES[size]["depth"] and mamba.grid(model) == (16, 16)
+    assert [b.reverse for b in model.blocks[:4]] == [False, True, False, True]
+    for m in (model, named):
+        assert abs(sum(p.numel() for p in m.parameters()) / 1e6 - millions) < 0.1
+
+
+def test_unknown_size_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="S/2, B/2"):
+        mamba.build("L/2")

@@ -1,0 +1,246 @@
+"""The fused DAR kernel is held against its reference, and both obey DAR's laws.
+
+Without CUDA the Triton kernel runs in Triton's CPU interpreter; tensors stay small so the
+file finishes in well under a minute on two cores.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # `triton.jit` chooses interpreter or compiler when a kernel module is imported, so this
+    # must precede the first import of routekit.kernels.dar_triton (conftest.py sets it too).
+    # Triton being imported earlier, e.g. by torch._dynamo, is harmless: it reads the
+    # variable lazily.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from routekit.errors import ConfigError, InputError  # noqa: E402
+from routekit.kernels import (  # noqa: E402
+    DarInputError,
+    UnknownKernelError,
+    dar_aggregate,
+    dar_aggregate_reference,
+)
+
+triton = pytest.importorskip("triton")
+from routekit.kernels import dar_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and type(dar_triton._dar_fwd_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "routekit.kernels.dar_triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
+        "were compiled for a GPU this machine lacks; set the variable in tests/conftest.py",
+        allow_module_level=True,
+    )
+
+# Largest error allowed, as a fraction of max(1, the largest magnitude in the expected tensor).
+# fp32 runs the same fp32 math in another order; bf16 outputs and gradients may also round to
+# the neighbouring bf16 value (one ulp is 2**-8 of the magnitude), so allow about two ulps.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+FAST = settings(max_examples=25, deadline=None)
+ELEMENT_BUDGET = 24_000  # S * B * N * D per example, to keep the interpreter quick
+
+
+@dataclass(frozen=True)
+class Case:
+    """One random DAR problem; tensors are built from ``seed`` so shrinking stays meaningful."""
+
+    s: int
+    b: int
+    n: int
+    d: int
+    dtype: torch.dtype
+    query_shape: str  # "d", "b1d" or "bnd"
+    as_list: bool
+    query_scale: float
+    seed: int
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stacked sources, query, output gradient) on DEVICE."""
+        gen = torch.Generator().manual_seed(self.seed)
+        scales = torch.exp(torch.randn(self.s, 1, 1, 1, generator=gen))
+        sources = torch.randn(self.s, self.b, self.n, self.d, generator=gen) * scales
+        b, n, d = self.b, self.n, self.d
+        shape = {"d": (d,), "b1d": (b, 1, d), "bnd": (b, n, d)}[self.query_shape]
+        query = torch.randn(shape, generator=gen) * self.query_scale
+        grad = torch.randn(self.b, self.n, self.d, generator=gen)
+        return tuple(t.to(DEVICE, self.dtype) for t in (sources, query, grad))
+
+
+@st.composite
+def cases(draw, dtypes=(torch.float32, torch.bfloat16)) -> Case:
+    s = draw(st.integers(1, 64))
+    d = draw(st.integers(1, 130))
+    b = draw(st.integers(1, 3))
+    n = min(draw(st.integers(1, 17)), max(1, ELEMENT_BUDGET // (s * b * d)))
+    return Case(
+        s=s,
+        b=b,
+        n=n,
+        d=d,
+        dtype=draw(st.sampled_from(dtypes)),
+        query_shape=draw(st.sampled_from(["d", "b1d", "bnd"])),
+        as_list=draw(st.booleans()),
+        query_scale=draw(st.floats(0.0, 4.0)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def run(fn, sources: torch.Tensor, query: torch.Tensor, grad: torch.Tensor, as_list: bool):
+    """Output and (stacked source gradient, query gradient) of ``fn`` on fresh leaves."""
+    leaves = [v.clone().requires_grad_() for v in sources] if as_list else [sources.clone().requires_grad_()]
+    q = query.clone().requires_grad_()
+    out = fn(leaves if as_list else leaves[0], q)
+    *grad_sources, grad_query = torch.autograd.grad(out, [*leaves, q], grad)
+    return out, torch.stack(grad_sources) if as_list else grad_sources[0], grad_query
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    err = (actual.double() - expected.double()).abs().max().item()
+    bound = rel * max(1.0, expected.double().abs().max().item())
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def triton_kernel(sources, query, eps=1e-6):
+    return dar_aggregate(sources, query, eps, kernel="triton")
+
+
+def torch_kernel(sources, query, eps=1e-6):
+    return dar_aggregate(sources, query, eps, kernel="torch")
+
+
+BOTH = pytest.mark.parametrize("kernel", [torch_kernel, triton_kernel], ids=["torch", "triton"])
+
+
+@FAST
+@given(cases())
+def test_triton_forward_and_gradients_equal_the_reference(case: Case):
+    sources, query, grad = case.tensors()
+    fused = run(triton_kernel, sources, query, grad, case.as_list)
+    expected = run(dar_aggregate_reference, sources, query, grad, case.as_list)
+    for name, got, want in zip(("output", "grad sources", "grad query"), fused, expected):
+        assert_close(got, want, TOLERANCE[case.dtype], f"{name} of {case}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_the_reference_at_model_width(dtype):
+    """D=1152 (SiT-XL) pads to 2048 lanes and puts two rows in a program, one of them masked."""
+    case = Case(5, 1, 3, 1152, dtype, "d", True, 2.0, seed=7)
+    fused = run(triton_kernel, *case.tensors(), as_list=True)
+    expected = run(dar_aggregate_reference, *case.tensors(), as_list=True)
+    for name, got, want in zip(("output", "grad sources", "grad query"), fused, expected):
+        assert_close(got, want, TOLERANCE[dtype], name)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["permuted stack", "stack slice with odd offset", "non-contiguous list", "query with stride"],
+)
+def test_triton_handles_any_memory_layout(layout):
+    case = Case(6, 2, 5, 37, torch.float32, "bnd", layout.endswith("list"), 2.0, seed=3)
+    sources, query, grad = case.tensors()
+    if layout == "permuted stack":
+        sources = sources.transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "stack slice with odd offset":
+        sources = torch.cat([sources[:1], sources])[1:]  # per-source slices start unaligned
+    elif layout == "non-contiguous list":
+        sources = torch.cat([sources, sources], dim=-1)[..., ::2]
+    else:
+        query = torch.cat([query, query], dim=-1)[..., ::2]
+    fused = run(triton_kernel, sources, query, grad, case.as_list)
+    expected = run(dar_aggregate_reference, sources, query, grad, case.as_list)
+    for name, got, want in zip(("output", "grad sources", "grad query"), fused, expected):
+        assert_close(got, want, TOLERANCE[torch.float32], f"{name} ({layout})")
+
+
+def test_triton_gradients_flow_to_whichever_inputs_need_them():
+    case = Case(4, 2, 3, 16, torch.float32, "d", True, 1.0, seed=5)
+    sources, query, grad = case.tensors()
+    q = query.clone().requires_grad_()
+    (fused,) = torch.autograd.grad(triton_kernel(list(sources), q), q, grad)
+    (expected,) = torch.autograd.grad(dar_aggregate_reference(list(sources), q), q, grad)
+    assert_close(fused, expected, TOLERANCE[torch.float32], "grad query")
+    leaves = [v.clone().requires_grad_() for v in sources]
+    fused = torch.autograd.grad(triton_kernel(leaves, query), leaves, grad)
+    expected = torch.autograd.grad(dar_aggregate_reference(leaves, query), leaves, grad)
+    assert_close(torch.stack(fused), torch.stack(expected), TOLERANCE[torch.float32], "grad sources")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_without_autograd_gives_the_same_output(dtype):
+    """Under no_grad nothing is saved for backward and bf16 skips the fp32 output copy."""
+    sources, query, _ = Case(9, 2, 7, 50, dtype, "b1d", True, 2.0, seed=11).tensors()
+    with torch.no_grad():
+        fused = triton_kernel(list(sources), query)
+    assert_close(fused, dar_aggregate_reference(list(sources), query), TOLERANCE[dtype], "no-grad output")
+
+
+@BOTH
+@FAST
+@given(case=cases(dtypes=(torch.float32,)))
+def test_zero_query_gives_the_uniform_mean_of_the_sources(kernel, case: Case):
+    sources, query, _ = case.tensors()
+    out = kernel(list(sources) if case.as_list else sources, torch.zeros_like(query))
+    assert_close(out, sources.mean(0), TOLERANCE[torch.float32], "zero-query output")
+
+
+# With eps=0 the zero rows that pad a program's last block divide by zero; they are never stored.
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@BOTH
+@FAST
+@given(case=cases(dtypes=(torch.float32,)), factor=st.floats(0.125, 8.0))
+def test_scaling_all_sources_keeps_the_weights_so_the_output_scales(kernel, case: Case, factor: float):
+    """RMSNorm makes each key scale-free (exactly so with eps=0), hence the softmax weights."""
+    sources, query, _ = case.tensors()
+    out = kernel(sources, query, eps=0.0)
+    scaled = kernel(sources * factor, query, eps=0.0)
+    assert_close(scaled, out * factor, TOLERANCE[torch.float32] * factor, "scaled output")
+
+
+@BOTH
+@FAST
+@given(case=cases(dtypes=(torch.float32,)), data=st.data())
+def test_source_order_does_not_matter(kernel, case: Case, data):
+    sources, query, _ = case.tensors()
+    order = data.draw(st.permutations(range(case.s)))
+    assert_close(kernel(sources[order], query), kernel(sources, query), TOLERANCE[torch.float32], "permuted")
+
+
+def test_auto_kernel_uses_the_triton_kernel_only_on_cuda():
+    sources, query, _ = Case(3, 1, 2, 8, torch.float32, "d", False, 1.0, seed=1).tensors()
+    expected = triton_kernel if DEVICE == "cuda" else dar_aggregate_reference
+    assert torch.equal(dar_aggregate(sources, query), expected(sources, query))
+
+
+def test_unknown_kernel_names_the_valid_ones():
+    sources, query, _ = Case(2, 1, 2, 8, torch.float32, "d", False, 1.0, seed=1).tensors()
+    with pytest.raises(UnknownKernelError, match="'cuda'.*auto, triton, torch") as info:
+        dar_aggregate(sources, query, kernel="cuda")
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+
+
+BAD_INPUTS = {
+    "query of the wrong width": (lambda v, q: (v, q[..., :-1]), r"query must end in D=8"),
+    "query batch that does not broadcast": (lambda v, q: (v, q.expand(3, 1, 8)), r"does not broadcast"),
+    "3-D stacked sources": (lambda v, q: (v[0], q), r"stacked sources must be 4-D"),
+    "empty source list": (lambda v, q: ([], q), r"at least one source"),
+    "sources of different shapes": (lambda v, q: ([v[0], v[1, :, :1]], q), r"source 1 is \(2, 1, 8\)"),
+}
+
+
+@BOTH
+@pytest.mark.parametrize("bad", list(BAD_INPUTS))
+def test_bad_shapes_are_rejected_with_a_message_naming_them(kernel, bad):
+    sources, query, _ = Case(2, 2, 3, 8, torch.float32, "d", False, 1.0, seed=1).tensors()
+    transform, message = BAD_INPUTS[bad]
+    with pytest.raises(DarInputError, match=message) as info:
+        kernel(*transform(sources, query))
+    assert isinstance(info.value, InputError) and isinstance(info.value, ValueError)
