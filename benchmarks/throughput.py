@@ -71,9 +71,18 @@ def build(backbone: str, size: str, variant: str, device: str, example_batch: in
         if backbone != "dit":
             raise SystemExit("the hand-written route exists for the DiT backbone only")
         return HandRoutedDiT(model, route.start, route.end, route.rate)
+    example = module.example_inputs(model, example_batch, device=device)
     if variant == "routekit":
-        return rk.apply(model, routes=[route], example_inputs=module.example_inputs(model, example_batch, device=device))
-    raise SystemExit(f"unknown variant {variant}")
+        return rk.apply(model, routes=[route], example_inputs=example)
+    if variant in DAR_VARIANTS:
+        query, routes = DAR_VARIANTS[variant]
+        return rk.apply(model, routes=[route] if routes else None, residual=rk.DAR(query=query, chunk=4),
+                        example_inputs=example)
+    raise SystemExit(f"unknown variant {variant}; known: vanilla, routekit, manual, {', '.join(DAR_VARIANTS)}")
+
+
+# DAR rows: (query, with the default TREAD route?), all with chunk size 4
+DAR_VARIANTS = {"dar_static_c4": ("static", False), "dar_dynamic_c4": ("dynamic", False), "dar_tread": ("static", True)}
 
 
 def inputs_for(backbone: str, model: nn.Module, batch: int, device: str):

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import AnalysisError
+from .keep import find_special_tokens
 from .trace import TensorMeta, Trace
 
 Slot = int | str  # a positional index or a keyword name in a block call
@@ -66,6 +67,8 @@ class GraphReport:
     residual: Any = None
     residual_adds: dict[int, list[str]] = field(default_factory=dict)
     residual_granularity: str | None = None
+    special: tuple[int, ...] = ()  # token positions outside the patch grid (class/register/text tokens)
+    fallback: str | None = None  # why the owner forward was not traced (boundary mode)
 
     @property
     def depth(self) -> int:
@@ -186,11 +189,14 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
                                 node.name, out.name, sides))
     _mark_escapes(blocks, by_name, tokens)
     grid, grid_node = _find_grid(tr.graph, first_in, batch, tokens)
+    special: tuple[int, ...] = ()
+    if grid is None:
+        grid, grid_node, special = find_special_tokens(tr.graph, first_in, batch, tokens)
     return GraphReport(
         model=type(model).__name__, stack=chosen, blocks=blocks, stream_slot=slot, stream_out_index=out_index,
         stream=stream, grid=grid, grid_node=grid_node,
         candidates={k: len(v[0]) for k, v in chains.items()}, leafed=dict(tr.leafed),
-        specialised=list(tr.specialised),
+        specialised=list(tr.specialised), special=special,
     )
 
 

@@ -6,6 +6,7 @@ Errors are `ConfigError`s that say what was wrong and what would be valid.
 
 from __future__ import annotations
 
+import operator
 from typing import Literal
 
 import pydantic
@@ -35,12 +36,18 @@ class Route(_Config):
     `rate` is the fraction of tokens routed *around* the blocks (TREAD's best is 0.5). At block
     `start` the selector picks the kept tokens; after block `end` the routed tokens rejoin with
     their value at the route start.
+
+    `keep`: token positions every selection contains (class/register tokens, text tokens of a joint
+    stream; negative positions count from the end); the selector picks among the other tokens and
+    `rate` applies to those. None: no special tokens, and apply refuses the route if analysis finds
+    some (it suggests the keep); [] routes every token alike.
     """
 
     start: int
     end: int
     rate: float = 0.5
     selector: str = "random"
+    keep: tuple[int, ...] | None = None
 
     @field_validator("start", "end")
     @classmethod
@@ -65,6 +72,22 @@ class Route(_Config):
             raise ValueError(str(err)) from None
         return v
 
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _positions(cls, v):
+        if v is None:
+            return None
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise ValueError(f"keep is a list of token positions, e.g. keep=[0] for a class token; got {v!r}")
+        positions = []
+        for p in v:
+            if isinstance(p, bool) or not hasattr(p, "__index__"):
+                raise ValueError(f"keep holds integer token positions, got {p!r}")
+            positions.append(operator.index(p))
+        if len(set(positions)) != len(positions):
+            raise ValueError(f"keep lists a position twice: {positions}")
+        return tuple(positions)
+
     @model_validator(mode="after")
     def _ordered(self) -> Route:
         if self.start > self.end:
@@ -72,11 +95,11 @@ class Route(_Config):
         return self
 
     @classmethod
-    def default(cls, depth: int, rate: float = 0.5, selector: str = "random") -> Route:
+    def default(cls, depth: int, rate: float = 0.5, selector: str = "random", keep=None) -> Route:
         """TREAD's default route for a stack of `depth` blocks: 2 → depth−4 (DiT-B/2 2→8, XL/2 2→24)."""
         if depth < 7:
             raise ConfigError(f"the default route 2→depth-4 needs at least 7 blocks, the stack has {depth}")
-        return cls(start=2, end=depth - 4, rate=rate, selector=selector)
+        return cls(start=2, end=depth - 4, rate=rate, selector=selector, keep=keep)
 
 
 class DAR(_Config):

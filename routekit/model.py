@@ -16,8 +16,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import GraphReport, analyse
+from .analysis import GraphReport, analyse, slot_value
 from .config import DAR, Route, check_routes, coerce_routes
+from .dar import DarState, dar_graph, residual_plan
 from .errors import ConfigError, InputError, NonFiniteError
 from .ops import RouteSelect
 from .rewrite import compile_graph, constants_to_inputs, route_graph
@@ -42,11 +43,13 @@ class Program:
 
 
 class RoutekitState(nn.Module):
-    """Everything routekit adds to a model, under one name: route selectors (and DAR, later)."""
+    """Everything routekit adds to a model, under one name: route selectors and DAR's queries."""
 
-    def __init__(self, routes: list[Route], grid: tuple[int, int] | None):
+    def __init__(self, routes: list[Route], grid: tuple[int, int] | None, dar: DarState | None = None):
         super().__init__()
         self.routes = nn.ModuleList([RouteSelect(r, grid) for r in routes])
+        if dar is not None:
+            self.dar = dar
 
 
 class RoutedModel(nn.Module):
@@ -55,8 +58,8 @@ class RoutedModel(nn.Module):
     _routekit_base: type
 
     def forward(self, *args, **kwargs):
-        if not self.training:
-            return super().forward(*args, **kwargs)
+        if not self.training and self._routekit_residual is None:
+            return super().forward(*args, **kwargs)  # routes are training-only: the original forward
         tensors, program = self._routekit_program(args, kwargs)
         out = program(self, tensors)
         if self._routekit_check_finite:
@@ -67,7 +70,7 @@ class RoutedModel(nn.Module):
         bound = bind_arguments(self._routekit_base.forward, args, kwargs)
         spec = call_spec(bound)
         tensors = [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
-        bucket = self._routekit_programs.setdefault(spec.key(), {})
+        bucket = self._routekit_programs.setdefault((self.training, spec.key()), {})
         program = bucket.get(None)
         if program is None:
             shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
@@ -76,6 +79,17 @@ class RoutedModel(nn.Module):
                 program = _build_program(self, args, kwargs)
                 bucket[shapes if program.specialised else None] = program
         return tensors, program
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Strict about the original weights; routekit's own (DAR queries) may be absent from a checkpoint."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if not k.startswith(_STATE + ".")]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
+                f"unexpected keys {result.unexpected_keys}"
+            )
+        return result
 
     def __repr__(self) -> str:
         return f"Routed{super().__repr__()}"
@@ -112,14 +126,26 @@ def _build_program(routed: nn.Module, args: tuple, kwargs: dict) -> Program:
     original = _original_view(routed)
     tr = trace(original, args, kwargs)
     report = analyse(tr, original, routed._routekit_stack)
-    return _program(tr, report, routed._routekit_routes, routed._routekit_grid)
+    if routed._routekit_grid is not None:
+        report.grid = routed._routekit_grid
+    routes = routed._routekit_routes if routed.training else []
+    return _program(tr, report, routes, routed._routekit_grid, original, routed._routekit_residual)
 
 
-def _program(tr: Trace, report: GraphReport, routes: list[Route], grid) -> Program:
-    graph = route_graph(tr.graph, report, routes, grid_fixed=grid is not None)
-    constants = constants_to_inputs(graph, tr.constants)
-    fn = compile_graph(graph, f"{report.model} train graph")
-    return Program(fn, tr.out_spec, tuple(constants), bool(tr.specialised), report)
+def _program(tr: Trace, report: GraphReport, routes: list[Route], grid, model: nn.Module,
+             residual: DAR | None) -> Program:
+    graph, placed = route_graph(tr.graph, report, routes, grid_fixed=grid is not None)
+    constants = dict(tr.constants)
+    specialised = bool(tr.specialised)
+    if residual is not None:
+        blocks, _ = residual_plan(model, report, routes, residual)
+        v0 = slot_value(next(n for n in tr.graph.nodes if n.name == report.blocks[0].node), report.stream_slot)
+        constants.update(dar_graph(graph, model, report, blocks, residual, routes, placed, v0.name))
+        specialised = specialised or any(b.trace.specialised for b in blocks)
+    values = constants_to_inputs(graph, constants)
+    mode = "train" if routes or residual is None else "eval"
+    fn = compile_graph(graph, f"{report.model} {mode} graph")
+    return Program(fn, tr.out_spec, tuple(values), specialised, report)
 
 
 def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, residual: DAR | None = None,
@@ -135,8 +161,8 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     check_finite: raise NonFiniteError when a routed forward produces NaN/Inf.
     """
     model = _unwrapped(model)
-    if residual is not None:
-        raise ConfigError("residual=DAR(...) is not available in this version; pass residual=None")
+    if residual is not None and not isinstance(residual, DAR):
+        raise ConfigError(f"residual must be routekit.DAR(...) or None, got {residual!r}")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     with training_mode(model, True):
         tr = trace(model, args, kwargs)
@@ -146,18 +172,26 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
         routes = coerce_routes(routes, report.depth)
         check_plan(model, report, routes, args, kwargs)
         report.routes = routes
+        dar_state = None
+        if residual is not None:
+            _, points = residual_plan(model, report, routes, residual)
+            report.residual = residual
+            dar_state = DarState(residual, points, report.stream.shape[2])
+            param = next(model.parameters(), None)
+            if param is not None:
+                dar_state.to(param.device)
         routed = shallow_copy(model, cls=_routed_class(type(model)))
-        routed.add_module(_STATE, RoutekitState(routes, grid))
+        routed.add_module(_STATE, RoutekitState(routes, grid, dar_state))
         routed.__dict__.update(
             _routekit_routes=routes, _routekit_grid=grid, _routekit_stack=stack, _routekit_report=report,
-            _routekit_check_finite=check_finite, _routekit_programs={},
+            _routekit_check_finite=check_finite, _routekit_programs={}, _routekit_residual=residual,
         )
         for select in getattr(routed, _STATE).routes:
             select.generator = generator
-        program = _program(tr, report, routes, grid)
+        program = _program(tr, report, routes, grid, model, residual)
         spec = call_spec(bind_arguments(type(model).forward, args, kwargs))
         shapes = tuple((tuple(t.shape), t.dtype) for t in _tensors(spec, args, kwargs, model))
-        routed._routekit_programs[spec.key()] = {shapes if program.specialised else None: program}
+        routed._routekit_programs[(True, spec.key())] = {shapes if program.specialised else None: program}
         _dry_run(routed, tr, args, kwargs)
     routed.train(model.training)
     return routed

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .config import Route
+from .keep import select_with_keep
 from .selectors import get_selector
 
 
@@ -43,11 +44,15 @@ class RouteSelect(nn.Module):
         grid = self.grid
         if grid is None and grid_source is not None:
             grid = (grid_source.shape[-2], grid_source.shape[-1])
-        index = self.select(batch, tokens, self.route.rate, grid=grid, generator=self.generator,
-                            device=stream.device)
+        if self.route.keep:
+            index = select_with_keep(self.route, batch, tokens, grid=grid, generator=self.generator,
+                                     device=stream.device)
+        else:
+            index = self.select(batch, tokens, self.route.rate, grid=grid, generator=self.generator,
+                                device=stream.device)
         self.last_index, self.last_tokens = index, tokens
         return index
 
     def extra_repr(self) -> str:
         r = self.route
-        return f"blocks {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}"
+        return f"blocks {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}" + (f", keep={list(r.keep)}" if r.keep else "")

@@ -22,9 +22,13 @@ from .ops import gather_tokens, scatter_tokens
 _counter = itertools.count()
 
 
-def route_graph(graph: fx.Graph, report: GraphReport, routes: list[Route], grid_fixed: bool) -> fx.Graph:
-    """A copy of `graph` with `routes` inserted; route k calls the module `routekit.routes.k`."""
+def route_graph(graph: fx.Graph, report: GraphReport, routes: list[Route], grid_fixed: bool):
+    """A copy of `graph` with `routes` inserted; route k calls the module `routekit.routes.k`.
+
+    Returns the graph and, per route, its (index, scatter) nodes, where DAR hooks its history in.
+    """
     graph = copy.deepcopy(graph)
+    placed = {}
     by_name = {n.name: n for n in graph.nodes}
     grid_node = by_name.get(report.grid_node) if report.grid_node and not grid_fixed else None
     for k, route in enumerate(routes):
@@ -50,8 +54,9 @@ def route_graph(graph: fx.Graph, report: GraphReport, routes: list[Route], grid_
         with graph.inserting_after(out):
             full = graph.call_function(scatter_tokens, (stream_in, index, out))
         out.replace_all_uses_with(full, delete_user_cb=lambda user, full=full: user is not full)
+        placed[k] = (index, full)
     graph.lint()
-    return graph
+    return graph, placed
 
 
 def _set_slot(node: fx.Node, slot, value: fx.Node) -> None:

@@ -1,0 +1,357 @@
+"""DAR: residual adds become learned softmax aggregations over the history of sublayer outputs.
+
+Sources: v_0 = the stream entering the first block, v_i = each sublayer output (the branch operand
+of each residual add). Every residual add l is replaced by h = Σ_i softmax_i(q_l·RMSNorm(v_i)/√d) v_i
+over the history so far, which is what flows on to the next sublayer (and, after the last block, to
+the output layer: the final aggregation). Blocks are inlined into the owner graph so one graph
+carries the history across blocks as plain data flow; the schedule of which sources each
+aggregation sees is static and built here.
+
+Chunking (chunk=S): once S sublayer outputs have accumulated, they are replaced in the history by
+their sum (the chunk summary), so a sublayer sees v_0, earlier chunks' summaries and its own chunk's
+raw outputs.
+
+With routes: entering a route, every history source is gathered to the kept tokens; sources made
+inside the route are scattered back at its end with zeros for the routed tokens (a skipped branch
+contributes nothing, as in a plain residual network) — or, for a chunk summary begun before the
+route, with its pre-route part; sources from before the route are restored at full size.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .analysis import GraphReport, slot_value, to_networkx
+from .config import DAR
+from .errors import ConfigError
+from .kernels import dar_aggregate
+from .ops import gather_tokens, scatter_tokens
+from .trace import TensorMeta, Trace, bind_arguments, trace
+
+_ADDS = {operator.add, torch.add}
+_SUBLAYER_FUNCS = {F.linear, torch.matmul, operator.matmul, torch.bmm, torch.einsum, F.scaled_dot_product_attention,
+                   F.conv1d, F.conv2d}
+
+
+def sum_sources(sources: list[torch.Tensor]) -> torch.Tensor:
+    """A chunk summary: the sum of the chunk's sublayer outputs."""
+    return functools.reduce(operator.add, sources)
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _ADDS) or (node.op == "call_method" and node.target == "add")
+
+
+def find_residual_adds(graph: fx.Graph, stream: fx.Node) -> list[fx.Node]:
+    """The adds that carry the residual stream: skip operand = the stream so far, the other operand
+    computed from it through a sublayer (a module call or a matmul-like op), same shape as the stream.
+
+    Never adaLN's `1 + scale` (a constant operand) nor a bias add (not on the stream).
+    """
+    g = to_networkx(graph)
+    by_name = {n.name: n for n in graph.nodes}
+    current, adds = stream, []
+    for node in graph.nodes:
+        if not _is_add(node) or len(node.args) < 2:
+            continue
+        for skip, branch in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if skip is not current or not isinstance(branch, fx.Node):
+                continue
+            if getattr(node.meta.get("rk"), "shape", None) != getattr(current.meta.get("rk"), "shape", None):
+                continue
+            between = nx.descendants(g, current.name) & (nx.ancestors(g, branch.name) | {branch.name})
+            if any(_is_sublayer(by_name[n]) for n in between):
+                adds.append(node)
+                current = node
+                break
+    return adds
+
+
+def _is_sublayer(node: fx.Node) -> bool:
+    return node.op == "call_module" or (node.op == "call_function" and node.target in _SUBLAYER_FUNCS)
+
+
+@dataclass
+class BlockTrace:
+    """A block traced on its own, with the residual adds found in it."""
+
+    trace: Trace
+    adds: list[str]  # node names in trace.graph
+
+
+def block_inputs(report: GraphReport, index: int, tokens: int, device) -> tuple[list, dict]:
+    """Zero tensors shaped like block `index`'s inputs, with `tokens` tokens on the stream."""
+    block = report.blocks[index]
+
+    def fake(meta, per_token):
+        if not isinstance(meta, TensorMeta):
+            return meta
+        shape = list(meta.shape)
+        if per_token:
+            shape[1] = tokens
+        return torch.zeros(shape, dtype=meta.dtype, device=device)
+
+    slots = {report.stream_slot: fake(report.stream, True)}
+    for side in block.side_inputs:
+        slots[side.slot] = fake(side.meta, side.kind == "per-token")
+    args = [slots[i] for i in sorted(s for s in slots if isinstance(s, int))]
+    kwargs = {k: v for k, v in slots.items() if isinstance(k, str)}
+    return args, kwargs
+
+
+def trace_block(model: nn.Module, report: GraphReport, index: int, tokens: int) -> BlockTrace:
+    """Trace one block on inputs of the size it will see; find its residual adds."""
+    block = model.get_submodule(report.blocks[index].qualname)
+    param = next(model.parameters(), None)
+    args, kwargs = block_inputs(report, index, tokens, param.device if param is not None else "cpu")
+    tr = trace(block, tuple(args), kwargs)
+    bound = bind_arguments(type(block).forward, tuple(args), kwargs)
+    stream_name = list(bound.arguments)[report.stream_slot] if isinstance(report.stream_slot, int) else report.stream_slot
+    stream = next(n for n in tr.graph.nodes if n.op == "placeholder" and n.target == stream_name)
+    return BlockTrace(tr, [n.name for n in find_residual_adds(tr.graph, stream)])
+
+
+class DarState(nn.Module):
+    """DAR's parameters, one query per aggregation point: the only parameters routekit adds."""
+
+    def __init__(self, config: DAR, points: int, dim: int):
+        super().__init__()
+        self.config, self.points, self.dim = config, points, dim
+        # zero-initialised queries: every aggregation starts as the uniform average of its history
+        self.query = nn.Parameter(torch.zeros(points, dim))
+        if config.query == "dynamic":
+            self.dynamic = nn.Parameter(torch.zeros(points, dim, dim))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"query={c.query!r}, chunk={c.chunk}, points={self.points}, dim={self.dim}, kernel={c.kernel!r}"
+
+
+@dataclass
+class _Item:
+    node: fx.Node
+    inside: bool = False  # made inside the current route
+    full: fx.Node | None = None  # its full-size value, for items that existed when the route began
+    bases: list = field(default_factory=list)  # full-size parts of a summary begun before the route
+
+
+class _History:
+    """The static schedule: which graph nodes are the sources at each point."""
+
+    def __init__(self, graph: fx.Graph, v0: fx.Node, chunk: int | None):
+        self.graph, self.items, self.chunk = graph, [_Item(v0)], chunk
+        self.raw_count = 0
+        self.index: fx.Node | None = None
+        self.route_stream: fx.Node | None = None
+
+    def append(self, node: fx.Node) -> None:
+        self.items.append(_Item(node, inside=self.index is not None))
+        self.raw_count += 1
+        if self.chunk and self.raw_count % self.chunk == 0:
+            parts = self.items[-self.chunk:]
+            del self.items[-self.chunk:]
+            summary = self.graph.call_function(sum_sources, ([p.node for p in parts],))
+            inside = any(p.inside for p in parts)
+            bases = [b for p in parts for b in ([p.full] if p.full is not None else p.bases)]
+            self.items.append(_Item(summary, inside=inside, bases=bases if inside else []))
+
+    def sources(self) -> list[fx.Node]:
+        return [item.node for item in self.items]
+
+    def enter(self, index: fx.Node, stream: fx.Node) -> None:
+        self.index, self.route_stream = index, stream
+        for item in self.items:
+            item.full = item.node
+            item.node = self.graph.call_function(gather_tokens, (item.node, index))
+
+    def exit(self) -> None:
+        zeros = None
+        for item in self.items:
+            if not item.inside:
+                item.node, item.full = item.full, None
+                continue
+            if item.bases:
+                base = self.graph.call_function(sum_sources, (list(item.bases),))
+            else:
+                if zeros is None:
+                    zeros = self.graph.call_function(torch.zeros_like, (self.route_stream,))
+                base = zeros
+            item.node = self.graph.call_function(scatter_tokens, (base, self.index, item.node))
+            item.inside, item.full, item.bases = False, None, []
+        self.index = self.route_stream = None
+
+
+def find_timestep_embedding(graph: fx.Graph, report: GraphReport, name: str | None) -> fx.Node:
+    """The model's own e(t): a (B, D) node computed from a 1-D float input alone (or the named module)."""
+    batch, _, dim = report.stream.shape
+    nodes = list(graph.nodes)
+    if name is not None:
+        hits = [n for n in nodes if n.op == "call_module" and (n.target == name or n.target.startswith(name + "."))]
+        hits = [n for n in hits if getattr(n.meta.get("rk"), "shape", None) == (batch, dim)]
+        if not hits:
+            raise ConfigError(f"DAR(timestep={name!r}): no call of that module yields a (batch, {dim}) embedding")
+        return hits[-1]
+    g = to_networkx(graph)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for ph in placeholders:
+        meta = ph.meta.get("rk")
+        if not (isinstance(meta, TensorMeta) and meta.shape == (batch,) and meta.dtype.is_floating_point):
+            continue
+        others = {p.name for p in placeholders if p is not ph}
+        found = [n for n in nodes if n.name in nx.descendants(g, ph.name)
+                 and getattr(n.meta.get("rk"), "shape", None) == (batch, dim)
+                 and not (nx.ancestors(g, n.name) & others)]
+        if found:
+            return found[-1]
+    raise ConfigError(
+        "DAR(query='static_t') needs the model's timestep embedding: no (batch, channels) value computed from a "
+        "1-D float input alone was found; name the module with DAR(timestep='t_embedder')"
+    )
+
+
+def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: list[BlockTrace], config: DAR, routes,
+              route_nodes: dict[int, tuple[fx.Node, fx.Node]], v0_name: str) -> dict[str, torch.Tensor]:
+    """Rewrite `graph` in place: inline blocks, aggregations for residual adds. Returns new constants."""
+    by_name = {n.name: n for n in graph.nodes}
+    temb = find_timestep_embedding(graph, report, config.timestep) if config.query == "static_t" else None
+    first = by_name[report.blocks[0].node]
+    with graph.inserting_before(first):
+        query = graph.get_attr("routekit.dar.query")
+        dynamic = graph.get_attr("routekit.dar.dynamic") if config.query == "dynamic" else None
+        if temb is not None:
+            temb = graph.call_method("unsqueeze", (temb, 1))
+    history = _History(graph, by_name[v0_name], config.chunk)
+    stream_dtype = _dtype(by_name[v0_name])
+    starts = {r.start: k for k, r in enumerate(routes)}
+    ends = {r.end: k for k, r in enumerate(routes)}
+    constants: dict[str, torch.Tensor] = {}
+    point = 0
+
+    def aggregate(v: fx.Node) -> fx.Node:
+        nonlocal point
+        history.append(graph.call_method("to", (v, stream_dtype)))  # the dtype the residual add would give
+        q = graph.call_function(operator.getitem, (query, point))
+        if config.query == "static_t":
+            q = graph.call_function(operator.add, (q, temb))
+        elif config.query == "dynamic":
+            w = graph.call_function(operator.getitem, (dynamic, point))
+            q = graph.call_function(F.linear, (history.items[-1].node, w))
+        point += 1
+        return graph.call_function(dar_aggregate, (history.sources(), q), {"eps": config.eps, "kernel": config.kernel})
+
+    for i, info in enumerate(report.blocks):
+        call = by_name[info.node]
+        if i in starts:
+            index, _ = route_nodes[starts[i]]
+            with graph.inserting_before(call):
+                history.enter(index, index.args[0])
+        bt = blocks[i]
+        if bt.adds:
+            forward = type(model.get_submodule(info.qualname)).forward
+            env = _inline(graph, call, bt.trace, info.qualname, forward, constants)
+            for add_name in bt.adds:
+                add = env[add_name]
+                skip, branch = add.args[0], add.args[1]
+                if not _descends(branch, skip):
+                    skip, branch = branch, skip
+                with graph.inserting_before(add.next):
+                    h = aggregate(branch)
+                add.replace_all_uses_with(h)
+                graph.erase_node(add)
+        else:  # adds hidden inside the block: one source per block, v = output - input
+            out = by_name[info.stream_out]
+            stream_in = slot_value(call, report.stream_slot)
+            with graph.inserting_before(out.next):
+                v = graph.call_function(operator.sub, (out, stream_in))
+                h = aggregate(v)
+            out.replace_all_uses_with(h, delete_user_cb=lambda user, v=v: user is not v)
+        if i in ends:
+            _, scatter = route_nodes[ends[i]]
+            with graph.inserting_before(scatter.next):
+                history.exit()
+    graph.lint()
+    return constants
+
+
+def _dtype(node: fx.Node):
+    return getattr(node.meta.get("rk"), "dtype", None)
+
+
+def _descends(node: fx.Node, ancestor: fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is ancestor:
+            return True
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _inline(graph: fx.Graph, call: fx.Node, tr: Trace, qualname: str, forward, constants: dict) -> dict[str, fx.Node]:
+    """Replace the call of a block by the block's own traced nodes; returns block-node-name → new node."""
+    module_args = bind_arguments(forward, call.args, call.kwargs)
+    env: dict[fx.Node, fx.Node] = {}
+    names: dict[str, fx.Node] = {}
+    outputs = None
+    with graph.inserting_before(call):
+        for node in tr.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = module_args.arguments[node.target]
+                continue
+            if node.op == "output":
+                outputs = [env[a] if isinstance(a, fx.Node) else a for a in node.args[0]]
+                continue
+            new = graph.node_copy(node, lambda n: env[n])
+            if node.op in ("call_module", "get_attr"):
+                new.target = f"{qualname}.{node.target}"
+                if node.op == "get_attr" and node.target in tr.constants:
+                    constants[new.target] = tr.constants[node.target]
+            env[node], names[node.name] = new, new
+    result = pytree.tree_unflatten(outputs, tr.out_spec)
+    if isinstance(result, fx.Node):
+        call.replace_all_uses_with(result)
+    else:
+        for user in list(call.users):
+            if user.op != "call_function" or user.target is not operator.getitem:
+                raise ConfigError(f"DAR cannot inline {qualname}: its tuple output is used whole by {user.name}")
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    graph.erase_node(call)
+    return names
+
+
+def residual_plan(model: nn.Module, report: GraphReport, routes, config: DAR) -> tuple[list[BlockTrace], int]:
+    """Trace every block at the token count it will see; count aggregation points."""
+    kept = {}
+    for route in routes:
+        count = _kept_count(route, report)
+        kept.update({i: count for i in range(route.start, route.end + 1)})
+    blocks = [trace_block(model, report, i, kept.get(i, report.tokens)) for i in range(report.depth)]
+    points = sum(len(b.adds) or 1 for b in blocks)
+    if not any(b.adds for b in blocks) and config is not None:
+        report.residual_granularity = "block"
+    else:
+        report.residual_granularity = "sublayer" if all(b.adds for b in blocks) else "mixed"
+    report.residual_adds = {i: b.adds for i, b in enumerate(blocks)}
+    return blocks, points
+
+
+def _kept_count(route, report: GraphReport) -> int:
+    from .selectors import get_selector
+
+    index = get_selector(route.selector)(1, report.tokens, route.rate, grid=report.grid, generator=None, device="cpu")
+    return index.shape[1]
+
+
