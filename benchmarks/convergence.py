@@ -19,6 +19,7 @@ import gc
 import json
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ def run_method(method: str, config: TrainConfig, budget_s: float, eval_every_s: 
     """Train one method for the budget; its evaluations, throughput, or why it was skipped."""
     import routekit as rk
 
+    shutil.rmtree(runs / method, ignore_errors=True)  # a fresh run folder each time
     try:
         stats = train(config, runs / method, budget_s=budget_s, eval_every_s=eval_every_s)
     except rk.ConfigError as error:  # e.g. a routekit without DAR yet: report it, run the others
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; valid: {', '.join(METHODS)}")
-    budget = 3.0 if args.quick and args.budget_s == parser.get_default("budget_s") else args.budget_s
+    budget = 2.0 if args.quick and args.budget_s == parser.get_default("budget_s") else args.budget_s
     eval_every = args.eval_every_s or budget / 8
     out = args.out or (REPO / "runs" / "convergence_quick" if args.quick else REPO / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)

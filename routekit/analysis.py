@@ -156,7 +156,7 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
         if len(best[0]) >= 2:
             chains[parent] = best
     if stack is not None:
-        if stack not in chains:
+        if not isinstance(stack, str) or stack not in chains:
             raise AnalysisError(
                 f"stack {stack!r} is not a chain of blocks in {type(model).__name__}; "
                 f"chains found: {_listing({k: len(v[0]) for k, v in chains.items()})}"
@@ -169,7 +169,8 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
             f"called in the traced forward: {_listing({k: len(v) for k, v in calls.items()}) or 'none'}"
         )
     else:
-        chosen = max(chains, key=lambda k: len(chains[k][0]))
+        token_chains = [k for k in chains if _carries_stream(*chains[k])]
+        chosen = max(token_chains or chains, key=lambda k: len(chains[k][0]))
     nodes, (slot, out_index) = chains[chosen]
     first_in = slot_value(nodes[0], slot)
     stream = first_in.meta["rk"] if isinstance(first_in, fx.Node) else None
@@ -184,7 +185,7 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
     for i, node in enumerate(nodes):
         out = node if out_index is None else next(
             (u for u in node.users if u.target is operator.getitem and u.args[1] == out_index), node)
-        sides = [_side_input(s, a, batch, tokens) for s, a in _slots(node) if s != slot]
+        sides = [_side_input(s, a, batch, tokens, stream.shape[2]) for s, a in _slots(node) if s != slot]
         blocks.append(BlockInfo(i, node.target, type(model.get_submodule(node.target)).__name__,
                                 node.name, out.name, sides))
     _mark_escapes(blocks, by_name, tokens)
@@ -200,16 +201,27 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
     )
 
 
+def _carries_stream(nodes: list[fx.Node], link: tuple) -> bool:
+    """A block chain carries a token stream: (B, N, D) into the first block, the same shape along the chain."""
+    meta = getattr(slot_value(nodes[0], link[0]), "meta", {}).get("rk")
+    return isinstance(meta, TensorMeta) and len(meta.shape) == 3 and all(
+        getattr(n.meta.get("rk"), "shape", None) == meta.shape or link[1] is not None for n in nodes)
+
+
 def _listing(counts: dict[str, int]) -> str:
     return ", ".join(f"{k or '<root>'} ({v} calls)" for k, v in counts.items())
 
 
-def _side_input(slot: Slot, arg: Any, batch: int, tokens: int) -> SideInput:
+def _side_input(slot: Slot, arg: Any, batch: int, tokens: int, channels: int) -> SideInput:
+    """Classify a block input by shape. A float (B, X) with X == tokens == channels is ambiguous: it is
+    taken as a per-sample conditioning vector (adaLN's c), while a bool/int (B, N) is a per-token mask."""
     meta = arg.meta["rk"] if isinstance(arg, fx.Node) else arg
     name = arg.name if isinstance(arg, fx.Node) else None
     if not isinstance(meta, TensorMeta):
         return SideInput(slot, name, "constant", meta)
     shape = meta.shape
+    if len(shape) == 2 and tokens == channels and meta.dtype.is_floating_point:
+        return SideInput(slot, name, "per-sample", meta)
     if len(shape) >= 2 and shape[0] == batch and shape[1] == tokens:
         return SideInput(slot, name, "per-token", meta)
     if len(shape) >= 1 and shape[0] == tokens and batch != tokens:

@@ -49,6 +49,13 @@ class Route(_Config):
     selector: str = "random"
     keep: tuple[int, ...] | None = None
 
+    @field_validator("start", "end", "rate", mode="before")
+    @classmethod
+    def _not_bool(cls, v):
+        if isinstance(v, bool):
+            raise ValueError(f"expected a number, got {v!r}")
+        return v
+
     @field_validator("start", "end")
     @classmethod
     def _non_negative(cls, v: int) -> int:
@@ -133,8 +140,11 @@ def coerce_routes(routes, depth: int) -> list[Route]:
         return [Route.default(depth)]
     if isinstance(routes, (Route, dict)):
         routes = [routes]
-    if isinstance(routes, str) or not hasattr(routes, "__iter__"):
+    if isinstance(routes, (str, bytes)) or not hasattr(routes, "__iter__"):
         raise ConfigError(f"routes must be a Route, a list of Routes, None or 'default'; got {routes!r}")
+    for r in routes:
+        if not (isinstance(r, Route) or (isinstance(r, dict) and all(isinstance(k, str) for k in r))):
+            raise ConfigError(f"each route is a Route or a dict of its fields (start, end, ...); got {r!r:.80}")
     return [r if isinstance(r, Route) else Route(**r) for r in routes]
 
 

@@ -51,11 +51,14 @@ def _is_add(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target in _ADDS) or (node.op == "call_method" and node.target == "add")
 
 
-def find_residual_adds(graph: fx.Graph, stream: fx.Node) -> list[fx.Node]:
+def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None = None) -> list[fx.Node]:
     """The adds that carry the residual stream: skip operand = the stream so far, the other operand
     computed from it through a sublayer (a module call or a matmul-like op), same shape as the stream.
 
-    Never adaLN's `1 + scale` (a constant operand) nor a bias add (not on the stream).
+    Never adaLN's `1 + scale` (a constant operand) nor a bias add (not on the stream). With `output`
+    (the block's stream output), the chain must end there: a block whose stream also passes through
+    anything else (a bias on the stream, a post-norm, parallel branches) gives [] and is treated as
+    one source (block granularity) rather than half-rewritten.
     """
     g = to_networkx(graph)
     by_name = {n.name: n for n in graph.nodes}
@@ -73,6 +76,8 @@ def find_residual_adds(graph: fx.Graph, stream: fx.Node) -> list[fx.Node]:
                 adds.append(node)
                 current = node
                 break
+    if output is not None and adds and current is not output:
+        return []
     return adds
 
 
@@ -117,7 +122,10 @@ def trace_block(model: nn.Module, report: GraphReport, index: int, tokens: int) 
     bound = bind_arguments(type(block).forward, tuple(args), kwargs)
     stream_name = list(bound.arguments)[report.stream_slot] if isinstance(report.stream_slot, int) else report.stream_slot
     stream = next(n for n in tr.graph.nodes if n.op == "placeholder" and n.target == stream_name)
-    return BlockTrace(tr, [n.name for n in find_residual_adds(tr.graph, stream)])
+    leaves = next(n for n in tr.graph.nodes if n.op == "output").args[0]
+    out = pytree.tree_unflatten(list(leaves), tr.out_spec)
+    out = out if report.stream_out_index is None else out[report.stream_out_index]
+    return BlockTrace(tr, [n.name for n in find_residual_adds(tr.graph, stream, out)])
 
 
 class DarState(nn.Module):
@@ -238,13 +246,14 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
 
     def aggregate(v: fx.Node) -> fx.Node:
         nonlocal point
-        history.append(graph.call_method("to", (v, stream_dtype)))  # the dtype the residual add would give
+        newest = graph.call_method("to", (v, stream_dtype))  # the dtype the residual add would give
+        history.append(newest)
         q = graph.call_function(operator.getitem, (query, point))
         if config.query == "static_t":
             q = graph.call_function(operator.add, (q, temb))
         elif config.query == "dynamic":
             w = graph.call_function(operator.getitem, (dynamic, point))
-            q = graph.call_function(F.linear, (history.items[-1].node, w))
+            q = graph.call_function(F.linear, (newest, w))
         point += 1
         return graph.call_function(dar_aggregate, (history.sources(), q), {"eps": config.eps, "kernel": config.kernel})
 

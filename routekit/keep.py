@@ -90,7 +90,8 @@ def check_keep(routes: list[Route], report: GraphReport) -> None:
             )
         if needs_grid(route.selector) and report.grid is not None:
             height, width = report.grid
-            if tokens - len(keep) != height * width:
+            special = resolve_keep(report.special, tokens)
+            if tokens - len(keep) != height * width or (special and keep != special):
                 fix = f"; keep exactly the special tokens: {suggestion(report.special)}" if report.special else ""
                 raise ConfigError(
                     f"route {k}: selector {route.selector!r} picks from the {height}×{width} grid, but with "

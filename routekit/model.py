@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,11 +19,12 @@ from torch import nn
 from .analysis import GraphReport, analyse, slot_value
 from .config import DAR, Route, check_routes, coerce_routes
 from .dar import DarState, dar_graph, residual_plan
-from .errors import ConfigError, InputError, NonFiniteError
+from .errors import ConfigError, InputError, NonFiniteError, TraceError
+from .keep import check_keep
 from .ops import RouteSelect
 from .rewrite import compile_graph, constants_to_inputs, route_graph
 from .selectors import keeps_rows, needs_grid
-from .trace import TensorMeta, Trace, bind_arguments, call_spec, preserved_state, shallow_copy, trace
+from .trace import TensorMeta, Trace, bind_arguments, call_spec, flatten, preserved_state, shallow_copy, trace
 
 _STATE = "routekit"  # the one submodule routekit adds; it holds parameters only with DAR
 
@@ -94,15 +95,28 @@ class RoutedModel(nn.Module):
     def __repr__(self) -> str:
         return f"Routed{super().__repr__()}"
 
+    def __reduce__(self):
+        """Pickle (torch.save, copy.deepcopy) as the model's own class plus routekit's state, not the made-up class."""
+        state = {k: v for k, v in self.__dict__.items() if k != "_routekit_programs"}
+        return _unpickle, (type(self).__bases__[0], self._routekit_base, state)
 
-_CLASSES: dict[type, type] = {}
+
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _routed_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Routed{cls.__name__}", (RoutedModel, cls),
-                             {"_routekit_base": cls, "__module__": cls.__module__})
-    return _CLASSES[cls]
+def _routed_class(cls: type, mixin: type | None = None) -> type:
+    mixin = mixin or RoutedModel
+    if (mixin, cls) not in _CLASSES:
+        _CLASSES[mixin, cls] = type(f"Routed{cls.__name__}", (mixin, cls),
+                                    {"_routekit_base": cls, "__module__": cls.__module__})
+    return _CLASSES[mixin, cls]
+
+
+def _unpickle(mixin: type, base: type, state: dict) -> nn.Module:
+    """Rebuild a pickled routed model; its training programs are traced again on first use."""
+    routed = _routed_class(base, mixin).__new__(_routed_class(base, mixin))
+    routed.__dict__.update(state, _routekit_programs={})
+    return routed
 
 
 @contextlib.contextmanager
@@ -151,7 +165,8 @@ def _program(tr: Trace, report: GraphReport, routes: list[Route], grid, model: n
 def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, residual: DAR | None = None,
           example_inputs: tuple | torch.Tensor = (), example_kwargs: dict | None = None, *,
           grid: tuple[int, int] | None = None, stack: str | None = None,
-          generator: torch.Generator | None = None, check_finite: bool = False) -> nn.Module:
+          generator: torch.Generator | None = None, check_finite: bool = False,
+          mode: Literal["auto", "graph", "boundary"] = "auto") -> nn.Module:
     """Route `model`'s training graph; returns the routed model (the model itself is left unchanged).
 
     routes: a Route, a list of disjoint Routes, or "default" (TREAD's 2 → depth−4, rate 0.5).
@@ -159,13 +174,24 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     grid: the (H, W) token grid when it cannot be read off a patch embedding. stack: the qualified
     name of the block container when several chains exist. generator: makes selections reproducible.
     check_finite: raise NonFiniteError when a routed forward produces NaN/Inf.
+    mode: "graph" rewrites the traced owner forward; "boundary" places the routes with hooks at the
+    block calls (routekit/boundary.py); "auto" uses graph mode and falls back to boundary mode when the
+    owner forward does not trace. A torch.compile'd model comes back compiled the same way.
     """
+    model, rewrap = unwrap_compiled(model)
     model = _unwrapped(model)
+    if mode not in ("auto", "graph", "boundary"):
+        raise ConfigError(f"mode must be 'auto', 'graph' or 'boundary', got {mode!r}")
     if residual is not None and not isinstance(residual, DAR):
         raise ConfigError(f"residual must be routekit.DAR(...) or None, got {residual!r}")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
+    tr, fallback = _graph_trace(model, args, kwargs, mode)
+    if tr is None:
+        from .boundary import apply_boundary  # boundary mode builds on this module
+
+        return rewrap(apply_boundary(model, routes, residual, args, kwargs, grid=grid, stack=stack,
+                                     generator=generator, check_finite=check_finite, reason=fallback))
     with training_mode(model, True):
-        tr = trace(model, args, kwargs)
         report = analyse(tr, model, stack)
         if grid is not None:
             report.grid, report.grid_node = _checked_grid(grid, report), None
@@ -194,7 +220,27 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
         routed._routekit_programs[(True, spec.key())] = {shapes if program.specialised else None: program}
         _dry_run(routed, tr, args, kwargs)
     routed.train(model.training)
-    return routed
+    return rewrap(routed)
+
+
+def _graph_trace(model: nn.Module, args: tuple, kwargs: dict, mode: str) -> tuple[Trace | None, str | None]:
+    """The training trace; (None, why) for boundary mode: asked for, or the trace failed in mode 'auto'."""
+    if mode == "boundary":
+        return None, None
+    try:
+        with training_mode(model, True):
+            return trace(model, args, kwargs), None
+    except TraceError as err:
+        if mode == "graph":
+            raise
+        return None, str(err)
+
+
+def unwrap_compiled(model: Any):
+    """(the module inside a torch.compile wrapper, a function wrapping another module the same way)."""
+    if isinstance(model, nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        return model._orig_mod, lambda inner: type(model)(inner, model.dynamo_ctx)
+    return model, lambda inner: inner
 
 
 def _tensors(spec, args, kwargs, model) -> list[torch.Tensor]:
@@ -209,8 +255,6 @@ def _unwrapped(model: Any) -> nn.Module:
         raise ConfigError(
             f"{type(model).__name__} is already routed; call routekit.strip(model) first to re-apply with new routes"
         )
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        raise InputError("model is wrapped by torch.compile: apply routekit to the plain model, then compile the result")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise InputError(
             "model is wrapped by DistributedDataParallel: apply routekit first, then wrap it (or accelerate.prepare it)"
@@ -219,8 +263,18 @@ def _unwrapped(model: Any) -> nn.Module:
 
 
 def _example_call(model: nn.Module, example_inputs, example_kwargs) -> tuple[tuple, dict]:
-    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    kwargs = dict(example_kwargs or {})
+    if not isinstance(model, nn.Module):
+        raise InputError(f"expected an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise InputError(
+            f"example_inputs is a tuple of positional arguments (or one tensor), got {type(example_inputs).__name__}"
+        )
+    named = isinstance(example_kwargs, dict) and all(isinstance(k, str) for k in example_kwargs)
+    if example_kwargs is not None and not named:
+        raise InputError(f"example_kwargs is a dict of keyword arguments by name, got {example_kwargs!r:.80}")
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if not args and not kwargs:
         raise InputError("example_inputs are required: one call's arguments, e.g. example_inputs=(x, t, y)")
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
@@ -234,7 +288,9 @@ def _example_call(model: nn.Module, example_inputs, example_kwargs) -> tuple[tup
 
 
 def _checked_grid(grid, report: GraphReport) -> tuple[int, int]:
-    if len(grid) != 2 or grid[0] * grid[1] != report.tokens:
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(type(g) is int and g > 0 for g in grid)):
+        raise ConfigError(f"grid is (H, W), two positive ints, got {grid!r:.80}")
+    if grid[0] * grid[1] != report.tokens:
         raise ConfigError(f"grid {tuple(grid)} does not match the stream's {report.tokens} tokens (H·W must equal it)")
     return (int(grid[0]), int(grid[1]))
 
@@ -242,6 +298,7 @@ def _checked_grid(grid, report: GraphReport) -> tuple[int, int]:
 def check_plan(model: nn.Module, report: GraphReport, routes: list[Route], args: tuple, kwargs: dict) -> None:
     """Refuse routes this model cannot take, naming the block and what would be valid."""
     check_routes(routes, [b.qualname for b in report.blocks])
+    check_keep(routes, report)
     for k, route in enumerate(routes):
         blocks = report.blocks[route.start:route.end + 1]
         for block in blocks:
@@ -317,9 +374,9 @@ def _dry_run(routed: nn.Module, tr: Trace, args: tuple, kwargs: dict) -> None:
             raise ConfigError(
                 f"the routed training graph failed on the example inputs: {type(err).__name__}: {err}"
             ) from err
-    got = [TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(out)]
+    got = [TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in flatten(out)[0]]
     output = next(n for n in tr.graph.nodes if n.op == "output")
-    want = [a.meta["rk"] if isinstance(a, torch.fx.Node) else a for a in output.args[0]]
+    want = pytree.tree_leaves([a.meta["rk"] if isinstance(a, torch.fx.Node) else a for a in output.args[0]])
     for select in getattr(routed, _STATE).routes:
         select.last_index = None
     if [getattr(g, "shape", g) for g in got] != [getattr(w, "shape", w) for w in want]:
@@ -327,7 +384,7 @@ def _dry_run(routed: nn.Module, tr: Trace, args: tuple, kwargs: dict) -> None:
 
 
 def _check_finite(out, routes) -> None:
-    for i, t in enumerate(pytree.tree_leaves(out)):
+    for i, t in enumerate(flatten(out)[0]):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
             raise NonFiniteError(
                 f"output {i} of the routed forward has NaN/Inf (routes: "
@@ -337,17 +394,21 @@ def _check_finite(out, routes) -> None:
 
 def strip(routed: nn.Module) -> nn.Module:
     """The plain model back: same class as the original, sharing the routed model's weights."""
+    routed, rewrap = unwrap_compiled(routed)
     if not isinstance(routed, RoutedModel):
         raise InputError(f"strip takes a model returned by routekit.apply, got {type(routed).__name__}")
     plain = shallow_copy(routed, cls=routed._routekit_base)
     del plain._modules[_STATE]
+    if "_routekit_boundary" in routed.__dict__:
+        routed._routekit_boundary.detach(plain)
     for key in [k for k in plain.__dict__ if k.startswith("_routekit_")]:
         del plain.__dict__[key]
-    return plain
+    return rewrap(plain)
 
 
 def report_of(routed: nn.Module) -> GraphReport:
     """The analysis `apply` made, with the routes it placed."""
+    routed = unwrap_compiled(routed)[0]
     if not isinstance(routed, RoutedModel):
         raise InputError(f"expected a model returned by routekit.apply, got {type(routed).__name__}")
     return routed._routekit_report
@@ -359,11 +420,12 @@ def last_route_mask(routed: nn.Module, route: int | None = None) -> torch.Tensor
     With several routes, a token counts as routed if any route set it aside (or pass `route=k`).
     For losses that weight routed tokens differently; TREAD's own loss uses all tokens.
     """
+    routed = unwrap_compiled(routed)[0]
     selects = list(getattr(routed, _STATE).routes) if isinstance(routed, RoutedModel) else []
     if not selects:
         raise InputError("last_route_mask needs a model returned by routekit.apply with at least one route")
     if route is not None:
-        if not 0 <= route < len(selects):
+        if type(route) is not int or not 0 <= route < len(selects):
             raise InputError(f"route {route} does not exist; valid routes are 0..{len(selects) - 1}")
         selects = [selects[route]]
     if any(s.last_index is None for s in selects):

@@ -55,4 +55,5 @@ class RouteSelect(nn.Module):
 
     def extra_repr(self) -> str:
         r = self.route
-        return f"blocks {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}" + (f", keep={list(r.keep)}" if r.keep else "")
+        keep = f", keep={list(r.keep)}" if r.keep else ""
+        return f"blocks {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}{keep}"

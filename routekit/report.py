@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .keep import kept_tokens, suggestion
+
 if TYPE_CHECKING:
     from .analysis import GraphReport
 
@@ -14,6 +16,12 @@ def format_report(r: GraphReport) -> str:
     if r.grid:
         grid = f"{r.grid[0]}×{r.grid[1]}" + (f" (read off {r.grid_node})" if r.grid_node else " (given)")
     others = {k: v for k, v in r.candidates.items() if k != r.stack}
+    if r.grid and not r.special and r.grid[0] * r.grid[1] < tokens:
+        grid += (f"; plus {tokens - r.grid[0] * r.grid[1]} other token(s) at positions the block calls do not show: "
+                 "name them in Route(keep=[...])")
+    if r.special:
+        grid += (f"; plus {len(r.special)} other token(s) at positions {list(r.special)} (class/register/text "
+                 f"tokens): route with {suggestion(r.special)}")
     lines = [
         f"routekit report for {r.model}  [{r.mode} mode]",
         f"  block stack : {r.stack} ({r.depth} blocks)" + (f"; other chains: {others}" if others else ""),
@@ -37,11 +45,14 @@ def format_report(r: GraphReport) -> str:
             notes.append(f"{len(r.residual_adds[b.index])} residual adds")
         lines.append(f"  {b.index:>3}  {b.qualname:<24} {b.cls:<18} {sides:<44} {'; '.join(notes)}")
     lines.append("")
+    if r.fallback:
+        lines.append(f"  boundary mode: routes sit at block calls, because the owner forward is not traceable: {r.fallback}")
     for k, route in enumerate(r.routes):
-        kept = tokens - int(tokens * route.rate)
+        kept = kept_tokens(route, tokens, r.grid)
         share = (route.end - route.start + 1) / r.depth
+        keep = f", always keeping {list(route.keep)}" if route.keep else ""
         lines.append(
-            f"  route {k}: blocks {route.start}→{route.end}, rate {route.rate}, selector {route.selector!r}: "
+            f"  route {k}: blocks {route.start}→{route.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
             f"{kept} of {tokens} tokens go through; {share:.0%} of the blocks see {kept / tokens:.0%} of the tokens"
         )
     if r.routes:
@@ -54,7 +65,7 @@ def format_report(r: GraphReport) -> str:
 def block_flop_fraction(r: GraphReport) -> float:
     """Fraction of block compute left with the routes, counting compute as linear in tokens."""
     tokens = r.tokens
-    kept = {i: tokens - int(tokens * route.rate) for route in r.routes for i in range(route.start, route.end + 1)}
+    kept = {i: kept_tokens(route, tokens, r.grid) for route in r.routes for i in range(route.start, route.end + 1)}
     return sum(kept.get(i, tokens) for i in range(r.depth)) / (tokens * r.depth)
 
 
@@ -77,7 +88,7 @@ def draw_report(r: GraphReport, path: str) -> str:
     kept = {}
     for k, route in enumerate(r.routes):
         for i in range(route.start, route.end + 1):
-            kept[i] = (tokens - int(tokens * route.rate)) / tokens
+            kept[i] = kept_tokens(route, tokens, r.grid) / tokens
         c = colours[k % len(colours)]
         left, right = x0 + route.start - 0.45, x0 + route.end + 0.45
         ax.annotate("", xy=(right + 0.5, 0.1), xytext=(left - 0.5, 0.1),

@@ -11,6 +11,7 @@ traced become leaves automatically, and the trace reports which.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import operator
@@ -43,8 +44,33 @@ class TensorMeta:
 
 
 def describe(value: Any) -> Any:
-    """Replace tensors by TensorMeta inside any structure, to keep metadata without the memory."""
-    return pytree.tree_map(lambda v: TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v, value)
+    """Replace tensors by TensorMeta inside any structure, to keep metadata without the memory.
+
+    A dataclass pytree does not know (fx builds such outputs in the graph) becomes the tuple of its fields.
+    """
+
+    def leaf(v):
+        if isinstance(v, torch.Tensor):
+            return TensorMeta(tuple(v.shape), v.dtype)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return tuple(describe(getattr(v, f.name)) for f in dataclasses.fields(v))
+        return v
+
+    return pytree.tree_map(leaf, value)
+
+
+def flatten(value: Any) -> tuple[list, list]:
+    """Leaves and structure of a value, descending into dataclasses that pytree does not know."""
+    leaves, spec = pytree.tree_flatten(value)
+    flat, structure = [], [spec]
+    for v in leaves:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            inner, inner_structure = flatten({f.name: getattr(v, f.name) for f in dataclasses.fields(v)})
+            flat.extend(inner)
+            structure.append((type(v), inner_structure))
+        else:
+            flat.append(v)
+    return flat, structure
 
 
 @dataclass
@@ -253,7 +279,7 @@ class _Tracer(fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind not in ("placeholder", "output"):
-            with _maybe_revert_all_patches():  # run the real modules, not the tracer's patched calls
+            with _maybe_revert_all_patches(), _not_fx_tracing():  # run the real modules (compiled ones too)
                 node.meta["value"] = self._run(node)
         return node
 
@@ -281,6 +307,17 @@ class _Tracer(fx.Tracer):
             raise
         except Exception as err:  # any failure inside a submodule: retry with it as a leaf
             raise _Untraceable(qualname, err) from err
+
+
+@contextlib.contextmanager
+def _not_fx_tracing():
+    """Run concrete values outside fx's tracing flag: a torch.compile'd block refuses to run under it."""
+    flag = fx._symbolic_trace._is_fx_tracing_flag
+    fx._symbolic_trace._is_fx_tracing_flag = False
+    try:
+        yield
+    finally:
+        fx._symbolic_trace._is_fx_tracing_flag = flag
 
 
 def _fetch(root: nn.Module, target: str) -> Any:

@@ -10,9 +10,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
-from .errors import InferenceChanged, InputError
-from .model import RoutedModel, _example_call, training_mode
-from .trace import preserved_state, trace
+from .errors import InferenceChanged, InputError, TraceError
+from .model import RoutedModel, _example_call, training_mode, unwrap_compiled
+from .trace import flatten, preserved_state, trace
 
 
 def graph_lines(graph: fx.Graph) -> list[str]:
@@ -29,14 +29,22 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
     """Check that `routed` in eval mode is `model`: the same traced graph and bit-identical outputs.
 
     Both run under the routed model's parameters (torch.func.functional_call), with the same RNG
-    seed. Raises InferenceChanged with a readable diff otherwise; returns what was compared.
+    seed. Raises InferenceChanged with a readable diff otherwise; returns what was compared. Where
+    the eval forward does not trace (boundary mode, or an owner that builds a cache in eval), the
+    outputs alone are compared and "nodes" is None.
     """
+    model, routed = unwrap_compiled(model)[0], unwrap_compiled(routed)[0]
+    if type(seed) is not int:
+        raise InputError(f"seed is an int, got {seed!r:.80}")
     if not isinstance(routed, RoutedModel):
         raise InputError(f"verify compares a model with routekit.apply(model, ...); got {type(routed).__name__}")
     args, kwargs = _example_call(model, example_inputs, example_kwargs)
     with training_mode(model, False), training_mode(routed, False):
-        original = graph_lines(trace(model, args, kwargs).graph)
-        inference = graph_lines(trace(routed, args, kwargs, signature_of=routed._routekit_base.forward).graph)
+        try:
+            original = graph_lines(trace(model, args, kwargs).graph)
+        except TraceError:
+            original = None
+        inference = original and graph_lines(trace(routed, args, kwargs, signature_of=routed._routekit_base.forward).graph)
         if original != inference:
             diff = "\n".join(difflib.unified_diff(original, inference, "original eval graph", "routed eval graph",
                                                   lineterm="", n=1))
@@ -46,15 +54,23 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with preserved_state(model, tensors):
             torch.manual_seed(seed)
-            expected = functional_call(model, state, args, kwargs)
+            try:
+                expected = functional_call(model, state, args, kwargs)
+            except Exception as err:
+                raise InputError(f"{type(model).__name__} fails in eval on the example inputs: "
+                                 f"{type(err).__name__}: {err}") from None
             torch.manual_seed(seed)
-            got = routed(*args, **kwargs)
+            try:
+                got = routed(*args, **kwargs)
+            except Exception as err:
+                raise InferenceChanged(f"the routed model fails in eval where the original runs: "
+                                       f"{type(err).__name__}: {err}") from err
     _compare(expected, got)
-    return {"nodes": len(original), "outputs": len(pytree.tree_leaves(expected))}
+    return {"mode": routed._routekit_report.mode, "nodes": original and len(original), "outputs": len(flatten(expected)[0])}
 
 
-def _compare(expected, got) -> None:
-    want, have = pytree.tree_flatten(expected), pytree.tree_flatten(got)
+def _compare(expected, got, depth: int = 0) -> None:
+    want, have = flatten(expected), flatten(got)
     if want[1] != have[1]:
         raise InferenceChanged(f"output structure differs: original {want[1]}, routed {have[1]}")
     for i, (a, b) in enumerate(zip(want[0], have[0])):
@@ -67,5 +83,7 @@ def _compare(expected, got) -> None:
                     f"output {i} is not bit-identical: {int((diff > 0).sum())} of {diff.numel()} elements differ, "
                     f"max |Δ| = {diff.max().item():.3e}"
                 )
+        elif type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") and depth < 4:
+            _compare(vars(a), vars(b), depth + 1)  # an object without equality (a cache): compare what it holds
         elif a != b:
             raise InferenceChanged(f"output {i}: original {a!r}, routed {b!r}")

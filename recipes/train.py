@@ -1,0 +1,419 @@
+"""Train a diffusion backbone from a YAML recipe, routed by routekit or not.
+
+    python -m recipes.train recipes/configs/dit_s2_tread.yaml [--out DIR] [--steps N] [--resume CKPT]
+    accelerate launch -m recipes.train recipes/configs/dit_s2_tread.yaml ...
+
+A checkpoint holds everything the next step depends on (weights, EMA, optimiser, scheduler, data
+position and every rank's RNG states), so a resumed run takes the bit-identical next step. Only the main
+process writes files; each rank draws its own noise and its own routes from a rank-specific seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import random
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from matplotlib import image as mpimg
+from torch import nn
+from tqdm.auto import tqdm
+
+from recipes.config import ConfigError, TrainConfig, load_config, parse_config, with_overrides
+from recipes.data import BatchOrder, load_dataset
+from recipes.metrics import Evaluator
+from recipes.objectives import make_objective
+from recipes.sampling import sample
+
+SAMPLE_CHUNK = 250  # images per sampling call: bounds memory when guidance doubles the batch
+
+
+def _accelerate():
+    try:
+        import accelerate
+    except ImportError:
+        raise ImportError("recipes.train needs `accelerate` (pip install accelerate, or the package's "
+                          "[recipes] extra); it runs single-process on CPU too") from None
+    return accelerate
+
+
+def build_model(config: TrainConfig, shape: tuple[int, int, int], num_classes: int,
+                device: torch.device | str) -> nn.Module:
+    """The configured backbone for images of shape (C, H, W), handed to ``rk.apply`` when routes or DAR
+    are set."""
+    backbone = importlib.import_module(f"backbones.{config.model.backbone}")
+    channels, height, width = shape
+    kwargs = dict(input_size=height if height == width else (height, width), in_channels=channels,
+                  num_classes=num_classes, **config.model.overrides)
+    try:
+        model = backbone.build(config.model.size, **kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"invalid config: model (backbone {config.model.backbone!r}, size "
+                          f"{config.model.size!r}, overrides {config.model.overrides}): {error}") from None
+    model = model.to(device)
+    if not config.routed:
+        return model
+    import routekit as rk
+
+    if not hasattr(rk, "apply"):
+        raise RuntimeError("this config sets routes or dar, which need routekit.apply; "
+                           "the installed routekit has none")
+    routes = "default" if config.routes == "default" else [rk.Route(**r.model_dump()) for r in config.routes]
+    residual = rk.DAR(**config.dar.model_dump()) if config.dar is not None else None
+    example = backbone.example_inputs(model, 2, device=device, generator=torch.Generator().manual_seed(0))
+    return rk.apply(model, routes=routes, residual=residual, example_inputs=example)
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    """Independent, reproducible seeds per (seed, rank): ranks must not draw the same noise or routes."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@torch.no_grad()
+def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * model; buffers are copied."""
+    ema_params, params = list(ema.parameters()), list(model.parameters())
+    if decay == 0:
+        torch._foreach_copy_(ema_params, params)
+    else:
+        torch._foreach_lerp_(ema_params, params, 1 - decay)
+    for ema_buffer, buffer in zip(ema.buffers(), model.buffers()):
+        ema_buffer.copy_(buffer)
+
+
+def save_grid(images: torch.Tensor, rows: int, path: Path) -> None:
+    """Tile images (N, C, H, W) in [-1, 1] into ``rows`` rows with a 1-px gray border, as a PNG."""
+    images = torch.nn.functional.pad((images.float().clamp(-1, 1) + 1) / 2, (1, 1, 1, 1), value=0.5).cpu()
+    n, c, h, w = images.shape
+    tiles = images.reshape(rows, n // rows, c, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, -1, c)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if c == 1:
+        mpimg.imsave(path, tiles[..., 0].numpy(), cmap="gray", vmin=0, vmax=1)
+    else:
+        mpimg.imsave(path, tiles.numpy())
+
+
+class _Clock:
+    """Training seconds = wall time in the loop minus evaluation, sampling and checkpointing, minus the
+    first step (compilation, allocator warm-up), which is reported separately."""
+
+    def __init__(self, prior: float, device: torch.device):
+        self.device, self.prior, self.paused = device, prior, 0.0
+        self.start = self.first_step = None
+
+    def sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def begin(self) -> None:
+        self.start = self.sync()
+
+    def first_step_done(self) -> None:
+        now = self.sync()
+        self.first_step, self.start = now - self.start, now
+
+    def seconds(self) -> float:
+        return self.prior + self.sync() - self.start - self.paused
+
+
+class Trainer:
+    """One run of a recipe: the model, its EMA and optimiser, the data position, and the clock.
+
+    ``run`` trains; ``evaluate``, ``sample_grid`` and ``checkpoint`` are what it does between steps."""
+
+    def __init__(self, config: TrainConfig, out_dir: str | Path, *, resume_from: str | Path | None = None,
+                 progress: bool = True):
+        accelerate = _accelerate()
+        try:
+            self.acc = accelerate.Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+        except ValueError as error:  # accelerate keeps one precision per process
+            raise RuntimeError(f"cannot switch to bf16={config.bf16} in this process: {error}") from None
+        self.config, self.out, self.progress = config, Path(out_dir), progress
+        self.main, self.device = self.acc.is_main_process, self.acc.device
+        if self.device.type == "cuda":  # fp32 parts (EMA, loss, optimiser) on tensor cores, as DiT trains
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        if resume_from is None and (self.out / "train.jsonl").exists():
+            raise FileExistsError(f"{self.out} already holds a run; resume it (--resume CKPT) or pick another --out")
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+            (self.out / "config.yaml").write_text(dump)
+
+        data = config.data
+        self.dataset = load_dataset(data.name, data.limit, data.cache_dir).to(self.device)
+        torch.manual_seed(config.seed)  # identical initial weights on every rank
+        model = build_model(config, self.dataset.shape, self.dataset.num_classes, self.device)
+        self.ema = copy.deepcopy(model).eval().requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=config.optimiser.lr, betas=config.optimiser.betas,
+                                weight_decay=config.optimiser.weight_decay)
+        warmup = config.optimiser.warmup_steps
+        ramp = lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, ramp)
+        self.order = BatchOrder(len(self.dataset.train), config.batch, config.seed,
+                                rank=self.acc.process_index, world=self.acc.num_processes)
+        self.step, prior_seconds = 0, 0.0
+        if resume_from is not None:
+            prior_seconds = self._restore(torch.load(resume_from, map_location="cpu", weights_only=False),
+                                          model, opt)
+        else:
+            _seed_all(_rank_seed(config.seed, self.acc.process_index))
+        self.net, self.opt = self.acc.prepare(model, opt)
+        self.forward = torch.compile(self.net) if config.compile else self.net
+        self.objective = make_objective(config.objective)
+        self.clock = _Clock(prior_seconds, self.device)
+        self.evaluator: Evaluator | None = None
+        self.evals: list[dict[str, Any]] = []
+        self.evaluated_at: int | None = None
+        self.last_checkpoint: Path | None = None
+
+    def _restore(self, ckpt: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer) -> float:
+        """Load a checkpoint (a file we wrote: it holds RNG tuples, hence weights_only=False above)."""
+        model.load_state_dict(ckpt["model"])
+        self.ema.load_state_dict(ckpt["ema"])
+        opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        self.order.load_state_dict(ckpt["data"])
+        self.step = ckpt["step"]
+        world, rank = self.acc.num_processes, self.acc.process_index
+        if len(ckpt["rng"]) == world:
+            _set_rng_state(ckpt["rng"][rank])
+        else:
+            warnings.warn(f"the checkpoint holds RNG states of {len(ckpt['rng'])} processes, this run has "
+                          f"{world}: reseeding, so the continuation is not bit-identical", stacklevel=3)
+            _seed_all(_rank_seed(self.config.seed + self.step, rank))
+        return ckpt["train_seconds"]
+
+    def train_step(self) -> torch.Tensor:
+        """One optimiser step on the next batch, then the EMA update; returns the (unsynchronised) loss."""
+        config, acc = self.config, self.acc
+        idx = self.order.next().to(self.device)
+        train = self.dataset.train
+        with acc.autocast():
+            loss = self.objective.loss(self.forward, train.images[idx], train.labels[idx])
+        acc.backward(loss)
+        if config.optimiser.grad_clip is not None:
+            acc.clip_grad_norm_(self.net.parameters(), config.optimiser.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        decay = config.ema.decay if self.step > config.ema.start else 0.0
+        update_ema(self.ema, acc.unwrap_model(self.net), decay)
+        return loss.detach()
+
+    def generate(self, labels: torch.Tensor) -> torch.Tensor:
+        """EMA samples for labels, in chunks, from a fixed seed (the same noise at every evaluation)."""
+        generator = torch.Generator().manual_seed(self.config.seed)
+        sampler, out = self.config.sampler, []
+        for chunk in labels.split(SAMPLE_CHUNK):
+            with self.acc.autocast():
+                images = sample(self.objective, self.ema, chunk, self.dataset.shape, steps=sampler.steps,
+                                guidance=sampler.guidance, null_class=self.dataset.num_classes,
+                                generator=generator)
+            out.append(images.float())
+        return torch.cat(out)
+
+    def evaluate(self) -> None:
+        """Fréchet distance and classifier accuracy of EMA samples, appended to metrics.jsonl (main only)."""
+        self.evaluated_at = self.step  # on every rank: end-of-run decisions must agree
+        if not self.main:
+            return
+        seconds = self.clock.seconds()
+        if self.evaluator is None:
+            self.evaluator = Evaluator(self.dataset, self.device, self.config.data.cache_dir)
+        labels = torch.arange(self.config.eval.samples, device=self.device) % self.dataset.num_classes
+        record = {"step": self.step, "train_seconds": round(seconds, 3), **self.evaluator(self.generate(labels), labels)}
+        self.evals.append(record)
+        with (self.out / "metrics.jsonl").open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        tqdm.write(f"step {self.step}: fd {record['fd']:.3f}, accuracy {record['accuracy']:.3f}")
+
+    def sample_grid(self) -> None:
+        """A PNG of ``per_class`` EMA samples per class, one class per row (main only)."""
+        if not self.main:
+            return
+        classes = self.dataset.num_classes
+        labels = torch.arange(classes, device=self.device).repeat_interleave(self.config.sample.per_class)
+        save_grid(self.generate(labels), classes, self.out / "samples" / f"step_{self.step:07d}.png")
+
+    def checkpoint(self) -> None:
+        """Everything the next step depends on; every rank's RNG state is gathered to the main process."""
+        rng = _accelerate().utils.gather_object([_rng_state()])
+        if not self.main:
+            return
+        path = self.out / "checkpoints" / f"step_{self.step:07d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"config": self.config.model_dump(mode="json"), "step": self.step,
+                 "train_seconds": self.clock.seconds(), "world": self.acc.num_processes, "rng": rng,
+                 "model": self.acc.unwrap_model(self.net).state_dict(), "ema": self.ema.state_dict(),
+                 "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                 "data": self.order.state_dict()}
+        torch.save(state, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)  # atomic: a crash never leaves half a checkpoint
+        for old in sorted(path.parent.glob("step_*.pt"))[:-self.config.checkpoint.keep]:
+            old.unlink()
+        self.last_checkpoint = path
+
+    def _paused(self, action: Callable[[], None]) -> None:
+        """Run eval, sampling or checkpointing without counting it as training time; ranks wait together."""
+        begin = self.clock.sync()
+        action()
+        self.acc.wait_for_everyone()
+        self.clock.paused += self.clock.sync() - begin
+
+    def _agreed(self, flag: bool) -> bool:
+        """The main process's decision on every rank (time-based decisions could differ between ranks)."""
+        if self.acc.num_processes == 1:
+            return flag
+        flag = torch.tensor([flag], device=self.device)
+        return bool(_accelerate().utils.broadcast(flag, from_process=0).item())
+
+    def run(self, max_steps: int | None = None, budget_s: float | None = None,
+            eval_every_s: float | None = None) -> dict[str, Any]:
+        """Train to ``config.steps``, or for ``max_steps`` more steps, or until ``budget_s`` training seconds.
+        ``eval_every_s`` adds evaluations every so many training seconds (checked at log steps)."""
+        config, acc = self.config, self.acc
+        first = self.step
+        last = config.steps if max_steps is None else min(config.steps, first + max_steps)
+        losses: list[float] = []
+        pending: list[torch.Tensor] = []
+        next_eval_s = (self.clock.prior // eval_every_s + 1) * eval_every_s if eval_every_s else None
+        bar = tqdm(total=None if budget_s else last, initial=first, disable=not (self.progress and self.main),
+                   dynamic_ncols=True, desc=self.out.name)
+        self.net.train()
+        self.clock.begin()
+        while self.step < last:
+            pending.append(self.train_step())
+            if self.clock.first_step is None:
+                self.clock.first_step_done()
+            bar.update(1)
+            if self.step % config.log_every == 0 or self.step == last:
+                chunk = acc.reduce(torch.stack(pending), "mean").tolist()  # also synchronises the device
+                pending.clear()
+                losses += chunk
+                seconds = self.clock.seconds()
+                bar.set_postfix(loss=f"{chunk[-1]:.4f}", refresh=False)
+                self._log({"step": self.step, "loss": sum(chunk) / len(chunk),
+                           "lr": self.sched.get_last_lr()[0], "train_seconds": round(seconds, 3)})
+                if next_eval_s is not None and self._agreed(seconds >= next_eval_s):
+                    self._paused(self.evaluate)
+                    next_eval_s += eval_every_s * (1 + (seconds - next_eval_s) // eval_every_s)
+                if budget_s is not None and self._agreed(seconds >= budget_s):
+                    break
+            for every, action in ((config.eval.every, self.evaluate), (config.sample.every, self.sample_grid),
+                                  (config.checkpoint.every, self.checkpoint)):
+                if every and self.step % every == 0:
+                    self._paused(action)
+        bar.close()
+        self._finish(eval_every_s is not None)
+        return {"step": self.step, "start_step": first, "losses": losses,
+                "loss": losses[-1] if losses else None,
+                "train_seconds": self.clock.seconds(), "first_step_seconds": self.clock.first_step,
+                "evals": self.evals, "checkpoint": self.last_checkpoint and str(self.last_checkpoint),
+                "parameters": sum(p.numel() for p in self.ema.parameters()), "out_dir": str(self.out)}
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.main:
+            with (self.out / "train.jsonl").open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def _finish(self, timed_evals: bool) -> None:
+        """Final evaluation, grid and checkpoint, unless the last step already made them."""
+        config, step = self.config, self.step
+        if (config.eval.every or timed_evals) and self.evaluated_at != step:
+            self._paused(self.evaluate)
+        if config.sample.every and step % config.sample.every:
+            self._paused(self.sample_grid)
+        if config.checkpoint.final and not (config.checkpoint.every and step % config.checkpoint.every == 0):
+            self._paused(self.checkpoint)
+
+
+def train(config: TrainConfig, out_dir: str | Path, *, max_steps: int | None = None,
+          budget_s: float | None = None, eval_every_s: float | None = None,
+          resume_from: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the recipe into out_dir (see ``Trainer.run`` for the stopping rules); returns final stats:
+    step, this call's per-step losses, training seconds, evaluations, the last checkpoint."""
+    trainer = Trainer(config, out_dir, resume_from=resume_from, progress=progress)
+    return trainer.run(max_steps=max_steps, budget_s=budget_s, eval_every_s=eval_every_s)
+
+
+def resume(checkpoint: str | Path, out_dir: str | Path | None = None, *, config: TrainConfig | None = None,
+           **kwargs: Any) -> dict[str, Any]:
+    """Continue a run from one of its checkpoints, by default with the config and folder it was saved with."""
+    checkpoint = Path(checkpoint)
+    if config is None:
+        stored = torch.load(checkpoint, map_location="cpu", weights_only=False)["config"]
+        config = parse_config(stored, str(checkpoint))
+    out = out_dir if out_dir is not None else checkpoint.parent.parent
+    return train(config, out, resume_from=checkpoint, **kwargs)
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        pairs[key] = yaml.safe_load(value)
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="YAML recipe, e.g. recipes/configs/dit_s2_tread.yaml")
+    parser.add_argument("--out", help="run folder (default: runs/<config name>)")
+    parser.add_argument("--steps", type=int, help="total steps, replacing the config's")
+    parser.add_argument("--resume", metavar="CKPT", help="checkpoint to continue from")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="dotted overrides, e.g. batch=64 model.overrides.depth=4")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        overrides = _parse_set(args.set)
+        if args.steps is not None:
+            overrides["steps"] = args.steps
+        if overrides:
+            config = with_overrides(config, overrides)
+    except ConfigError as error:
+        raise SystemExit(str(error)) from None
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    stats = train(config, out, resume_from=args.resume)
+    if _accelerate().PartialState().is_main_process and stats["losses"]:
+        print(json.dumps({k: stats[k] for k in ("step", "loss", "train_seconds", "checkpoint")}))
+
+
+if __name__ == "__main__":
+    main()

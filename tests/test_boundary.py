@@ -1,0 +1,297 @@
+"""Boundary mode, tracing robustness, wrappers and persistence.
+
+Boundary mode places the same route ops as graph mode with hooks at the block calls, for owners whose
+forward does not trace. Its laws: apply falls back to it by itself and says so; it routes exactly like
+graph mode (same selection, same outputs, same gradients); eval is the original forward; the user's own
+model gets no hooks; strip, pickling and verify work as in graph mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import routekit as rk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DIM, GRID = 8, (4, 4)
+
+
+class Cache:
+    """A plain Python object handed to every block (like a generation cache): fx cannot hold it in a graph."""
+
+    def __init__(self):
+        self.calls = 0
+
+
+class Block(nn.Module):
+    """Takes the stream by keyword, a per-token mask, a per-sample scale, a cache; returns (stream, aux)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.gate = nn.Linear(DIM, DIM)
+
+    def forward(self, x, mask=None, scale=None, cache=None):
+        if cache is not None:
+            cache.calls += 1
+        y = self.proj(x) * torch.sigmoid(self.gate(x))
+        if mask is not None:
+            y = y * mask[..., None]
+        if scale is not None:
+            y = y * scale[:, None, None]
+        return x + y, y.square().mean()
+
+
+@dataclasses.dataclass
+class Output:
+    sample: torch.Tensor
+    aux: torch.Tensor
+
+
+class Owner(nn.Module):
+    """A patch-embedding model whose forward fx can trace (`cache=False`) or not (`cache=True`)."""
+
+    def __init__(self, cache: bool, depth: int = 5):
+        super().__init__()
+        self.cache = cache
+        self.embed = nn.Conv2d(3, DIM, 2, 2)
+        self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, image, scale=None, mask=None, return_dict: bool = True):
+        x = self.embed(image).flatten(2).transpose(1, 2)
+        cache = Cache() if self.cache else None
+        aux = 0.0
+        for block in self.blocks:
+            x, a = block(x=x, mask=mask, scale=scale, cache=cache)
+            aux = aux + a
+        out = self.head(x)
+        return Output(out, aux) if return_dict else (out, aux)
+
+
+def twins() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    untraceable = Owner(cache=True)
+    traceable = Owner(cache=False)
+    traceable.load_state_dict(untraceable.state_dict())
+    return untraceable, traceable
+
+
+def call(batch: int = 2) -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(1)
+    image = torch.randn(batch, 3, 8, 8, generator=g)
+    mask = (torch.rand(batch, GRID[0] * GRID[1], generator=g) > 0.2).float()
+    return (image,), {"scale": torch.rand(batch, generator=g) + 0.5, "mask": mask}
+
+
+ROUTES = [rk.Route(start=1, end=2, selector="row"), rk.Route(start=3, end=3, rate=0.25)]
+
+
+def route(model: nn.Module, **options) -> nn.Module:
+    args, kwargs = call()
+    return rk.apply(model, ROUTES, example_inputs=args, example_kwargs=kwargs,
+                    generator=torch.Generator().manual_seed(7), **options)
+
+
+def test_apply_falls_back_to_boundary_mode_when_the_owner_does_not_trace_and_says_why() -> None:
+    untraceable, _ = twins()
+    args, kwargs = call()
+    with pytest.raises(rk.TraceError, match="Owner.forward"):
+        route(untraceable, mode="graph")
+    routed = route(untraceable)
+    report = rk.report_of(routed)
+    assert report.mode == "boundary" and "Cache" in report.fallback
+    assert "boundary mode" in str(report) and report.grid == GRID and report.grid_node == "embed"
+    assert [s.kind for s in report.blocks[0].side_inputs if s.node] == ["per-token", "per-sample"]
+    inspected = rk.inspect(untraceable, args, kwargs)
+    assert inspected.mode == "boundary" and inspected.stack == "blocks" and inspected.stream_slot == "x"
+    assert rk.verify(untraceable, routed, args, kwargs) == {"mode": "boundary", "nodes": None, "outputs": 2}
+
+
+def test_boundary_mode_routes_exactly_like_graph_mode() -> None:
+    untraceable, traceable = twins()
+    args, kwargs = call()
+    results = []
+    for model, options in ((untraceable, {}), (traceable, {}), (traceable, {"mode": "boundary"})):
+        routed = route(model, **options).train()
+        out = routed(*args, **kwargs)
+        (out.sample.square().mean() + out.aux).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        results.append((out, grads, [rk.last_route_mask(routed, k) for k in range(len(ROUTES))],
+                        rk.report_of(routed).mode))
+    assert [r[3] for r in results] == ["boundary", "graph", "boundary"]
+    for out, grads, masks, _ in results[1:]:
+        torch.testing.assert_close(out.sample, results[0][0].sample, rtol=0, atol=0)
+        torch.testing.assert_close(out.aux, results[0][0].aux, rtol=0, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(masks, results[0][2]))
+        assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(grads, results[0][1]))
+
+
+def test_blocks_in_a_boundary_route_see_the_kept_tokens_and_their_gathered_mask() -> None:
+    untraceable, _ = twins()
+    routed = route(untraceable).train()
+    seen = {}
+
+    def record(i, kwargs):
+        seen[i] = (kwargs["x"].shape[1], kwargs["mask"].shape[1])
+
+    for i, block in enumerate(routed.blocks):  # hooks after routekit's: they see what the block gets
+        block.register_forward_pre_hook(lambda m, a, kw, i=i: record(i, kw), with_kwargs=True)
+    args, kwargs = call()
+    routed(*args, **kwargs)
+    assert seen == {0: (16, 16), 1: (8, 8), 2: (8, 8), 3: (12, 12), 4: (16, 16)}
+
+
+def test_the_users_model_gets_no_hooks_and_eval_is_the_original_forward() -> None:
+    untraceable, _ = twins()
+    args, kwargs = call()
+    routed = route(untraceable)
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in untraceable.blocks)
+    assert any(b._forward_pre_hooks for b in routed.blocks)
+    assert all(a is b for a, b in zip(untraceable.parameters(), routed.parameters()))
+    torch.manual_seed(3)
+    before = untraceable.train()(*args, **kwargs).sample
+    routed.train()(*args, **kwargs)
+    torch.manual_seed(3)
+    assert torch.equal(untraceable(*args, **kwargs).sample, before)  # routing did not touch the original
+    assert torch.equal(routed.eval()(*args, **kwargs).sample, untraceable.eval()(*args, **kwargs).sample)
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_strip_gives_the_plain_model_with_the_same_weights_and_no_hooks(mode: str) -> None:
+    _, traceable = twins()
+    args, kwargs = call()
+    routed = route(traceable, mode=mode)
+    plain = rk.strip(routed)
+    assert type(plain) is Owner and not hasattr(plain, "routekit")
+    assert plain.state_dict().keys() == traceable.state_dict().keys()
+    assert all(a is b for a, b in zip(plain.parameters(), traceable.parameters()))
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in plain.blocks)
+    torch.manual_seed(0)
+    want = traceable.train()(*args, **kwargs).sample
+    torch.manual_seed(0)
+    assert torch.equal(plain.train()(*args, **kwargs).sample, want)
+    rk.apply(plain, ROUTES, example_inputs=args, example_kwargs=kwargs)  # routable again
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_a_routed_model_round_trips_through_torch_save_pickle_and_deepcopy(mode: str) -> None:
+    _, traceable = twins()
+    args, kwargs = call()
+    routed = route(traceable, mode=mode)
+    buffer = io.BytesIO()
+    torch.save(routed, buffer)
+    buffer.seek(0)
+    copies = [torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(routed)), copy.deepcopy(routed)]
+    for loaded in copies:
+        assert type(loaded) is type(routed) and rk.report_of(loaded).mode == mode
+        assert loaded.state_dict().keys() == routed.state_dict().keys()
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), routed.state_dict().values()))
+        for module in (routed, loaded):
+            module.routekit.routes[0].generator = torch.Generator().manual_seed(5)
+            module.routekit.routes[1].generator = torch.Generator().manual_seed(6)
+        train = [m.train()(*args, **kwargs).sample for m in (routed, loaded)]
+        assert torch.equal(*train)
+        assert torch.equal(*[m.eval()(*args, **kwargs).sample for m in (routed, loaded)])
+        assert rk.verify(traceable, routed, args, kwargs)["mode"] == mode
+
+
+def test_owner_forwards_with_keywords_none_defaults_and_tuple_or_dataclass_outputs_trace() -> None:
+    _, traceable = twins()
+    args, kwargs = call()
+    for options in ({}, {"return_dict": False}, {"scale": None}, {"mask": kwargs["mask"]}):
+        routed = rk.apply(traceable, ROUTES, example_inputs=args, example_kwargs=options)
+        assert rk.report_of(routed).mode == "graph"
+        assert rk.verify(traceable, routed, args, options)["mode"] == "graph"
+        out = routed.train()(*args, **options)
+        assert type(out) is (tuple if options.get("return_dict") is False else Output)
+
+
+class DictOwner(Owner):
+    def forward(self, image, scale=None, mask=None):
+        out = super().forward(image, scale, mask)
+        return {"sample": out.sample, "aux": [out.aux]}
+
+
+def test_dict_outputs_and_compiled_blocks_route_in_graph_mode() -> None:
+    torch.manual_seed(0)
+    model = DictOwner(cache=False)
+    model.blocks = nn.ModuleList([torch.compile(b, backend="eager") for b in model.blocks])
+    args, kwargs = call()
+    routed = rk.apply(model, ROUTES, example_inputs=args, example_kwargs=kwargs)
+    assert rk.report_of(routed).mode == "graph" and rk.report_of(routed).blocks[0].cls == "OptimizedModule"
+    assert rk.verify(model, routed, args, kwargs)["mode"] == "graph"
+    out = routed.train()(*args, **kwargs)
+    assert set(out) == {"sample", "aux"} and out["sample"].shape == (2, 16, 3)
+
+
+def test_a_torch_compiled_model_is_routed_inside_and_comes_back_compiled_the_same_way() -> None:
+    _, traceable = twins()
+    args, kwargs = call()
+    compiled = torch.compile(traceable, backend="eager")
+    routed = route(compiled)
+    assert type(routed) is type(compiled) and isinstance(routed._orig_mod, rk.RoutedModel)
+    assert routed.dynamo_ctx is compiled.dynamo_ctx
+    assert rk.verify(compiled, routed, args, kwargs)["mode"] == "graph"
+    routed.train()(*args, **kwargs).sample.sum().backward()
+    assert rk.last_route_mask(routed).shape == (2, 16) and rk.report_of(routed).depth == 5
+    assert type(rk.strip(routed)) is type(compiled) and type(rk.strip(routed)._orig_mod) is Owner
+    assert rk.inspect(routed).routes == ROUTES
+
+
+def test_a_ddp_wrapped_model_is_refused_with_what_to_do(tmp_path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(twins()[1])
+        with pytest.raises(rk.InputError, match="DistributedDataParallel: apply routekit first"):
+            route(wrapped)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_check_finite_raises_non_finite_error_in_a_routed_forward(mode: str) -> None:
+    _, traceable = twins()
+    args, kwargs = call()
+    routed = route(traceable, mode=mode, check_finite=True).train()
+    routed(*args, **kwargs)
+    with torch.no_grad():
+        traceable.blocks[1].proj.bias.fill_(float("nan"))
+    with pytest.raises(rk.NonFiniteError, match="NaN/Inf"):
+        routed(*args, **kwargs)
+
+
+def test_inputs_on_another_device_than_the_model_are_refused_by_every_entry_point() -> None:
+    _, traceable = twins()
+    args, kwargs = call()
+    routed = route(traceable)
+    meta = tuple(a.to("meta") for a in args)
+    for verb in (lambda: route(twins()[0].to("meta")), lambda: rk.apply(traceable, ROUTES, example_inputs=meta),
+                 lambda: rk.inspect(traceable, meta), lambda: rk.verify(traceable, routed, meta)):
+        with pytest.raises(rk.InputError, match="share a device"):
+            verb()
+
+
+def test_dar_needs_graph_mode() -> None:
+    untraceable, _ = twins()
+    with pytest.raises(rk.ConfigError, match="graph mode"):
+        route(untraceable, residual=rk.DAR())
+
+
+def test_mode_must_be_auto_graph_or_boundary() -> None:
+    with pytest.raises(rk.ConfigError, match="'auto', 'graph' or 'boundary'"):
+        route(twins()[1], mode="hooks")
+    with pytest.raises(rk.ConfigError, match="'auto', 'graph' or 'boundary'"):
+        rk.inspect(twins()[1], call()[0], mode="fx")
+

@@ -1,0 +1,640 @@
+"""DAR (routekit/dar.py) held against DAR written out by hand, on tiny block-stacked models.
+
+The models here are pre-norm stacks whose blocks expose their sublayers (`Block.branches`), so a test can
+run DAR's forward as a plain loop: history = [v_0]; for each sublayer v = branch(h), history gets v (with
+chunk=S every S outputs become their sum), h = softmax-mix of the history keyed by q·RMSNorm(v)/√D; after
+the last block h goes to the output layer. Nothing here calls routekit's aggregation or its route ops.
+"""
+
+from __future__ import annotations
+
+import copy
+import linecache
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import routekit as rk
+from backbones import dit, mamba, rwkv
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SOME = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOL = dict(atol=1e-5, rtol=0)
+CHUNKS = (None, 1, 2, 3, 4)
+RATES = st.floats(0.0, 0.8)
+
+
+# --- a tiny pre-norm family with known sublayers -----------------------------------------------------
+
+
+class Ffn(nn.Module):
+    """Token-wise feed-forward whose bias adds (inside the branch) are not residual adds."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d, bias=False)
+        self.b1, self.b2 = nn.Parameter(0.1 * torch.randn(2 * d)), nn.Parameter(0.1 * torch.randn(d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(h) + self.b1)) + self.b2
+
+
+class Attn(nn.Module):
+    """Single-head self-attention: mixes tokens."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        return self.proj(F.scaled_dot_product_attention(q, k, v))
+
+
+SUBLAYERS = {"ffn": Ffn, "attn": Attn}
+
+
+class Block(nn.Module):
+    """x = x + gate_j * sub_j(norm_j(x) * (1 + scale_j) + shift_j) for each sublayer j (no gate/shift/scale
+    without adaLN). `1 + scale`, `+ shift` and the c-bias add are adds that are not residual adds."""
+
+    def __init__(self, d: int, kinds: tuple[str, ...], ada: bool):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in kinds)
+        self.subs = nn.ModuleList(SUBLAYERS[k](d) for k in kinds)
+        self.ada = nn.Linear(d, 3 * len(kinds) * d) if ada else None
+        self.cbias = nn.Parameter(0.1 * torch.randn(d)) if ada else None
+
+    def modulation(self, c: torch.Tensor):
+        if self.ada is None:
+            return None
+        return self.ada(F.silu(c + self.cbias)).unsqueeze(1).chunk(3 * len(self.subs), dim=-1)
+
+    def branch(self, j: int, x: torch.Tensor, mod) -> torch.Tensor:
+        """The branch operand of residual add j: what DAR calls the sublayer output v."""
+        h = self.norms[j](x)
+        if mod is None:
+            return self.subs[j](h)
+        return mod[3 * j + 2] * self.subs[j](h * (1 + mod[3 * j + 1]) + mod[3 * j])
+
+    def branches(self, c: torch.Tensor) -> list:
+        mod = self.modulation(c)
+        return [lambda x, j=j: self.branch(j, x, mod) for j in range(len(self.subs))]
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        mod = self.modulation(c)
+        for j in range(len(self.subs)):
+            x = x + self.branch(j, x, mod)
+        return x
+
+
+class Residual(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.sub = nn.LayerNorm(d), Ffn(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.sub(self.norm(x))
+
+
+class HiddenBlock(nn.Module):
+    """Its residual adds live inside container members (leaves when the block is traced): DAR sees the
+    block as one sublayer whose output is v = block(x) - x."""
+
+    def __init__(self, d: int, kinds: tuple[str, ...], ada: bool):
+        super().__init__()
+        self.inner = nn.ModuleList(Residual(d) for _ in kinds)
+
+    def branches(self, c: torch.Tensor) -> list:
+        return [lambda x: self(x, c) - x]
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        for layer in self.inner:
+            x = layer(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Spec:
+    kinds: tuple[tuple[str, ...], ...]  # per block, its sublayers
+    ada: tuple[bool, ...]
+    hidden: int
+    tokens: int
+    batch: int
+    seed: int
+    hidden_blocks: tuple[int, ...] = ()  # indices of HiddenBlocks
+
+    @property
+    def sublayers(self) -> int:
+        return sum(len(k) for k in self.kinds)
+
+
+class Net(nn.Module):
+    """Linear token embedding + positions, timestep MLP c = e(t), the block stack, norm and head."""
+
+    CHANNELS = 3
+
+    def __init__(self, spec: Spec):
+        super().__init__()
+        d = spec.hidden
+        self.embed = nn.Linear(self.CHANNELS, d)
+        self.pos = nn.Parameter(0.1 * torch.randn(1, spec.tokens, d))
+        self.t1, self.t2 = nn.Linear(1, d), nn.Linear(d, d)
+        self.blocks = nn.ModuleList(
+            (HiddenBlock if i in spec.hidden_blocks else Block)(d, kinds, ada)
+            for i, (kinds, ada) in enumerate(zip(spec.kinds, spec.ada)))
+        self.norm_out, self.head = nn.LayerNorm(d), nn.Linear(d, self.CHANNELS)
+
+    def stream(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x) + self.pos
+
+    def cond(self, t: torch.Tensor) -> torch.Tensor:
+        return self.t2(F.silu(self.t1(t.unsqueeze(-1))))
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm_out(h))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h, c = self.stream(x), self.cond(t)
+        for block in self.blocks:
+            h = block(h, c)
+        return self.output(h)
+
+
+class Untimed(Net):
+    """Conditioned on integer labels, not on a float timestep: static_t has nothing to use."""
+
+    def __init__(self, spec: Spec):
+        super().__init__(spec)
+        self.labels = nn.Embedding(4, spec.hidden)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, c = self.stream(x), self.labels(y)
+        for block in self.blocks:
+            h = block(h, c)
+        return self.output(h)
+
+
+def build(spec: Spec, cls=Net) -> Net:
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        return cls(spec)
+
+
+def inputs(spec: Spec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(spec.batch, spec.tokens, Net.CHANNELS, generator=g), torch.rand(spec.batch, generator=g)
+
+
+@st.composite
+def specs(draw, min_depth: int = 2, max_depth: int = 4, max_sublayers: int = 3, kinds=("ffn", "attn")) -> Spec:
+    # depth >= 2: a stack is a chain of at least two block calls
+    depth = draw(st.integers(min_depth, max_depth))
+    blocks = tuple(tuple(draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=max_sublayers)))
+                   for _ in range(depth))
+    return Spec(kinds=blocks, ada=tuple(draw(st.booleans()) for _ in range(depth)),
+                hidden=draw(st.sampled_from([8, 12, 16])), tokens=draw(st.integers(2, 6)),
+                batch=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**16)))
+
+
+# --- DAR by hand --------------------------------------------------------------------------------------
+
+
+def mean_mix(sources: list[torch.Tensor], query=None) -> torch.Tensor:
+    return torch.stack(sources).mean(0)
+
+
+def softmax_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Σ_i softmax_i(q·RMSNorm(v_i)/√D) v_i, the obvious way."""
+    values = torch.stack(sources)
+    d = values.shape[-1]
+    keys = values / torch.sqrt(values.square().mean(-1, keepdim=True) + eps)
+    weights = torch.softmax((keys * query).sum(-1) / math.sqrt(d), dim=0)
+    return (weights.unsqueeze(-1) * values).sum(0)
+
+
+def dar_by_hand(model: Net, x, t, *, chunk=None, mix=mean_mix, query=None, mode="static", dynamic=None,
+                spans=()) -> torch.Tensor:
+    """DAR's forward as a loop. spans: (start, end, routed (B, N) bool) per route, for token-wise models: a
+    routed token's sublayer outputs inside the route are 0 and its stream stays at its route-start value."""
+    h, c = model.stream(x), model.cond(t)
+    closed, current = [h], []  # v_0 and chunk summaries; the open chunk's raw outputs
+    point, frozen = 0, None
+    for i, block in enumerate(model.blocks):
+        routed = next((m.unsqueeze(-1) for s, e, m in spans if s <= i <= e), None)
+        if any(s == i for s, _, _ in spans):
+            frozen = h
+        for branch in block.branches(c):
+            v = branch(h)
+            if routed is not None:
+                v = torch.where(routed, torch.zeros_like(v), v)
+            current.append(v)
+            if chunk is not None and len(current) == chunk:
+                closed.append(sum(current[1:], current[0]))
+                current = []
+            q = None
+            if query is not None:
+                q = query[point]
+                if mode == "static_t":
+                    q = q + c.unsqueeze(1)
+                elif mode == "dynamic":
+                    q = v @ dynamic[point].T
+            point += 1
+            h = mix(closed + current, q)
+            if routed is not None:
+                h = torch.where(routed, frozen, h)
+    return model.output(h)
+
+
+def dar(model: nn.Module, example, routes=None, generator_seed=0, stack=None, **config) -> nn.Module:
+    """The model with DAR (kernel="torch" unless given), routes drawn from a seeded generator."""
+    config.setdefault("kernel", "torch")
+    return rk.apply(model, routes=routes, residual=rk.DAR(**config), example_inputs=example, stack=stack,
+                    generator=torch.Generator().manual_seed(generator_seed))
+
+
+def run(model: nn.Module, example, train: bool):
+    model.train(train)
+    with torch.no_grad():
+        return model(*example)
+
+
+def randomise_queries(routed: nn.Module, seed: int, scale: float = 1.0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    state = routed.routekit.dar
+    with torch.no_grad():
+        state.query.copy_(scale * torch.randn(state.query.shape, generator=g))
+        if hasattr(state, "dynamic"):
+            state.dynamic.copy_(0.5 * torch.randn(state.dynamic.shape, generator=g))
+
+
+def program_source(routed: nn.Module, train: bool) -> str:
+    """The generated Python of the routed model's program for its one call signature in that mode."""
+    (bucket,) = [b for (mode, _), b in routed._routekit_programs.items() if mode == train]
+    (program,) = bucket.values()
+    return "".join(linecache.getlines(program.fn.__code__.co_filename))
+
+
+# --- 1, 2: the forward is DAR's loop -------------------------------------------------------------------
+
+
+@FEW
+@given(spec=specs(), chunk=st.sampled_from(CHUNKS), query=st.sampled_from(["static", "dynamic"]))
+def test_zero_queries_average_the_history_uniformly(spec, chunk, query):
+    model = build(spec)
+    example = inputs(spec)
+    routed = dar(model, example, chunk=chunk, query=query)
+    with torch.no_grad():
+        expected = dar_by_hand(model, *example, chunk=chunk)
+    for train in (True, False):
+        torch.testing.assert_close(run(routed, example, train), expected, **TOL)
+
+
+@FEW
+@given(spec=specs(), chunk=st.sampled_from(CHUNKS), mode=st.sampled_from(["static", "static_t", "dynamic"]),
+       seed=st.integers(0, 2**16))
+def test_learned_queries_softmax_mix_the_history(spec, chunk, mode, seed):
+    if mode == "dynamic" and chunk not in (None, 1):
+        chunk = None  # see test_dynamic_query_reads_the_newest_output_under_chunking
+    model = build(spec)
+    example = inputs(spec)
+    routed = dar(model, example, chunk=chunk, query=mode)
+    randomise_queries(routed, seed)
+    state = routed.routekit.dar
+    assert state.query.shape == (spec.sublayers, spec.hidden)
+    with torch.no_grad():
+        expected = dar_by_hand(model, *example, chunk=chunk, mix=softmax_mix, query=state.query, mode=mode,
+                               dynamic=getattr(state, "dynamic", None))
+        assert not torch.allclose(expected, dar_by_hand(model, *example, chunk=chunk), **TOL)  # not the mean
+    for train in (True, False):
+        torch.testing.assert_close(run(routed, example, train), expected, **TOL)
+
+
+def test_dynamic_query_reads_the_newest_output_under_chunking():
+    spec = Spec(kinds=(("ffn", "ffn"), ("ffn",), ("ffn", "ffn")), ada=(True, False, True), hidden=8, tokens=4,
+                batch=2, seed=3)
+    model, example = build(spec), inputs(spec)
+    routed = dar(model, example, chunk=2, query="dynamic")
+    randomise_queries(routed, 0)
+    state = routed.routekit.dar
+    with torch.no_grad():
+        expected = dar_by_hand(model, *example, chunk=2, mix=softmax_mix, query=state.query, mode="dynamic",
+                               dynamic=state.dynamic)
+    torch.testing.assert_close(run(routed, example, True), expected, **TOL)
+
+
+@FEW
+@given(spec=specs(max_depth=4), chunk=st.sampled_from(CHUNKS), data=st.data())
+def test_blocks_with_hidden_residual_adds_are_one_source_each(spec, chunk, data):
+    hidden = tuple(data.draw(st.sets(st.integers(0, len(spec.kinds) - 1), min_size=1)))
+    spec = Spec(**{**spec.__dict__, "hidden_blocks": hidden})
+    model, example = build(spec), inputs(spec)
+    routed = dar(model, example, chunk=chunk)
+    report = routed._routekit_report
+    assert [i for i, adds in report.residual_adds.items() if not adds] == sorted(hidden)
+    assert report.residual_granularity == ("block" if len(hidden) == len(spec.kinds) else "mixed")
+    randomise_queries(routed, spec.seed)
+    with torch.no_grad():
+        expected = dar_by_hand(model, *example, chunk=chunk, mix=softmax_mix, query=routed.routekit.dar.query)
+    torch.testing.assert_close(run(routed, example, True), expected, **TOL)
+
+
+def test_auto_kernel_on_cpu_is_the_reference():
+    spec = Spec(kinds=(("attn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=5, batch=2, seed=0)
+    model, example = build(spec), inputs(spec)
+    torch_kernel, auto = dar(model, example, chunk=2), dar(model, example, chunk=2, kernel="auto")
+    randomise_queries(torch_kernel, 1)
+    auto.load_state_dict(torch_kernel.state_dict())
+    assert torch.equal(run(auto, example, True), run(torch_kernel, example, True))
+
+
+# --- 3: residual-add discovery -------------------------------------------------------------------------
+
+
+@SOME
+@given(spec=specs(max_depth=6), query=st.sampled_from(["static", "dynamic"]))
+def test_one_aggregation_per_sublayer(spec, query):
+    model = build(spec)
+    routed = dar(model, inputs(spec), query=query)
+    report = rk.report_of(routed)
+    assert [len(report.residual_adds[i]) for i in range(len(spec.kinds))] == [len(k) for k in spec.kinds]
+    assert report.residual_granularity == "sublayer"
+    assert routed.routekit.dar.points == spec.sublayers
+    assert routed.routekit.dar.query.shape == (spec.sublayers, spec.hidden)
+    if query == "dynamic":
+        assert routed.routekit.dar.dynamic.shape == (spec.sublayers, spec.hidden, spec.hidden)
+
+
+class StreamBiasBlock(Block):
+    """A learned bias added to the stream between the two sublayers: not a residual add."""
+
+    def __init__(self, d: int, kinds, ada):
+        super().__init__(d, kinds, ada)
+        self.stream_bias = nn.Parameter(0.1 * torch.randn(d))
+
+    def forward(self, x, c):
+        mod = self.modulation(c)
+        x = x + self.branch(0, x, mod)
+        x = x + self.stream_bias
+        return x + self.branch(1, x, mod)
+
+
+class ParallelBlock(Block):
+    """GPT-J style: both sublayers read the block input, x + f(x) + g(x)."""
+
+    def forward(self, x, c):
+        mod = self.modulation(c)
+        return x + self.branch(0, x, mod) + self.branch(1, x, mod)
+
+
+class PostNormBlock(Block):
+    """Post-norm (original Transformer): x = norm_j(x + sub_j(x))."""
+
+    def forward(self, x, c):
+        for j in range(len(self.subs)):
+            x = self.norms[j](x + self.subs[j](x))
+        return x
+
+
+@pytest.mark.parametrize("cls", [StreamBiasBlock, ParallelBlock, PostNormBlock])
+def test_every_residual_add_is_found_or_the_block_is_one_source(cls):
+    spec = Spec(kinds=(("ffn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=4, batch=2, seed=0)
+    model = build(spec)
+    model.blocks = nn.ModuleList(cls(8, ("ffn", "ffn"), True) for _ in range(3))
+    report = rk.report_of(dar(model, inputs(spec)))
+    assert all(len(adds) in (0, 2) for adds in report.residual_adds.values()), report.residual_adds
+
+
+# --- 4: with routes -----------------------------------------------------------------------------------
+
+
+@st.composite
+def route_plans(draw, depth: int, rate: st.SearchStrategy[float] = RATES) -> list[rk.Route]:
+    """1-2 disjoint routes in block order (each start <= end < next start)."""
+    n = draw(st.integers(1, min(2, depth)))
+    points = sorted(draw(st.lists(st.integers(0, depth - n), min_size=2 * n, max_size=2 * n)))
+    return [rk.Route(start=points[2 * i] + i, end=points[2 * i + 1] + i, rate=draw(rate)) for i in range(n)]
+
+
+@FEW
+@given(spec=specs(), chunk=st.sampled_from(CHUNKS), data=st.data())
+def test_routes_with_dar(spec, chunk, data):
+    routes = data.draw(route_plans(len(spec.kinds)))
+    model, example = build(spec), inputs(spec)
+    routed = dar(model, example, routes=routes, chunk=chunk)
+    plain = dar(model, example, chunk=chunk)
+    randomise_queries(routed, spec.seed)
+    plain.load_state_dict(routed.state_dict())
+    # eval: no routes, deterministic, DAR without routes
+    first, second = run(routed, example, False), run(routed, example, False)
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, run(plain, example, False), **TOL)
+    # train: the original's shape, and the queries learn
+    routed.train()
+    out = routed(*example)
+    assert out.shape == model(*example).shape
+    out.square().mean().backward()
+    grad = routed.routekit.dar.query.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@FEW
+@given(spec=specs(kinds=("ffn",)), chunk=st.sampled_from(CHUNKS), data=st.data())
+def test_routed_tokens_contribute_zeros_and_keep_their_stream(spec, chunk, data):
+    """Token-wise sublayers: each token's output is DAR by hand with its own route masks."""
+    routes = data.draw(route_plans(len(spec.kinds)))
+    model, example = build(spec), inputs(spec)
+    routed = dar(model, example, routes=routes, chunk=chunk, generator_seed=spec.seed)
+    randomise_queries(routed, spec.seed)
+    out = run(routed, example, True)
+    spans = [(r.start, r.end, rk.last_route_mask(routed, route=k)) for k, r in enumerate(routes)]
+    with torch.no_grad():
+        expected = dar_by_hand(model, *example, chunk=chunk, mix=softmax_mix, query=routed.routekit.dar.query,
+                               spans=spans)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+@FEW
+@given(spec=specs(), chunk=st.sampled_from(CHUNKS), data=st.data())
+def test_a_route_keeping_every_token_changes_nothing(spec, chunk, data):
+    """Rate 0 keeps all tokens in a random order; attention and token-wise sublayers do not mind."""
+    routes = data.draw(route_plans(len(spec.kinds), rate=st.just(0.0)))
+    model, example = build(spec), inputs(spec)
+    routed, plain = dar(model, example, routes=routes, chunk=chunk), dar(model, example, chunk=chunk)
+    randomise_queries(routed, spec.seed)
+    plain.load_state_dict(routed.state_dict())
+    torch.testing.assert_close(run(routed, example, True), run(plain, example, True), **TOL)
+
+
+# --- 5: the eval graph is the same graph every time it is built ----------------------------------------
+
+
+@FEW
+@given(spec=specs(max_depth=4), chunk=st.sampled_from(CHUNKS), query=st.sampled_from(["static", "static_t",
+                                                                                      "dynamic"]))
+def test_eval_program_is_stable_across_traces(spec, chunk, query):
+    model, example = build(spec), inputs(spec)
+    one, two = dar(model, example, chunk=chunk, query=query), dar(model, example, chunk=chunk, query=query)
+    randomise_queries(one, spec.seed)
+    two.load_state_dict(one.state_dict())
+    out_one, out_two = run(one, example, False), run(two, example, False)
+    assert program_source(one, False) == program_source(two, False)
+    assert torch.equal(out_one, out_two)
+    source = program_source(one, False)
+    one._routekit_programs.clear()  # traced again on the next call
+    assert torch.equal(run(one, example, False), out_one)
+    assert program_source(one, False) == source
+
+
+def test_deepcopy_keeps_the_dar_forward():
+    spec = Spec(kinds=(("attn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=5, batch=2, seed=1)
+    model, example = build(spec), inputs(spec)
+    routed = dar(model, example, chunk=2)
+    randomise_queries(routed, 0)
+    clone = copy.deepcopy(routed)
+    assert torch.equal(run(clone, example, False), run(routed, example, False))
+    assert torch.equal(run(clone, example, True), run(routed, example, True))
+
+
+# --- 6: static_t and config errors ---------------------------------------------------------------------
+
+
+def tiny_dit(depth: int = 2) -> dit.DiT:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return dit.build("S/2", depth=depth, hidden=32, heads=2, input_size=8, num_classes=10, class_dropout=0.0)
+
+
+def test_static_t_query_follows_the_dit_timestep():
+    """Zero adaLN weights with nonzero biases: the DiT itself ignores t, so any t-dependence is the query's."""
+    model = tiny_dit()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+        for layer in [b.adaLN_modulation[-1] for b in model.blocks] + [model.final_layer.adaLN_modulation[-1]]:
+            layer.weight.zero_()
+    x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+    other_t = (t + 0.37) % 1.0
+    static_t = dar(model, (x, t, y), query="static_t", stack="blocks")
+    static = dar(model, (x, t, y), query="static", stack="blocks")
+    named = dar(model, (x, t, y), query="static_t", timestep="t_embedder", stack="blocks")
+    randomise_queries(static_t, 0, scale=0.5)
+    static.load_state_dict(static_t.state_dict())
+    named.load_state_dict(static_t.state_dict())
+    for train in (True, False):
+        model.train(train)
+        with torch.no_grad():
+            assert torch.equal(model(x, t, y), model(x, other_t, y))
+        assert torch.allclose(run(static, (x, t, y), train), run(static, (x, other_t, y), train), **TOL)
+        a, b = run(static_t, (x, t, y), train), run(static_t, (x, other_t, y), train)
+        assert not torch.allclose(a, b, atol=1e-4)
+        torch.testing.assert_close(run(named, (x, t, y), train), a, **TOL)
+
+
+@FEW
+@given(spec=specs(max_depth=3), seed=st.integers(0, 2**16))
+def test_static_t_query_is_w_plus_the_timestep_embedding(spec, seed):
+    model, example = build(spec), inputs(spec)
+    routed = dar(model, example, query="static_t")
+    randomise_queries(routed, seed)
+    with torch.no_grad():
+        expected = dar_by_hand(model, *example, mix=softmax_mix, query=routed.routekit.dar.query, mode="static_t")
+    torch.testing.assert_close(run(routed, example, True), expected, **TOL)
+
+
+def test_static_t_without_a_timestep_is_a_config_error():
+    spec = Spec(kinds=(("ffn",),) * 3, ada=(True,) * 3, hidden=8, tokens=4, batch=2, seed=0)
+    model = build(spec, Untimed)
+    example = (inputs(spec)[0], torch.tensor([0, 3]))
+    with pytest.raises(rk.ConfigError, match="timestep"):
+        dar(model, example, query="static_t")
+    dar(model, example, query="static")  # the model itself is fine
+    with pytest.raises(rk.ConfigError, match="nowhere"):
+        dar(build(spec), inputs(spec), query="static_t", timestep="nowhere")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(chunk=0), dict(chunk=-2), dict(query="learned"), dict(query=None), dict(kernel="cuda"),
+    dict(chunks=2), dict(chunk="two"),
+])
+def test_invalid_dar_config_is_a_config_error(fields):
+    with pytest.raises(rk.ConfigError, match="DAR"):
+        rk.DAR(**fields)
+
+
+def test_residual_must_be_a_dar():
+    spec = Spec(kinds=(("ffn",),) * 2, ada=(False,) * 2, hidden=8, tokens=4, batch=1, seed=0)
+    with pytest.raises(rk.ConfigError, match="residual"):
+        rk.apply(build(spec), residual="static", example_inputs=inputs(spec))
+
+
+# --- 7: other backbones --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backbone, overrides, per_block", [
+    (rwkv, {}, 2),
+    (mamba, dict(d_state=8, headdim=16), 1),
+    (mamba, dict(d_state=8, headdim=16, mlp_ratio=2.0), 2),
+])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_dar_on_rwkv_and_mamba(backbone, overrides, per_block, chunk):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = backbone.build("S/2", depth=2, hidden=32, input_size=8, num_classes=10, **overrides)
+    example = backbone.example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
+    routed = dar(model, example, chunk=chunk, stack="blocks")
+    report = rk.report_of(routed)
+    assert report.residual_adds == {0: report.residual_adds[0], 1: report.residual_adds[1]}
+    assert [len(a) for a in report.residual_adds.values()] == [per_block, per_block]
+    assert report.residual_granularity == "sublayer"
+    assert routed.routekit.dar.query.shape == (2 * per_block, 32)
+    routed.train()
+    out = routed(*example)
+    assert out.shape == example[0].shape
+    out.square().mean().backward()
+    assert routed.routekit.dar.query.grad is not None
+    assert run(routed, example, False).shape == example[0].shape
+
+
+# --- 8: state_dict ------------------------------------------------------------------------------------
+
+
+@FEW
+@given(spec=specs(max_depth=3), query=st.sampled_from(["static", "static_t", "dynamic"]))
+def test_state_dict_is_the_models_plus_dar(spec, query):
+    model, example = build(spec), inputs(spec)
+    routed = dar(model, example, query=query)
+    extra = {"routekit.dar.query"} | ({"routekit.dar.dynamic"} if query == "dynamic" else set())
+    assert set(routed.state_dict()) == set(model.state_dict()) | extra
+    randomise_queries(routed, spec.seed)
+    queries = {k: v.clone() for k, v in routed.state_dict().items() if k in extra}
+    # an original checkpoint loads strictly; the queries stay as they were
+    original = build(Spec(**{**spec.__dict__, "seed": spec.seed + 1}))
+    result = routed.load_state_dict(original.state_dict(), strict=True)
+    assert sorted(result.missing_keys) == sorted(extra)
+    for k, v in original.state_dict().items():
+        assert torch.equal(routed.state_dict()[k], v)
+    for k, v in queries.items():
+        assert torch.equal(routed.state_dict()[k], v)
+    # a DAR checkpoint round-trips, queries included
+    again = dar(model, example, query=query)
+    again.load_state_dict(routed.state_dict(), strict=True)
+    assert torch.equal(run(again, example, False), run(routed, example, False))
+    # a wrong key still raises
+    wrong = dict(original.state_dict())
+    wrong["blocks.0.not_a_weight"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="not_a_weight"):
+        routed.load_state_dict(wrong, strict=True)
+    missing = dict(original.state_dict())
+    del missing["head.weight"]
+    with pytest.raises(RuntimeError, match="head.weight"):
+        routed.load_state_dict(missing, strict=True)

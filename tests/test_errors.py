@@ -1,0 +1,377 @@
+"""Invalid plans, models and inputs raise routekit errors whose messages say what was wrong and what is valid.
+
+Every failure must be a `RoutekitError` subclass (ConfigError, TraceError, AnalysisError, InputError):
+never a bare TypeError, pydantic ValidationError or fx traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import Arch, MlpBlock, build, example_inputs
+from torch import nn
+
+import routekit as rk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEPTH = 4
+LINEAR = Arch(depth=DEPTH, hidden=24, heads=2, grid=(3, 4), front="linear", patch=1, channels=3, container="list",
+              kinds=("ada", "mlp", "bias", "ada"), tuple_out=False, stream_kw=False, side_kw=False, dropout=0.0,
+              batch=2, seed=0)
+CONV = dataclasses.replace(LINEAR, front="conv", patch=2)
+
+
+def apply(arch: Arch = LINEAR, routes=None, **options) -> nn.Module:
+    """Route a fresh model of `arch` on its example inputs."""
+    return rk.apply(build(arch), routes=routes, example_inputs=example_inputs(arch), **options)
+
+
+def mlp_blocks(depth: int, hidden: int) -> nn.ModuleList:
+    return nn.ModuleList([MlpBlock(hidden, 1, 0.0, False) for _ in range(depth)])
+
+
+# --- route plans -----------------------------------------------------------------------------------
+
+
+def test_start_after_end_is_refused_naming_both() -> None:
+    with pytest.raises(rk.ConfigError, match=r"start \(3\) must be <= end \(1\)"):
+        rk.Route(start=3, end=1)
+    with pytest.raises(rk.ConfigError, match="start"):
+        apply(routes=[{"start": 3, "end": 1}])
+
+
+def test_a_route_past_the_last_block_lists_the_valid_block_indices_and_names() -> None:
+    with pytest.raises(rk.ConfigError) as err:
+        apply(routes=rk.Route(start=1, end=DEPTH))
+    message = str(err.value)
+    assert "ends past the last block" in message and f"0..{DEPTH - 1}" in message
+    assert all(f"{i}: blocks.{i}" in message for i in range(DEPTH))
+
+
+def test_overlapping_routes_are_refused_with_where_the_next_may_start() -> None:
+    with pytest.raises(rk.ConfigError) as err:
+        apply(routes=[rk.Route(start=0, end=2), rk.Route(start=2, end=3)])
+    assert "overlaps" in str(err.value) and "disjoint" in str(err.value) and "block 3 or later" in str(err.value)
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, math.nan, math.inf])
+def test_a_rate_outside_zero_to_one_is_refused(rate: float) -> None:
+    with pytest.raises(rk.ConfigError, match=r"rate.*\[0, 1\)"):
+        rk.Route(start=0, end=1, rate=rate)
+
+
+def test_an_unknown_selector_lists_the_registered_ones() -> None:
+    with pytest.raises(rk.ConfigError) as err:
+        rk.Route(start=0, end=1, selector="nope")
+    assert "unknown selector 'nope'" in str(err.value)
+    assert all(name in str(err.value) for name in rk.selector_names())
+    assert {"random", "row", "window", "column"} <= set(rk.selector_names())
+
+
+@pytest.mark.parametrize("selector", ["row", "window", "column"])
+def test_a_grid_selector_without_a_grid_asks_for_one(selector: str) -> None:
+    with pytest.raises(rk.ConfigError) as err:
+        apply(LINEAR, routes=rk.Route(start=0, end=1, selector=selector))
+    assert "needs the token grid" in str(err.value) and "grid=(H, W)" in str(err.value)
+    apply(LINEAR, routes=rk.Route(start=0, end=1, selector=selector), grid=LINEAR.grid)  # given: fine
+
+
+def test_a_grid_that_does_not_tile_the_tokens_is_refused() -> None:
+    with pytest.raises(rk.ConfigError, match="does not match the stream's 12 tokens"):
+        apply(LINEAR, routes=rk.Route(start=0, end=1), grid=(4, 4))
+
+
+@pytest.mark.parametrize("grid", [(2.5, 4.8), (-3, -4), (12,)])
+def test_a_grid_must_be_two_positive_ints_tiling_the_tokens(grid: tuple) -> None:
+    """(2.5, 4.8) and (-3, -4) multiply to the 12 tokens; neither is a grid."""
+    with pytest.raises(rk.ConfigError, match="grid"):
+        apply(LINEAR, routes=rk.Route(start=0, end=1), grid=grid)
+
+
+def test_the_default_route_needs_seven_blocks() -> None:
+    with pytest.raises(rk.ConfigError, match="at least 7 blocks, the stack has 4"):
+        apply(routes="default")
+
+
+@pytest.mark.parametrize("routes", [5, "everything"])
+def test_routes_of_the_wrong_kind_are_refused(routes) -> None:
+    with pytest.raises(rk.ConfigError, match="routes must be a Route"):
+        apply(routes=routes)
+
+
+# --- models routekit cannot route ------------------------------------------------------------------
+
+
+class NoStack(nn.Module):
+    """Two Linears as plain attributes: no container, so no block stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Parallel(nn.Module):
+    """A ModuleList whose members all read the same input: called, but not a chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(head(x) for head in self.heads)
+
+
+@pytest.mark.parametrize("model, called", [(NoStack(), "none"), (Parallel(), "heads (3 calls)")])
+def test_a_model_without_a_block_stack_raises_analysis_error(model: nn.Module, called: str) -> None:
+    with pytest.raises(rk.AnalysisError) as err:
+        rk.apply(model, routes=rk.Route(start=0, end=1), example_inputs=torch.randn(2, 4, 8))
+    assert "no block stack found" in str(err.value) and called in str(err.value)
+
+
+def test_an_unknown_stack_name_lists_the_chains_found() -> None:
+    with pytest.raises(rk.AnalysisError, match=r"'trunk'.*chains found: blocks \(4 calls\)"):
+        apply(routes=rk.Route(start=0, end=1), stack="trunk")
+
+
+class DataDependent(nn.Module):
+    """An owner that branches on a tensor's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = mlp_blocks(3, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        if x.mean() > 0:  # data-dependent: the branch taken depends on the values
+            x = -x
+        return x
+
+
+def test_data_dependent_control_flow_raises_trace_error_naming_file_and_line() -> None:
+    """In graph mode; mode="auto" falls back to boundary mode and reports the same reason."""
+    lines, first = inspect.getsourcelines(DataDependent.forward)
+    where = f"{__file__}:{first + next(i for i, text in enumerate(lines) if 'if x.mean()' in text)}"
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(rk.TraceError) as err:
+        rk.apply(DataDependent(), routes=rk.Route(start=0, end=1), example_inputs=x, mode="graph")
+    assert where in str(err.value) and "control flow depends on" in str(err.value)
+    fallback = rk.report_of(rk.apply(DataDependent(), routes=rk.Route(start=0, end=1), example_inputs=x)).fallback
+    assert where in fallback
+
+
+class Rows(nn.Module):
+    """Blocks that mix along grid rows: they reshape the tokens to (B, H, W, D) and so need whole rows."""
+
+    def __init__(self, width: int, hidden: int = 8):
+        super().__init__()
+        self.width = width
+        self.embed = nn.Conv2d(3, hidden, 1)
+        self.blocks = nn.ModuleList([RowMix(width, hidden) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class RowMix(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.width, self.mix = width, nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(x.shape[0], -1, self.width, x.shape[-1])
+        return x + self.mix(rows.transpose(2, 3)).transpose(2, 3).reshape(x.shape)
+
+
+def test_a_block_that_needs_whole_rows_refuses_token_selectors_and_takes_row_selectors() -> None:
+    model, x = Rows(width=5), torch.randn(2, 3, 4, 5)
+    with pytest.raises(rk.ConfigError) as err:
+        rk.apply(model, routes=rk.Route(start=0, end=1, selector="random"), example_inputs=x)
+    assert "blocks.0 (RowMix)" in str(err.value) and "selector='row'" in str(err.value)
+    routed = rk.apply(model, routes=rk.Route(start=0, end=1, selector="row"), example_inputs=x)
+    assert routed.train()(x).shape == (2, 20, 8)
+
+
+class LongSkip(nn.Module):
+    """U-ViT-like: block 1's output also feeds the head, so no route may pass through block 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = mlp_blocks(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return x + outs[1]
+
+
+def test_a_route_through_a_block_whose_output_escapes_is_refused_but_may_end_there() -> None:
+    x = torch.randn(2, 6, 8)
+    with pytest.raises(rk.ConfigError) as err:
+        rk.apply(LongSkip(), routes=rk.Route(start=0, end=2), example_inputs=x)
+    assert "cannot pass through blocks.1" in str(err.value) and "end the route at block 1" in str(err.value)
+    routed = rk.apply(LongSkip(), routes=rk.Route(start=0, end=1), example_inputs=x)
+    assert routed.train()(x).shape == x.shape
+
+
+class TokenFirst(nn.Module):
+    """Blocks take an unbatched (N, D) position table: the token axis first, no batch axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(6, 8))
+        self.blocks = nn.ModuleList([AddPos() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.pos)
+        return x
+
+
+class AddPos(nn.Module):
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return x + pos
+
+
+class PerTokenAux(nn.Module):
+    """Blocks return (x, per-token score (B, N)) and the owner sums the scores: they escape the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Scored() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor):
+        total = 0
+        for block in self.blocks:
+            x, score = block(x)
+            total = total + score
+        return x, total
+
+
+class Scored(nn.Module):
+    def forward(self, x: torch.Tensor):
+        return 2 * x, x.sum(-1)
+
+
+@pytest.mark.parametrize("model, words", [
+    (TokenFirst(), ["route 0 cannot contain blocks.0", "token axis first"]),
+    (PerTokenAux(), ["route 0 cannot contain blocks.0", "returns a per-token value"]),
+])
+def test_blocks_whose_per_token_values_cannot_be_gathered_are_refused(model: nn.Module, words: list[str]) -> None:
+    with pytest.raises(rk.ConfigError) as err:
+        rk.apply(model, routes=rk.Route(start=0, end=1), example_inputs=torch.randn(2, 6, 8))
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+# --- models and inputs of the wrong kind -----------------------------------------------------------
+
+
+def test_applying_to_an_already_routed_model_says_to_strip_first() -> None:
+    routed = apply(routes=rk.Route(start=0, end=1))
+    with pytest.raises(rk.ConfigError, match=r"already routed.*routekit\.strip"):
+        rk.apply(routed, routes=rk.Route(start=0, end=1), example_inputs=example_inputs(LINEAR))
+    rk.apply(rk.strip(routed), routes=rk.Route(start=2, end=3), example_inputs=example_inputs(LINEAR))
+
+
+@pytest.mark.parametrize("args, kwargs, words", [
+    ((torch.randn(2, 12, 3), torch.rand(2), None, torch.rand(2)), {}, ["do not fit", "forward(x"]),
+    ((torch.randn(2, 12, 3),), {"t": torch.rand(2), "time": torch.rand(2)}, ["do not fit", "'time'"]),
+    ((), {}, ["example_inputs are required"]),
+    ((torch.randn(2, 12, 3, device="meta"), torch.rand(2, device="meta")), {}, ["on meta", "share a device"]),
+    (([torch.randn(2, 12, 3)], torch.rand(2)), {}, ["'x' is a list holding tensors"]),
+])
+def test_example_inputs_that_do_not_fit_the_signature_raise_input_error(args: tuple, kwargs: dict,
+                                                                         words: list[str]) -> None:
+    with pytest.raises(rk.InputError) as err:
+        rk.apply(build(LINEAR), routes=rk.Route(start=0, end=1), example_inputs=args, example_kwargs=kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_the_other_verbs_refuse_models_routekit_did_not_route() -> None:
+    model, inputs = build(LINEAR), example_inputs(LINEAR)
+    with pytest.raises(rk.InputError, match="takes an nn.Module"):
+        rk.apply(lambda x: x, routes=rk.Route(start=0, end=1), example_inputs=inputs)
+    for verb in (rk.strip, rk.report_of, rk.last_route_mask):
+        with pytest.raises(rk.InputError):
+            verb(model)
+    with pytest.raises(rk.InputError, match="verify compares"):
+        rk.verify(model, model, inputs)
+    routed = apply(routes=rk.Route(start=0, end=1))
+    with pytest.raises(rk.InputError, match="no routed forward has run yet"):
+        rk.last_route_mask(routed)
+    routed.train()(*inputs)
+    with pytest.raises(rk.InputError, match=r"route 1 does not exist; valid routes are 0\.\.0"):
+        rk.last_route_mask(routed, route=1)
+
+
+# --- random invalid plans --------------------------------------------------------------------------
+
+
+def plan_is_valid(routes: list[dict], depth: int, has_grid: bool) -> bool:
+    """The rules a plan of numeric routes must meet (what `apply` checks)."""
+    spans = []
+    for r in routes:
+        if set(r) - {"start", "end", "rate", "selector"}:
+            return False
+        if not (0 <= r["start"] <= r["end"] < depth and 0 <= r["rate"] < 1 and r["selector"] in rk.selector_names()):
+            return False
+        if r["selector"] in ("row", "window", "column") and not has_grid:
+            return False
+        spans.append((r["start"], r["end"]))
+    spans.sort()
+    return all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+
+
+route_dicts = st.fixed_dictionaries(
+    {"start": st.integers(-2, DEPTH + 1), "end": st.integers(-2, DEPTH + 1),
+     "rate": st.one_of(st.floats(-0.5, 1.5), st.sampled_from([math.nan, math.inf, 0.0, 0.5])),
+     "selector": st.sampled_from(["random", "row", "window", "column", "nope", ""])},
+    optional={"stride": st.integers(0, 2)},
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arch=st.sampled_from([LINEAR, CONV]), routes=st.lists(route_dicts, min_size=1, max_size=3))
+def test_random_plans_route_when_valid_and_raise_routekit_error_when_not(arch: Arch, routes: list[dict]) -> None:
+    if plan_is_valid(routes, arch.depth, arch.has_grid):
+        apply(arch, routes=routes)
+    else:
+        with pytest.raises(rk.RoutekitError):
+            apply(arch, routes=routes)
+
+
+junk = st.one_of(st.none(), st.integers(-3, 3), st.floats(), st.text(max_size=3), st.lists(st.integers(0, 3), max_size=2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(routes=st.one_of(junk, st.lists(st.one_of(junk, st.dictionaries(st.sampled_from(["start", "end", "rate"]), junk)),
+                                       min_size=1, max_size=2)))
+def test_any_malformed_plan_raises_only_routekit_errors(routes) -> None:
+    try:
+        apply(LINEAR, routes=routes)
+    except rk.RoutekitError:
+        pass
+
+
+@settings(max_examples=30, deadline=None)
+@given(grid=st.one_of(st.tuples(st.integers(-1, 12), st.integers(-1, 12)), junk))
+def test_any_malformed_grid_raises_only_routekit_errors(grid) -> None:
+    try:
+        apply(LINEAR, routes=rk.Route(start=0, end=1, selector="row"), grid=grid)
+    except rk.RoutekitError:
+        pass

