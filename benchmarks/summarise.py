@@ -21,7 +21,8 @@ def collect() -> dict:
         for r in data["rows"]:
             key = (r["backbone"], r["size"], r["batch"], r["mode"])
             groups.setdefault(key, {})[r["variant"]] = {**r, "file": path.name, "commit": data["machine"]["commit"]}
-    return {k: g for k, g in groups.items() if "vanilla" in g and "routekit" in g and g["vanilla"]["file"] == g["routekit"]["file"]}
+    return {k: g for k, g in groups.items()
+            if "vanilla" in g and "routekit" in g and g["vanilla"]["file"] == g["routekit"]["file"]}
 
 
 def main() -> None:
