@@ -12,9 +12,12 @@ their sum (the chunk summary), so a sublayer sees v_0, earlier chunks' summaries
 raw outputs.
 
 With routes: entering a route, every history source is gathered to the kept tokens; sources made
-inside the route are scattered back at its end with zeros for the routed tokens (a skipped branch
-contributes nothing, as in a plain residual network) — or, for a chunk summary begun before the
-route, with its pre-route part; sources from before the route are restored at full size.
+inside the route are scattered back at its end with zeros for the routed tokens (the branch they
+skipped contributes nothing to the value, as in a plain residual network, but a zero source still
+takes softmax weight — its logit is 0 whatever the query — so it dilutes those tokens' mix) — or,
+for a chunk summary begun before the route, with its pre-route part; sources from before the route are restored at full size.
+`static_t` adds the model's own e(t) to a zero-initialised w_l, so only `static` and `dynamic` start as
+the exact uniform average.
 """
 
 from __future__ import annotations
