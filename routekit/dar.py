@@ -344,26 +344,17 @@ def _inline(graph: fx.Graph, call: fx.Node, tr: Trace, qualname: str, forward, c
     return names
 
 
-def residual_plan(model: nn.Module, report: GraphReport, routes, config: DAR) -> tuple[list[BlockTrace], int]:
-    """Trace every block at the token count it will see; count aggregation points."""
-    kept = {}
-    for route in routes:
-        count = _kept_count(route, report)
-        kept.update({i: count for i in range(route.start, route.end + 1)})
+def residual_plan(model: nn.Module, report: GraphReport, routes) -> tuple[list[BlockTrace], int]:
+    """Trace every block at the token count it will see; record its residual adds; count aggregation points.
+
+    Granularity: "sublayer" when every block's adds were found, "block" when none were (each block is
+    one source, v = output - input), "mixed" otherwise.
+    """
+    from .keep import kept_tokens
+
+    kept = {i: kept_tokens(r, report.tokens, report.grid) for r in routes for i in range(r.start, r.end + 1)}
     blocks = [trace_block(model, report, i, kept.get(i, report.tokens)) for i in range(report.depth)]
-    points = sum(len(b.adds) or 1 for b in blocks)
-    if not any(b.adds for b in blocks) and config is not None:
-        report.residual_granularity = "block"
-    else:
-        report.residual_granularity = "sublayer" if all(b.adds for b in blocks) else "mixed"
+    found = [bool(b.adds) for b in blocks]
+    report.residual_granularity = "sublayer" if all(found) else "block" if not any(found) else "mixed"
     report.residual_adds = {i: b.adds for i, b in enumerate(blocks)}
-    return blocks, points
-
-
-def _kept_count(route, report: GraphReport) -> int:
-    from .selectors import get_selector
-
-    index = get_selector(route.selector)(1, report.tokens, route.rate, grid=report.grid, generator=None, device="cpu")
-    return index.shape[1]
-
-
+    return blocks, sum(len(b.adds) or 1 for b in blocks)

@@ -10,7 +10,8 @@ from torch import nn
 from .analysis import GraphReport, analyse
 from .boundary import analyse_boundary
 from .config import Route, coerce_routes
-from .errors import ConfigError
+from .dar import residual_plan
+from .errors import ConfigError, RoutekitError
 from .keep import resolve_keep
 from .model import RoutedModel, _example_call, _graph_trace, report_of, training_mode, unwrap_compiled
 
@@ -39,5 +40,9 @@ def inspect(model: nn.Module, example_inputs: tuple | torch.Tensor = (), example
     report.routes = coerce_routes(routes, report.depth)
     for route in report.routes:
         resolve_keep(route.keep, report.tokens)
+    try:  # the residual adds DAR would rewrite, per block
+        residual_plan(model, report, report.routes)
+    except RoutekitError as err:
+        report.residual_granularity = f"unknown ({err})"
     return report
 

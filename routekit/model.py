@@ -152,7 +152,7 @@ def _program(tr: Trace, report: GraphReport, routes: list[Route], grid, model: n
     constants = dict(tr.constants)
     specialised = bool(tr.specialised)
     if residual is not None:
-        blocks, _ = residual_plan(model, report, routes, residual)
+        blocks, _ = residual_plan(model, report, routes)
         v0 = slot_value(next(n for n in tr.graph.nodes if n.name == report.blocks[0].node), report.stream_slot)
         constants.update(dar_graph(graph, model, report, blocks, residual, routes, placed, v0.name))
         specialised = specialised or any(b.trace.specialised for b in blocks)
@@ -200,7 +200,7 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
         report.routes = routes
         dar_state = None
         if residual is not None:
-            _, points = residual_plan(model, report, routes, residual)
+            _, points = residual_plan(model, report, routes)
             report.residual = residual
             dar_state = DarState(residual, points, report.stream.shape[2])
             param = next(model.parameters(), None)

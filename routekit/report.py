@@ -42,7 +42,8 @@ def format_report(r: GraphReport) -> str:
         if b.aux_escapes:
             notes.append(f"per-token side output {b.aux_escapes[0]}")
         if b.index in r.residual_adds:
-            notes.append(f"{len(r.residual_adds[b.index])} residual adds")
+            adds = len(r.residual_adds[b.index])
+            notes.append(f"{adds} residual adds" if adds else "residual adds hidden: one DAR source")
         lines.append(f"  {b.index:>3}  {b.qualname:<24} {b.cls:<18} {sides:<44} {'; '.join(notes)}")
     lines.append("")
     if r.fallback:
@@ -57,6 +58,10 @@ def format_report(r: GraphReport) -> str:
         )
     if r.routes:
         lines.append(f"  block FLOPs per step: ×{block_flop_fraction(r):.3f} of the original (token-linear estimate)")
+    if r.residual_granularity:
+        total = sum(len(a) for a in r.residual_adds.values())
+        lines.append(f"  residual adds (what DAR rewrites): {total} in {r.depth} blocks, "
+                     f"{r.residual_granularity} granularity")
     lines.append(f"  leafed submodules: {r.leafed or 'none'}")
     lines.append(f"  specialised to example shapes: {len(r.specialised) if r.specialised else 'nothing'}")
     return "\n".join(lines)
