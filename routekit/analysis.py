@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import networkx as nx
+import torch
 import torch.fx as fx
 from torch import nn
 
 from .errors import AnalysisError
 from .keep import find_special_tokens
-from .trace import TensorMeta, Trace
+from .trace import TensorMeta, Trace, preserved_state
 
 Slot = int | str  # a positional index or a keyword name in a block call
 
@@ -31,7 +32,7 @@ class SideInput:
 
     slot: Slot
     node: str | None  # the fx node feeding it (None for a constant)
-    kind: Literal["per-token", "per-sample", "token-first", "constant"]
+    kind: Literal["per-token", "per-sample", "token-first", "constant", "ambiguous"]
     meta: Any
 
 
@@ -193,12 +194,14 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
     special: tuple[int, ...] = ()
     if grid is None:
         grid, grid_node, special = find_special_tokens(tr.graph, first_in, batch, tokens)
-    return GraphReport(
+    report = GraphReport(
         model=type(model).__name__, stack=chosen, blocks=blocks, stream_slot=slot, stream_out_index=out_index,
         stream=stream, grid=grid, grid_node=grid_node,
         candidates={k: len(v[0]) for k, v in chains.items()}, leafed=dict(tr.leafed),
         specialised=list(tr.specialised), special=special,
     )
+    resolve_ambiguous(model, report)
+    return report
 
 
 def _carries_stream(nodes: list[fx.Node], link: tuple) -> bool:
@@ -220,13 +223,64 @@ def _side_input(slot: Slot, arg: Any, batch: int, tokens: int, channels: int) ->
     if not isinstance(meta, TensorMeta):
         return SideInput(slot, name, "constant", meta)
     shape = meta.shape
-    if len(shape) == 2 and tokens == channels and meta.dtype.is_floating_point:
-        return SideInput(slot, name, "per-sample", meta)
+    if len(shape) == 2 and shape[0] == batch and tokens == channels and meta.dtype.is_floating_point:
+        return SideInput(slot, name, "ambiguous", meta)  # settled by probing the block (resolve_ambiguous)
     if len(shape) >= 2 and shape[0] == batch and shape[1] == tokens:
         return SideInput(slot, name, "per-token", meta)
     if len(shape) >= 1 and shape[0] == tokens and batch != tokens:
         return SideInput(slot, name, "token-first", meta)
     return SideInput(slot, name, "per-sample", meta)
+
+
+def fake_block_inputs(report: GraphReport, block: BlockInfo, tokens: int, device,
+                      token_slots: set | None = None) -> tuple[list, dict]:
+    """Zero tensors shaped like `block`'s inputs with `tokens` tokens on the stream (and on the side
+    inputs in `token_slots`, by default the per-token ones): to trace or probe a block alone."""
+    if token_slots is None:
+        token_slots = {s.slot for s in block.side_inputs if s.kind == "per-token"}
+
+    def fake(meta, resize):
+        if not isinstance(meta, TensorMeta):
+            return meta
+        shape = list(meta.shape)
+        if resize:
+            shape[1] = tokens
+        return torch.zeros(shape, dtype=meta.dtype, device=device)
+
+    slots = {report.stream_slot: fake(report.stream, True)}
+    for side in block.side_inputs:
+        slots[side.slot] = fake(side.meta, side.slot in token_slots)
+    args = [slots[i] for i in sorted(s for s in slots if isinstance(s, int))]
+    return args, {k: v for k, v in slots.items() if isinstance(k, str)}
+
+
+def block_runs(model: nn.Module, report: GraphReport, block: BlockInfo, tokens: int,
+               token_slots: set | None = None) -> bool:
+    """Probe: does the block run on `tokens` tokens (zeros), with no lasting side effects?"""
+    param = next(model.parameters(), None)
+    args, kwargs = fake_block_inputs(report, block, tokens, param.device if param is not None else "cpu", token_slots)
+    with preserved_state(model, [a for a in args if isinstance(a, torch.Tensor)]):
+        try:
+            model.get_submodule(block.qualname)(*args, **kwargs)
+        except Exception:
+            return False
+    return True
+
+
+def resolve_ambiguous(model: nn.Module, report: GraphReport) -> None:
+    """A float (B, X) input with X == tokens == channels is either adaLN's c or a per-token weight.
+    Probe with fewer tokens: if the block runs with it unchanged it is per-sample, if only with it cut
+    too it is per-token."""
+    fewer = report.tokens - (report.grid[1] if report.grid else 1)
+    for block in report.blocks:
+        for side in block.side_inputs:
+            if side.kind != "ambiguous":
+                continue
+            others = {s.slot for s in block.side_inputs if s.kind == "per-token"}
+            if fewer < 1 or block_runs(model, report, block, fewer, others):
+                side.kind = "per-sample"
+            else:
+                side.kind = "per-token" if block_runs(model, report, block, fewer, others | {side.slot}) else "per-sample"
 
 
 def _carries_tokens(meta: Any, tokens: int) -> bool:

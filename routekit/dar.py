@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import GraphReport, slot_value, to_networkx
+from .analysis import GraphReport, fake_block_inputs, slot_value, to_networkx
 from .config import DAR
 from .errors import ConfigError
 from .kernels import dar_aggregate
@@ -96,31 +96,11 @@ class BlockTrace:
     adds: list[str]  # node names in trace.graph
 
 
-def block_inputs(report: GraphReport, index: int, tokens: int, device) -> tuple[list, dict]:
-    """Zero tensors shaped like block `index`'s inputs, with `tokens` tokens on the stream."""
-    block = report.blocks[index]
-
-    def fake(meta, per_token):
-        if not isinstance(meta, TensorMeta):
-            return meta
-        shape = list(meta.shape)
-        if per_token:
-            shape[1] = tokens
-        return torch.zeros(shape, dtype=meta.dtype, device=device)
-
-    slots = {report.stream_slot: fake(report.stream, True)}
-    for side in block.side_inputs:
-        slots[side.slot] = fake(side.meta, side.kind == "per-token")
-    args = [slots[i] for i in sorted(s for s in slots if isinstance(s, int))]
-    kwargs = {k: v for k, v in slots.items() if isinstance(k, str)}
-    return args, kwargs
-
-
 def trace_block(model: nn.Module, report: GraphReport, index: int, tokens: int) -> BlockTrace:
     """Trace one block on inputs of the size it will see; find its residual adds."""
     block = model.get_submodule(report.blocks[index].qualname)
     param = next(model.parameters(), None)
-    args, kwargs = block_inputs(report, index, tokens, param.device if param is not None else "cpu")
+    args, kwargs = fake_block_inputs(report, report.blocks[index], tokens, param.device if param is not None else "cpu")
     tr = trace(block, tuple(args), kwargs)
     bound = bind_arguments(type(block).forward, tuple(args), kwargs)
     stream_name = list(bound.arguments)[report.stream_slot] if isinstance(report.stream_slot, int) else report.stream_slot

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import GraphReport, analyse, slot_value
+from .analysis import GraphReport, analyse, block_runs, slot_value
 from .config import DAR, Route, check_routes, coerce_routes
 from .dar import DarState, dar_graph, residual_plan
 from .errors import ConfigError, InputError, NonFiniteError, TraceError
@@ -91,9 +91,6 @@ class RoutedModel(nn.Module):
                 f"unexpected keys {result.unexpected_keys}"
             )
         return result
-
-    def __repr__(self) -> str:
-        return f"Routed{super().__repr__()}"
 
     def __reduce__(self):
         """Pickle (torch.save, copy.deepcopy) as the model's own class plus routekit's state, not the made-up class."""
@@ -338,31 +335,7 @@ def _needs_whole_rows(model: nn.Module, report: GraphReport, block) -> bool:
     """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows."""
     if report.grid is None or report.grid[1] == 1:
         return False
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    tokens = report.tokens - 1
-
-    def fake(meta, per_token):
-        if not isinstance(meta, TensorMeta):
-            return meta
-        shape = list(meta.shape)
-        if per_token:
-            shape[1] = tokens
-        return torch.zeros(shape, dtype=meta.dtype, device=device)
-
-    call_args, call_kwargs = {}, {}
-    stream = fake(report.stream, True)
-    (call_args if isinstance(report.stream_slot, int) else call_kwargs)[report.stream_slot] = stream
-    for side in block.side_inputs:
-        (call_args if isinstance(side.slot, int) else call_kwargs)[side.slot] = fake(side.meta, side.kind == "per-token")
-    positional = [call_args[i] for i in sorted(call_args)]
-    module = model.get_submodule(block.qualname)
-    with preserved_state(model, [stream]):
-        try:
-            module(*positional, **call_kwargs)
-        except Exception:
-            return True
-    return False
+    return not block_runs(model, report, block, report.tokens - 1)
 
 
 def _dry_run(routed: nn.Module, tr: Trace, args: tuple, kwargs: dict) -> None:

@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 from strategies import (
     PER_TOKEN_SIDES,
     SELECTORS_WITH_GRID,
+    Arch,
     Case,
     archs,
     build,
     cases,
+    example_inputs,
     kept_count,
 )
 from torch import nn
@@ -43,10 +45,10 @@ MANY = settings(max_examples=300, deadline=None)  # pure selector calls: microse
 # --- helpers: routing a case, running it, and the hand-written reference ---------------------------
 
 
-def route(case: Case, routes=None) -> nn.Module:
+def route(case: Case) -> nn.Module:
     """The case's model routed with its plan; selections drawn from a seeded generator, not the global RNG."""
-    return rk.apply(case.model, routes=case.routes if routes is None else routes, example_inputs=case.inputs,
-                    grid=case.grid, generator=torch.Generator().manual_seed(case.arch.seed), mode=case.mode)
+    return rk.apply(case.model, routes=case.routes, example_inputs=case.inputs, grid=case.grid,
+                    generator=torch.Generator().manual_seed(case.arch.seed), mode=case.mode)
 
 
 def run(model: nn.Module, inputs: tuple, train: bool, seed: int = 0):
@@ -89,12 +91,12 @@ def kept_mask(index: torch.Tensor, tokens: int) -> torch.Tensor:
 def reference_forward(model: nn.Module, inputs: tuple, routes: list[rk.Route], indices: list[torch.Tensor]):
     """The family's forward with routes done by hand: gather stream and per-token sides, scatter back."""
     h, sides = model.embed_stream(*inputs)
-    starts = {r.start: (r, i) for r, i in zip(routes, indices)}
+    starts = {r.start: i for r, i in zip(routes, indices)}
     ends = {r.end for r in routes}
     inside, aux = sides, 0
     for b, block in enumerate(model.blocks):
         if b in starts:
-            index = starts[b][1]
+            index = starts[b]
             full, h = h, take(h, index)
             inside = {k: take(v, index) if k in PER_TOKEN_SIDES else v for k, v in sides.items()}
         out = model.call_block(block, h, inside)
@@ -365,11 +367,27 @@ def test_the_block_stack_is_the_longest_chain_carrying_a_token_stream() -> None:
     assert rk.report_of(routed).stack == "blocks"
 
 
+def test_per_token_float_mask_as_wide_as_the_channels_is_gathered() -> None:
+    """The converse of the test below: a float (B, N) mask with N == D (16 tokens, hidden 16) is per-token.
+
+    Shape and dtype cannot tell it from adaLN's c (B, D); only how the block uses it can.
+    """
+    arch = Arch(depth=3, hidden=16, heads=2, grid=(4, 4), front="conv", patch=1, channels=1, container="list",
+                kinds=("mask", "mask", "mask"), tuple_out=False, stream_kw=False, side_kw=False, dropout=0.0,
+                batch=2, seed=0)
+    model, inputs = build(arch), example_inputs(arch)
+    routed = rk.apply(model, routes=rk.Route(start=0, end=1), example_inputs=inputs,
+                      generator=torch.Generator().manual_seed(0))
+    with block_inputs(routed) as (calls, _, _):
+        run(routed, inputs, train=True)
+    (index,) = indices_of(routed)
+    assert torch.equal(calls[1][1]["mask"], take(inputs[2], index))
+
+
 def test_per_sample_condition_as_wide_as_the_token_count_is_not_gathered() -> None:
     """DiT at input 16, patch 2, hidden 64: 64 tokens and c (B, 64). c is per-sample, never per-token.
 
-    routekit classifies side inputs by shape alone, so c (B, D) with D == N is taken as per-token (B, N):
-    it would be gathered to (B, K), and apply refuses the random selector as if the block needed whole rows.
+    Classified by shape alone, c (B, D) with D == N would be taken as per-token (B, N) and gathered to (B, K).
     """
     model = tiny_dit(input_size=16)
     x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
