@@ -105,13 +105,17 @@ def commit() -> str:
     return head + (" (dirty)" if git("status", "--porcelain") else "")
 
 
+def subject(report: dict) -> str:
+    return "a tiny DiT on synthetic data (--quick)" if report["quick"] else f"DiT-{report['size']} on MNIST-5k"
+
+
 def write_markdown(report: dict, path: Path) -> None:
     results = report["results"]
     vanilla = results.get("vanilla")
     target = vanilla["evals"][-1]["fd"] if vanilla and vanilla.get("evals") else None
     base = time_to_reach(vanilla, target) if target is not None else None
     lines = [
-        f"# Convergence: DiT-{report['size']} on MNIST-5k, {report['budget_s']:.0f} s of training each",
+        f"# Convergence: {subject(report)}, {report['budget_s']:g} s of training each",
         "",
         f"- machine: {json.dumps(report['machine'])}",
         f"- commit: {report['commit']}",
@@ -163,7 +167,7 @@ def write_plot(report: dict, path: Path) -> None:
     axes[0, 0].set_yscale("log")
     axes[1, 0].set_ylabel("classifier accuracy on samples")
     axes[0, 0].legend()
-    fig.suptitle(f"DiT-{report['size']} on MNIST-5k: EMA sample quality vs training time and steps")
+    fig.suptitle(f"{subject(report)}: EMA sample quality vs training time and steps")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
