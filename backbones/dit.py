@@ -149,19 +149,21 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-class DiT(nn.Module):
-    """Class-conditional diffusion transformer: forward(x, t, y) returns a tensor shaped like x
-    (twice the channels when learn_sigma)."""
+class PatchDenoiser(nn.Module):
+    """What DiT, Diffusion-RWKV and DiM share: patch embedding with fixed 2-D positions, timestep and
+    label embedders, a stack of blocks (x, c) -> x, an adaLN output layer. Only the blocks differ, so a
+    subclass passes `make_block(index, grid) -> nn.Module`. forward(x, t, y) returns a tensor shaped
+    like x (twice the channels when learn_sigma)."""
 
-    def __init__(self, depth: int, hidden: int, heads: int, patch: int,
+    def __init__(self, make_block, depth: int, hidden: int, patch: int,
                  input_size: int | tuple[int, int] = 32, in_channels: int = 4, num_classes: int = 1000,
-                 mlp_ratio: float = 4.0, learn_sigma: bool = False, class_dropout: float = 0.1):
+                 learn_sigma: bool = False, class_dropout: float = 0.1):
         super().__init__()
         height, width = (input_size, input_size) if isinstance(input_size, int) else input_size
-        if height % patch or width % patch or hidden % heads or hidden % 4:
+        if height % patch or width % patch or hidden % 4:
             raise ValueError(f"need input_size ({height}, {width}) divisible by patch {patch} "
-                             f"and hidden {hidden} divisible by heads {heads} and by 4")
-        self.depth, self.hidden, self.heads, self.patch = depth, hidden, heads, patch
+                             f"and hidden {hidden} divisible by 4")
+        self.depth, self.hidden, self.patch = depth, hidden, patch
         self.input_size = (height, width)
         self.grid = (height // patch, width // patch)
         self.in_channels = in_channels
@@ -172,17 +174,22 @@ class DiT(nn.Module):
         self.register_buffer("pos_embed", sincos_2d(hidden, self.grid), persistent=True)
         self.t_embedder = TimestepEmbedder(hidden)
         self.y_embedder = LabelEmbedder(num_classes, hidden, class_dropout)
-        self.blocks = nn.ModuleList([DiTBlock(hidden, heads, mlp_ratio) for _ in range(depth)])
+        self.blocks = nn.ModuleList([make_block(i, self.grid) for i in range(depth)])
         self.final_layer = FinalLayer(hidden, patch, self.out_channels)
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """DiT's initialisation; the zeros make every block start as the identity (adaLN-Zero)."""
+        """DiT's initialisation; the zeros make every block start as the identity (adaLN-Zero).
+
+        Parameters other than Linear layers inside blocks (RWKV's decay, Mamba's A_log) keep the
+        values their layers set.
+        """
         # Plain transformer default: xavier-uniform linears, zero biases.
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
         # The patch convolution is a linear map on flattened patches: initialise it as one.
         conv = self.x_embedder.proj
         nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
@@ -196,10 +203,9 @@ class DiT(nn.Module):
         for block in self.blocks:
             nn.init.zeros_(block.adaLN_modulation[-1].weight)
             nn.init.zeros_(block.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_layer.linear.weight)
-        nn.init.zeros_(self.final_layer.linear.bias)
+        for layer in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (B, h*w, p*p*C) -> image (B, C, h*p, w*p), with h, w from the stored grid."""
@@ -213,6 +219,16 @@ class DiT(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         return self.unpatchify(self.final_layer(x, c))
+
+
+class DiT(PatchDenoiser):
+    """Class-conditional diffusion transformer: adaLN-Zero attention + MLP blocks."""
+
+    def __init__(self, depth: int, hidden: int, heads: int, patch: int, mlp_ratio: float = 4.0, **common):
+        if hidden % heads:
+            raise ValueError(f"hidden {hidden} must be divisible by heads {heads}")
+        super().__init__(lambda i, grid: DiTBlock(hidden, heads, mlp_ratio), depth, hidden, patch, **common)
+        self.heads = heads
 
 
 def build(size: str = "S/2", **overrides) -> DiT:

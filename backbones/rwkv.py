@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dit import FinalLayer, LabelEmbedder, PatchEmbed, TimestepEmbedder, modulate, sincos_2d
+from .dit import PatchDenoiser, modulate
 from .dit import example_inputs as example_inputs
 from .dit import grid as grid
 from .ops.grid import grid_rows, shift_2d
@@ -121,69 +121,12 @@ class RWKVBlock(nn.Module):
         return x
 
 
-class DiffusionRWKV(nn.Module):
-    """Class-conditional Diffusion-RWKV: forward(x, t, y) returns a tensor shaped like x
-    (twice the channels when learn_sigma). Same embedders and output layer as DiT."""
+class DiffusionRWKV(PatchDenoiser):
+    """Class-conditional Diffusion-RWKV: DiT's embedders and output layer around RWKV blocks, each of
+    which knows the grid width W and works on whole rows."""
 
-    def __init__(self, depth: int, hidden: int, patch: int,
-                 input_size: int | tuple[int, int] = 32, in_channels: int = 4, num_classes: int = 1000,
-                 mlp_ratio: float = 4.0, learn_sigma: bool = False, class_dropout: float = 0.1):
-        super().__init__()
-        height, width = (input_size, input_size) if isinstance(input_size, int) else input_size
-        if height % patch or width % patch or hidden % 4:
-            raise ValueError(f"need input_size ({height}, {width}) divisible by patch {patch} "
-                             f"and hidden {hidden} divisible by 4")
-        self.depth, self.hidden, self.patch = depth, hidden, patch
-        self.input_size = (height, width)
-        self.grid = (height // patch, width // patch)
-        self.in_channels = in_channels
-        self.out_channels = 2 * in_channels if learn_sigma else in_channels
-        self.num_classes = num_classes
-
-        self.x_embedder = PatchEmbed(patch, in_channels, hidden)
-        self.register_buffer("pos_embed", sincos_2d(hidden, self.grid), persistent=True)
-        self.t_embedder = TimestepEmbedder(hidden)
-        self.y_embedder = LabelEmbedder(num_classes, hidden, class_dropout)
-        self.blocks = nn.ModuleList([RWKVBlock(hidden, self.grid[1], mlp_ratio) for _ in range(depth)])
-        self.final_layer = FinalLayer(hidden, patch, self.out_channels)
-        self.initialize_weights()
-
-    def initialize_weights(self) -> None:
-        """DiT's initialisation; the zeros make every block start as the identity (adaLN-Zero).
-
-        The RWKV parameters (token-shift mixes, decay, bonus) keep the values their layers set.
-        """
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        conv = self.x_embedder.proj  # a linear map on flattened patches: initialised as one
-        nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
-        nn.init.zeros_(conv.bias)
-        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        # Zero gates: each residual branch adds nothing at init; a zero final layer outputs exactly 0.
-        for block in self.blocks:
-            nn.init.zeros_(block.adaLN_modulation[-1].weight)
-            nn.init.zeros_(block.adaLN_modulation[-1].bias)
-        for layer in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
-
-    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (B, h*w, p*p*C) -> image (B, C, h*p, w*p), with h, w from the stored grid."""
-        (h, w), p, c = self.grid, self.patch, self.out_channels
-        x = x.reshape(-1, h, w, p, p, c).permute(0, 5, 1, 3, 2, 4)
-        return x.reshape(-1, c, h * p, w * p)
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = self.x_embedder(x) + self.pos_embed
-        c = self.t_embedder(t) + self.y_embedder(y)
-        for block in self.blocks:
-            x = block(x, c)
-        return self.unpatchify(self.final_layer(x, c))
+    def __init__(self, depth: int, hidden: int, patch: int, mlp_ratio: float = 4.0, **common):
+        super().__init__(lambda i, grid: RWKVBlock(hidden, grid[1], mlp_ratio), depth, hidden, patch, **common)
 
 
 def build(size: str = "S/2", **overrides) -> DiffusionRWKV:
