@@ -106,7 +106,11 @@ def commit() -> str:
 
 
 def subject(report: dict) -> str:
-    return "a tiny DiT on synthetic data (--quick)" if report["quick"] else f"DiT-{report['size']} on MNIST-5k"
+    if report["quick"]:
+        return "a tiny DiT on synthetic data (--quick)"
+    if report.get("cpu_preset"):
+        return "a small DiT (depth 8, width 128, patch 4: 64 tokens) on MNIST-5k, 2-core CPU (--cpu-preset)"
+    return f"DiT-{report['size']} on MNIST-5k"
 
 
 def write_markdown(report: dict, path: Path) -> None:

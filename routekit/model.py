@@ -67,19 +67,20 @@ class RoutedModel(nn.Module):
             _check_finite(out, self._routekit_routes)
         return out
 
-    def _routekit_program(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Program]:
+    def _routekit_program(self, args: tuple, kwargs: dict,
+                          program: Program | None = None) -> tuple[list[torch.Tensor], Program]:
+        """The graph for this call's signature and mode (and shapes, if it was specialised to them),
+        built on first use; `program` seeds the cache with one already built."""
         bound = bind_arguments(self._routekit_base.forward, args, kwargs)
         spec = call_spec(bound)
         tensors = [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
         bucket = self._routekit_programs.setdefault((self.training, spec.key()), {})
-        program = bucket.get(None)
-        if program is None:
-            shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
-            program = bucket.get(shapes)
-            if program is None:
-                program = _build_program(self, args, kwargs)
-                bucket[shapes if program.specialised else None] = program
-        return tensors, program
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        found = bucket.get(None, bucket.get(shapes))
+        if found is None:
+            found = program if program is not None else _build_program(self, args, kwargs)
+            bucket[shapes if found.specialised else None] = found
+        return tensors, found
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Strict about the original weights; routekit's own (DAR queries) may be absent from a checkpoint."""
@@ -211,10 +212,7 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
         )
         for select in getattr(routed, _STATE).routes:
             select.generator = generator
-        program = _program(tr, report, routes, grid, model, residual)
-        spec = call_spec(bind_arguments(type(model).forward, args, kwargs))
-        shapes = tuple((tuple(t.shape), t.dtype) for t in _tensors(spec, args, kwargs, model))
-        routed._routekit_programs[(True, spec.key())] = {shapes if program.specialised else None: program}
+        routed._routekit_program(args, kwargs, _program(tr, report, routes, grid, model, residual))
         _dry_run(routed, tr, args, kwargs)
     routed.train(model.training)
     return rewrap(routed)
@@ -238,11 +236,6 @@ def unwrap_compiled(model: Any):
     if isinstance(model, nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         return model._orig_mod, lambda inner: type(model)(inner, model.dynamo_ctx)
     return model, lambda inner: inner
-
-
-def _tensors(spec, args, kwargs, model) -> list[torch.Tensor]:
-    bound = bind_arguments(type(model).forward, args, kwargs)
-    return [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
 
 
 def _unwrapped(model: Any) -> nn.Module:
