@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-import torch.fx as fx
+from backbone_helpers import inputs, perturb, small_rwkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,23 +10,7 @@ from backbones import rwkv
 from backbones.ops.grid import grid_rows, shift_2d
 from backbones.ops.wkv import wkv_chunked, wkv_matmul, wkv_reference
 
-
-def small(**overrides) -> rwkv.DiffusionRWKV:
-    """A tiny model (grid 8×8, width 32) that runs in milliseconds on CPU."""
-    return rwkv.build("S/2", **{"depth": 2, "hidden": 32, "input_size": 16, "num_classes": 10, **overrides})
-
-
-def inputs(model, batch: int = 2, seed: int = 0):
-    return rwkv.example_inputs(model, batch, generator=torch.Generator().manual_seed(seed))
-
-
-def perturb(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
-    """Move every parameter off its init, so zero gates no longer hide the sublayers."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen))
-    return model
+small = small_rwkv
 
 
 def wkv_args(batch, n, c, seed, key_scale=2.0, decay=0.5, requires_grad=True):
@@ -157,52 +141,6 @@ def test_block_refuses_a_partial_row():
     with pytest.raises(ValueError, match="8-token-wide grid"):
         block(torch.randn(2, 20, 32), torch.randn(2, 32))
 
-
-def test_gradients_reach_every_parameter_and_are_finite():
-    model = perturb(small())
-    x, t, y = inputs(model)
-    model(x, t, y).square().mean().backward()
-    for name, p in model.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-
-
-def test_bf16_autocast_forward_is_finite():
-    model = perturb(small()).eval()
-    x, t, y = inputs(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x, t, y)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), model(x, t, y), atol=0.05, rtol=0.05)
-
-
-def test_example_inputs_are_deterministic_and_valid():
-    model = small()
-    a, b = inputs(model, 5, seed=3), inputs(model, 5, seed=3)
-    assert all(torch.equal(u, v) for u, v in zip(a, b))
-    x, t, y = a
-    assert x.shape == (5, 4, 16, 16) and ((t >= 0) & (t < 1)).all() and y.dtype == torch.long
-    assert ((y >= 0) & (y < 10)).all()
-
-
-class BlocksAsLeaves(fx.Tracer):
-    """What routekit's tracer does: the blocks are opaque calls, the top-level forward is traced."""
-
-    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return qualname.startswith("blocks.") or super().is_leaf_module(m, qualname)
-
-
-@pytest.mark.parametrize("train", [True, False])
-def test_top_level_forward_traces_to_a_plain_block_chain(train):
-    model = perturb(small(depth=3)).train(train)
-    graph = BlocksAsLeaves().trace(model)
-    calls = [n.target for n in graph.nodes if n.op == "call_module" and n.target.startswith("blocks.")]
-    assert calls == ["blocks.0", "blocks.1", "blocks.2"]
-    traced = fx.GraphModule(model, graph)
-    x, t, y = inputs(model, 3)
-    torch.manual_seed(1)
-    expected = model(x, t, y)
-    torch.manual_seed(1)
-    assert torch.equal(traced(x, t, y), expected)
 
 
 @pytest.mark.parametrize("size, millions", [("S/2", 34.6), ("B/2", 137.4), ("L/2", 204.7)])
