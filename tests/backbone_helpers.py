@@ -32,3 +32,14 @@ def perturb(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
     return model
+
+
+def assert_same_values_and_grads(fn, oracle, args, atol=1e-5, rtol=1e-4):
+    """A fast op equals its reference in value and in the gradients of a random projection."""
+    out, expected = fn(*args), oracle(*args)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad((out * weight).sum(), args)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), args)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol)

@@ -14,6 +14,25 @@ def backbone(request):
     return BACKBONES[request.param]
 
 
+@pytest.mark.parametrize("small, overrides", [(small_rwkv, {}), (small_mamba, {"mlp_ratio": 0.0}),
+                                              (small_mamba, {"mlp_ratio": 4.0})], ids=["rwkv", "mamba", "mamba-mlp"])
+def test_output_is_exactly_zero_at_init_and_every_block_is_the_identity(small, overrides):
+    model = small(**overrides)
+    x, t, y = inputs(model)
+    assert torch.count_nonzero(model(x, t, y)) == 0
+    tokens, c = torch.randn(2, 64, 32), torch.randn(2, 32)
+    for block in model.blocks:
+        assert torch.equal(block(tokens, c), tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_block_runs_on_whole_rows_of_the_grid(backbone, rows):
+    block = perturb(backbone[0]()).blocks[1]
+    x, c = torch.randn(3, rows * 8, 32), torch.randn(3, 32)
+    out = block(x, c)
+    assert out.shape == x.shape and torch.isfinite(out).all() and not torch.equal(out, x)
+
+
 def test_gradients_reach_every_parameter_and_are_finite(backbone):
     small, grad_overrides = backbone
     model = perturb(small(**grad_overrides))
