@@ -58,6 +58,19 @@ class HandRoutedDiT(nn.Module):
         return m.unpatchify(m.final_layer(x, c))
 
 
+def scan_kernel(backbone: str, device: str) -> str | None:
+    """Which token-mixing implementation a scan backbone's train step runs on this device (said in every result)."""
+    if backbone == "mamba":
+        from backbones import mamba
+        name = mamba.SSD_IMPL or ("kernel" if device == "cuda" and mamba._load_kernel()[0] is not None else "chunked")
+        return {"kernel": "mamba-ssm Triton SSD (mamba_chunk_scan_combined)",
+                "chunked": "pure-PyTorch chunked SSD (backbones/ops/ssd.py)"}.get(name, name)
+    if backbone == "rwkv":
+        from backbones import rwkv
+        return f"WKV '{rwkv.WKV_IMPL or ('matmul' if device == 'cuda' else 'chunked')}' (backbones/ops/wkv.py)"
+    return None
+
+
 def build(backbone: str, size: str, variant: str, device: str, example_batch: int = 2) -> nn.Module:
     module = importlib.import_module(f"backbones.{backbone}")
     torch.manual_seed(0)
@@ -240,10 +253,13 @@ def main() -> None:
     if args.quick:
         args.sizes, args.batches, args.modes, args.steps, args.warmup = ["S/8"], [2], ["eager"], 2, 0
     info = machine()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    info["scan_kernels"] = {b: scan_kernel(b, device) for b in args.backbone if scan_kernel(b, device)}
     name = args.name or "throughput_" + "_".join(args.backbone)
 
     def save(rows: list[dict]) -> str:  # after every row, so a run cut short still leaves its results
-        md = f"# Train-step throughput ({', '.join(args.backbone)})\n\n{header(info)}\n{table(rows)}"
+        kernels = "".join(f"\nToken mixer ({b}): {k}\n" for b, k in info["scan_kernels"].items())
+        md = f"# Train-step throughput ({', '.join(args.backbone)})\n\n{header(info)}{kernels}\n{table(rows)}"
         out = write(name, {"machine": info, "rows": rows}, md, args.out)
         plot(rows, out / f"{name}.png")
         return md

@@ -46,6 +46,25 @@ def test_ssd_of_the_b2_shape_runs_in_bounded_memory():
     assert ssd_chunked(x, dt, A, B, C).shape == (8, 256, 24, 64)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or mamba._load_kernel()[0] is None,
+                    reason="needs CUDA and mamba-ssm's Triton SSD kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_ssm_kernel_equals_the_chunked_scan_on_cuda(dtype):
+    x, dt, A, B, C = (a.detach().cuda() for a in ssd_args(4, 256, 1, 12, 64, 64, seed=3, dt_scale=0.1))
+    x, B, C = (a.to(dtype).requires_grad_() for a in (x, B, C))
+    dt, A = dt.requires_grad_(), A.requires_grad_()
+    args = (x, dt, A, B, C)
+    out = mamba.mamba_kernel()(*args, 64)
+    ref = ssd_chunked(*args, chunk=64)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    weight = torch.randn_like(out, dtype=torch.float32)
+    for g, e in zip(torch.autograd.grad((out.float() * weight).sum(), args),
+                    torch.autograd.grad((ref.float() * weight).sum(), args)):
+        scale = e.float().abs().max().clamp_min(1e-6)
+        assert ((g.float() - e.float()).abs().max() / scale).item() < (5e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
 def test_snake_reverses_odd_rows_and_is_its_own_inverse():
     x = torch.arange(12.0).view(1, 12, 1)
     assert snake(x, 4).flatten().tolist() == [0, 1, 2, 3, 7, 6, 5, 4, 8, 9, 10, 11]

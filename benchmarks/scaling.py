@@ -1,0 +1,114 @@
+"""Multi-GPU scaling of the training recipe through `accelerate launch` (DDP), 1 GPU vs N GPUs.
+
+Each run is the real recipe (`accelerate launch -m recipes.train CONFIG`) with evaluation, sampling and
+checkpoints off; the per-GPU batch stays fixed (weak scaling), so the global batch grows with the GPU
+count. Throughput is read back from the run's own train.jsonl: images per second between the first and
+the last logged step (warm-up, compilation and launch are not counted).
+
+    python benchmarks/scaling.py --config recipes/configs/dit_b2_tread.yaml --gpus 1 2 --steps 300
+
+Writes benchmarks/results/scaling.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    from benchmarks.common import RESULTS, header, machine, write
+except ImportError:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.common import RESULTS, header, machine, write
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, out: Path) -> dict:
+    """One `accelerate launch` of the recipe on `gpus` processes; its measured throughput."""
+    run_dir = out / f"gpus{gpus}"
+    overrides = [f"batch={per_gpu_batch * gpus}", "eval.every=0", "sample.every=0", "checkpoint.every=0",
+                 "checkpoint.final=false", f"log_every={log_every}", "compile=false"]
+    command = ["accelerate", "launch", "--num_machines", "1", "--num_processes", str(gpus),
+               *(["--multi_gpu"] if gpus > 1 else []), "--mixed_precision", "bf16", "--dynamo_backend", "no",
+               "-m", "recipes.train", config, "--out", str(run_dir), "--steps", str(steps), "--set", *overrides]
+    print("$", shlex.join(command), flush=True)
+    began = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True)
+    wall = time.perf_counter() - began
+    logs = [json.loads(line) for line in (run_dir / "train.jsonl").read_text().splitlines() if line.strip()]
+    logs = [r for r in logs if "loss" in r and "train_seconds" in r]
+    if len(logs) < 2:
+        raise SystemExit(f"{run_dir}/train.jsonl has {len(logs)} logged steps; raise --steps above 2 x --log-every")
+    first, last = logs[0], logs[-1]
+    steps_per_s = (last["step"] - first["step"]) / (last["train_seconds"] - first["train_seconds"])
+    return {"gpus": gpus, "global_batch": per_gpu_batch * gpus, "steps": last["step"],
+            "steps_per_s": steps_per_s, "images_per_s": steps_per_s * per_gpu_batch * gpus,
+            "final_loss": last["loss"], "wall_s": wall, "command": shlex.join(command)}
+
+
+def table(rows: list[dict]) -> str:
+    base = rows[0]["images_per_s"] / rows[0]["gpus"]
+    lines = ["| GPUs | global batch | steps/s | images/s | scaling efficiency | final loss | wall s |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['gpus']} | {r['global_batch']} | {r['steps_per_s']:.2f} | {r['images_per_s']:.0f} | "
+                     f"{r['images_per_s'] / (base * r['gpus']):.1%} | {r['final_loss']:.4f} | {r['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [r["gpus"] for r in rows]
+    base = rows[0]["images_per_s"] / rows[0]["gpus"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(gpus, [r["images_per_s"] for r in rows], marker="o", label="measured")
+    ax.plot(gpus, [base * g for g in gpus], ls="--", color="grey", label="linear")
+    ax.set_xlabel("GPUs (accelerate DDP)")
+    ax.set_ylabel("training images / s")
+    ax.set_xticks(gpus)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="recipes/configs/dit_b2_tread.yaml")
+    p.add_argument("--gpus", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--per-gpu-batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--name", default="scaling")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    available = torch.cuda.device_count()
+    if max(args.gpus) > available:
+        raise SystemExit(f"--gpus {max(args.gpus)} asked for, {available} CUDA devices here")
+    info = machine()
+    runs = REPO / "runs" / args.name
+    rows = []
+    for gpus in args.gpus:
+        rows.append(launch(args.config, gpus, args.per_gpu_batch, args.steps, args.log_every, runs))
+        md = (f"# Multi-GPU scaling (accelerate DDP, weak scaling: {args.per_gpu_batch} images per GPU per step)\n\n"
+              f"{header(info)}\nRecipe: `{args.config}` (compile off, evaluation/sampling/checkpoints off)\n\n"
+              f"{table(rows)}")
+        out = write(args.name, {"machine": info, "config": args.config, "rows": rows}, md, args.out)
+        plot(rows, out / f"{args.name}.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
