@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import shlex
 import shutil
@@ -98,6 +99,9 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
+    if os.environ.get("RK_COMMIT"):  # a copy of the tree without its history (e.g. on a lent GPU machine)
+        return os.environ["RK_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
