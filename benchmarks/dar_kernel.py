@@ -163,21 +163,22 @@ def measure(fn, sources, query, grad) -> dict[str, object]:
 
 
 def sweep(sources, query, grad) -> list[dict[str, object]]:
-    """Fused kernel over launch configurations, to retune dar_triton.launch_config on this GPU."""
-    from routekit.kernels.dar_triton import dar_aggregate_triton
+    """Fused kernel over warps per row program, forward and backward each with the other at its
+    default, to retune dar_triton.launch_warps on this GPU."""
+    from routekit.kernels.dar_triton import dar_aggregate_triton, launch_warps
 
+    default_fwd, default_bwd = launch_warps(sources[0].shape[-1])
     rows = []
-    for block_rows in (1, 2, 4):
-        for num_warps in (2, 4, 8, 16):
-            fn = partial(dar_aggregate_triton, block_rows=block_rows, num_warps=num_warps)
-            try:
-                fwd = time_ms(lambda fn=fn: fn(sources, query))
-                total = time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad))
-                row = {"fwd_ms": fwd, "bwd_ms": total - fwd}
-            except Exception as exc:
-                row = {"status": type(exc).__name__}
-            rows.append({"block_rows": block_rows, "num_warps": num_warps, **row})
-            print(f"  sweep {rows[-1]}", flush=True)
+    for num_warps in (1, 2, 4, 8, 16):
+        try:
+            fwd = time_ms(lambda w=num_warps: dar_aggregate_triton(sources, query, num_warps=(w, default_bwd)))
+            fn = partial(dar_aggregate_triton, num_warps=(default_fwd, num_warps))
+            bwd = time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad)) - time_ms(lambda fn=fn: fn(sources, query))
+            row = {"fwd_ms": fwd, "bwd_ms": bwd}
+        except Exception as exc:
+            row = {"status": type(exc).__name__}
+        rows.append({"num_warps": num_warps, **row})
+        print(f"  sweep {rows[-1]}", flush=True)
     return rows
 
 
@@ -203,8 +204,9 @@ def environment(args: argparse.Namespace) -> dict[str, object]:
         "torch": torch.__version__,
         "triton": triton_version,
         "triton_interpret": interpret,
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--", "routekit", "benchmarks/dar_kernel.py")),
+        "git_commit": os.environ.get("RK_COMMIT") or git("rev-parse", "HEAD"),
+        "git_dirty": False if os.environ.get("RK_COMMIT") else bool(
+            git("status", "--porcelain", "--", "routekit", "benchmarks/dar_kernel.py")),
         "command": f"TRITON_INTERPRET={interpret} {command}" if interpret else command,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "shape": {
@@ -315,12 +317,13 @@ def markdown(report: dict) -> str:
     for record in report["batches"]:
         if "sweep" in record:
             lines += ["", f"Fused launch-config sweep at batch {record['batch']} (default marked *):", ""]
-            lines += ["| BLOCK_R | num_warps | fwd ms | bwd ms |", "|---|---|---|---|"]
-            default = tuple(report["default_launch_config"])
+            lines += ["| num_warps | fwd ms | bwd ms |", "|---|---|---|"]
+            default_fwd, default_bwd = report["default_launch_warps"]
             for row in record["sweep"]:
-                mark = "*" if (row["block_rows"], row["num_warps"]) == default else ""
                 fwd, bwd = fmt(row.get("fwd_ms", row.get("status")), 3), fmt(row.get("bwd_ms"), 3)
-                lines.append(f"| {row['block_rows']}{mark} | {row['num_warps']} | {fwd} | {bwd} |")
+                fwd += "*" if row["num_warps"] == default_fwd else ""
+                bwd += "*" if row["num_warps"] == default_bwd else ""
+                lines.append(f"| {row['num_warps']} | {fwd} | {bwd} |")
     return "\n".join(lines) + "\n"
 
 
@@ -362,12 +365,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
-    from routekit.kernels.dar_triton import launch_config
+    from routekit.kernels.dar_triton import launch_warps
 
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "environment": environment(args),
-        "default_launch_config": launch_config(args.dim, min(args.batches) * args.tokens),
+        "default_launch_warps": launch_warps(args.dim),
         "batches": [],
     }
     print(json.dumps(report["environment"], indent=1), flush=True)

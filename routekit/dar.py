@@ -46,8 +46,25 @@ _SUBLAYER_FUNCS = {F.linear, torch.matmul, operator.matmul, torch.bmm, torch.ein
 
 
 def sum_sources(sources: list[torch.Tensor]) -> torch.Tensor:
-    """A chunk summary: the sum of the chunk's sublayer outputs."""
-    return functools.reduce(operator.add, sources)
+    """A chunk summary: the sum of the chunk's sublayer outputs, added in fp32, kept in their dtype."""
+    if len(sources) == 1:
+        return sources[0]
+    return functools.reduce(operator.add, [s.float() for s in sources]).to(sources[0].dtype)
+
+
+def cast_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x in like's dtype: the embedding joins the history in the sublayer outputs' dtype."""
+    return x.to(like.dtype)
+
+
+def mix_history(sources: list[torch.Tensor], query: torch.Tensor, stream: torch.Tensor, eps: float,
+                kernel: str) -> torch.Tensor:
+    """One aggregation. Sources stay in the dtype the sublayers give (bf16 under autocast: half the
+    bytes to read and to keep for backward); the mix comes out in the stream's dtype, as the residual
+    add it replaces would have."""
+    dtype = sources[-1].dtype
+    sources = [s if s.dtype == dtype else s.to(dtype) for s in sources]
+    return dar_aggregate(sources, query, eps, kernel, out_dtype=stream.dtype)
 
 
 def _is_add(node: fx.Node) -> bool:
@@ -141,10 +158,17 @@ class _History:
     def __init__(self, graph: fx.Graph, v0: fx.Node, chunk: int | None):
         self.graph, self.items, self.chunk = graph, [_Item(v0)], chunk
         self.raw_count = 0
+        self.unified = False  # sources made before the first sublayer output are cast to its dtype
         self.index: fx.Node | None = None
         self.route_stream: fx.Node | None = None
 
     def append(self, node: fx.Node) -> None:
+        if not self.unified:
+            for item in self.items:
+                item.node = self.graph.call_function(cast_like, (item.node, node))
+                if item.full is not None:
+                    item.full = self.graph.call_function(cast_like, (item.full, node))
+            self.unified = True
         self.items.append(_Item(node, inside=self.index is not None))
         self.raw_count += 1
         if self.chunk and self.raw_count % self.chunk == 0:
@@ -220,8 +244,8 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
         dynamic = graph.get_attr("routekit.dar.dynamic") if config.query == "dynamic" else None
         if temb is not None:
             temb = graph.call_method("unsqueeze", (temb, 1))
-    history = _History(graph, by_name[v0_name], config.chunk)
-    stream_dtype = _dtype(by_name[v0_name])
+    v0 = by_name[v0_name]
+    history = _History(graph, v0, config.chunk)
     starts = {r.start: k for k, r in enumerate(routes)}
     ends = {r.end: k for k, r in enumerate(routes)}
     constants: dict[str, torch.Tensor] = {}
@@ -229,7 +253,7 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
 
     def aggregate(v: fx.Node) -> fx.Node:
         nonlocal point
-        newest = graph.call_method("to", (v, stream_dtype))  # the dtype the residual add would give
+        newest = v
         history.append(newest)
         q = graph.call_function(operator.getitem, (query, point))
         if config.query == "static_t":
@@ -238,7 +262,7 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
             w = graph.call_function(operator.getitem, (dynamic, point))
             q = graph.call_function(F.linear, (newest, w))
         point += 1
-        return graph.call_function(dar_aggregate, (history.sources(), q), {"eps": config.eps, "kernel": config.kernel})
+        return graph.call_function(mix_history, (history.sources(), q, v0), {"eps": config.eps, "kernel": config.kernel})
 
     for i, info in enumerate(report.blocks):
         call = by_name[info.node]
@@ -272,10 +296,6 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
                 history.exit()
     graph.lint()
     return constants
-
-
-def _dtype(node: fx.Node):
-    return getattr(node.meta.get("rk"), "dtype", None)
 
 
 def _descends(node: fx.Node, ancestor: fx.Node) -> bool:

@@ -70,11 +70,13 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
     return s, b, n, d
 
 
-def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6) -> Tensor:
+def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6, *,
+                            out_dtype: torch.dtype | None = None) -> Tensor:
     """Softmax-over-sources mix of ``sources`` keyed by their RMS-normalised values.
 
     ``sources`` is a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors and
-    ``query`` broadcasts to (B, N, D).  Math is fp32; the result has the sources' dtype.
+    ``query`` broadcasts to (B, N, D).  Math is fp32; the result has ``out_dtype``, by default
+    the sources' dtype.
     """
     d = check_dar_inputs(sources, query)[3]
     stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
@@ -82,4 +84,4 @@ def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6) 
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
     logits = (keys * query.float()).sum(-1) / math.sqrt(d)
     weights = torch.softmax(logits, dim=0)
-    return (weights.unsqueeze(-1) * values).sum(0).to(stacked.dtype)
+    return (weights.unsqueeze(-1) * values).sum(0).to(out_dtype or stacked.dtype)
