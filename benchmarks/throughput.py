@@ -175,8 +175,14 @@ def run(args, save=lambda rows: None) -> list[dict]:
                 for mode in args.modes:
                     for variant in variants:
                         torch._dynamo.reset()
-                        model = build(backbone, size, variant, device)
-                        stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device)
+                        model = None
+                        try:
+                            model = build(backbone, size, variant, device)
+                            stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device)
+                        except torch.OutOfMemoryError:  # recorded as such; the other rows still run
+                            nan = float("nan")
+                            stats = {"step_ms": nan, "min_ms": nan, "peak_gib": nan, "first_step_s": nan,
+                                     "status": "out of memory"}
                         row = {"backbone": backbone, "size": size, "batch": batch, "mode": mode, "variant": variant,
                                "flop_limit": flops["vanilla"] / flops[variant], **stats}
                         rows.append(row)
@@ -203,6 +209,10 @@ def table(rows: list[dict]) -> str:
             rel = ""
             if manual and variant != "vanilla" and base:
                 rel = f"{speed / (base['step_ms'] / manual['step_ms']):.3f}"
+            if r.get("status"):
+                out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['status']} | | | "
+                           f"{r['flop_limit']:.3f}× | |")
+                continue
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | {speed:.3f}× | "
                        f"{rel} | {r['flop_limit']:.3f}× | {r['peak_gib']:.2f} |")
     return "\n".join(out) + "\n"
