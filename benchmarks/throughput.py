@@ -116,7 +116,8 @@ def train_step(model: nn.Module, opt, x, t, y, autocast: bool) -> torch.Tensor:
     return loss
 
 
-def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, warmup: int, device: str) -> dict:
+def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, warmup: int, device: str,
+            gpu_busy: bool = False) -> dict:
     cuda = device == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     x, t, y = inputs_for(backbone, model, batch, device)
@@ -146,7 +147,22 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
             train_step(runner, opt, x, t, y, cuda)
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    return {"step_ms": statistics.median(times), "min_ms": min(times), "peak_gib": peak, "first_step_s": first}
+    stats = {"step_ms": statistics.median(times), "min_ms": min(times), "peak_gib": peak, "first_step_s": first}
+    if gpu_busy and cuda:
+        stats["gpu_busy_ms"] = gpu_busy_ms(lambda: train_step(runner, opt, x, t, y, cuda))
+    return stats
+
+
+def gpu_busy_ms(step, steps: int = 3) -> float:
+    """Time the GPU spends in kernels per step (profiler): far below the step time means the step
+    waits on the host (Python and kernel launches), not on the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
 
 
 def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> int:
@@ -178,7 +194,7 @@ def run(args, save=lambda rows: None) -> list[dict]:
                         model = None
                         try:
                             model = build(backbone, size, variant, device)
-                            stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device)
+                            stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy)
                         except torch.OutOfMemoryError:  # recorded as such; the other rows still run
                             nan = float("nan")
                             stats = {"step_ms": nan, "min_ms": nan, "peak_gib": nan, "first_step_s": nan,
@@ -215,6 +231,11 @@ def table(rows: list[dict]) -> str:
                 continue
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | {speed:.3f}× | "
                        f"{rel} | {r['flop_limit']:.3f}× | {r['peak_gib']:.2f} |")
+    busy = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['gpu_busy_ms']:.1f} ms"
+            for r in rows if "gpu_busy_ms" in r]
+    if busy:
+        out += ["", "GPU kernel time per step (profiler; well below the step time = the step waits on the host):", ""]
+        out += [f"- {line}" for line in busy]
     return "\n".join(out) + "\n"
 
 
@@ -258,6 +279,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--name", default=None, help="results file stem (default throughput_<backbones>)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--gpu-busy", action="store_true", help="also profile the GPU's kernel time per step")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     args = p.parse_args()
     if args.quick:

@@ -56,13 +56,16 @@ def test_mamba_ssm_kernel_equals_the_chunked_scan_on_cuda(dtype):
     args = (x, dt, A, B, C)
     out = mamba.mamba_kernel()(*args, 64)
     ref = ssd_chunked(*args, chunk=64)
-    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    # Errors relative to the largest magnitude: the kernel's fp32 matmuls run in TF32 (10-bit
+    # mantissa), so both dtypes are held to about a few units in the last place of bf16/TF32.
+    bound = 2e-2 if dtype == torch.bfloat16 else 5e-3
     weight = torch.randn_like(out, dtype=torch.float32)
-    for g, e in zip(torch.autograd.grad((out.float() * weight).sum(), args),
-                    torch.autograd.grad((ref.float() * weight).sum(), args)):
-        scale = e.float().abs().max().clamp_min(1e-6)
-        assert ((g.float() - e.float()).abs().max() / scale).item() < (5e-2 if dtype == torch.bfloat16 else 5e-3)
+    pairs = [("output", out, ref)] + list(zip(["dx", "ddt", "dA", "dB", "dC"],
+                                               torch.autograd.grad((out.float() * weight).sum(), args),
+                                               torch.autograd.grad((ref.float() * weight).sum(), args)))
+    for name, got, want in pairs:
+        error = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+        assert error < bound, f"{name}: error {error:.3g} of the largest magnitude (bound {bound})"
 
 
 def test_snake_reverses_odd_rows_and_is_its_own_inverse():
