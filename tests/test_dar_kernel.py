@@ -244,3 +244,26 @@ def test_bad_shapes_are_rejected_with_a_message_naming_them(kernel, bad):
     with pytest.raises(DarInputError, match=message) as info:
         kernel(*transform(sources, query))
     assert isinstance(info.value, InputError) and isinstance(info.value, ValueError)
+
+
+def test_triton_kernel_stays_inside_a_compiled_graph():
+    """A custom op, not a graph break: fullgraph=True compiles it, and forward and gradients hold."""
+    sources, query, grad = Case(4, 2, 3, 24, torch.float32, "b1d", True, 2.0, seed=9).tensors()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda v, q: dar_aggregate(v, q, kernel="triton"), backend="aot_eager", fullgraph=True)
+    got = run(compiled, sources, query, grad, as_list=True)
+    expected = run(dar_aggregate_reference, sources, query, grad, as_list=True)
+    for name, g, w in zip(("output", "grad sources", "grad query"), got, expected):
+        assert_close(g, w, TOLERANCE[torch.float32], name)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_sources_mix_into_the_requested_dtype(out_dtype):
+    """DAR keeps bf16 sources (autocast) but returns the residual stream's dtype."""
+    sources, query, grad = Case(6, 2, 5, 40, torch.bfloat16, "d", True, 2.0, seed=4).tensors()
+    for kernel in ("triton", "torch"):
+        fn = lambda v, q, kernel=kernel: dar_aggregate(v, q, kernel=kernel, out_dtype=out_dtype)  # noqa: E731
+        out, grad_sources, grad_query = run(fn, sources, query, grad.to(out_dtype), as_list=True)
+        assert out.dtype == out_dtype and grad_sources.dtype == torch.bfloat16
+        want = dar_aggregate_reference(list(sources), query, out_dtype=torch.float64)
+        assert_close(out.double(), want, TOLERANCE[torch.bfloat16], f"{kernel} output")
