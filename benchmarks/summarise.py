@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_MIXER = {"dit": "attention (SDPA)", "rwkv": "WKV 'matmul' (backbones/ops/wkv.py)",
+                 "mamba": "pure-PyTorch chunked SSD (backbones/ops/ssd.py)"}
 
 
 def collect() -> dict:
@@ -20,7 +22,10 @@ def collect() -> dict:
         data = json.loads(path.read_text())
         for r in data["rows"]:
             key = (r["backbone"], r["size"], r["batch"], r["mode"])
-            groups.setdefault(key, {})[r["variant"]] = {**r, "file": path.name, "commit": data["machine"]["commit"]}
+            # files from before the token mixer was recorded ran the default of their day
+            mixer = data["machine"].get("scan_kernels", {}).get(r["backbone"]) or DEFAULT_MIXER[r["backbone"]]
+            groups.setdefault(key, {})[r["variant"]] = {**r, "file": path.name, "commit": data["machine"]["commit"],
+                                                        "mixer": mixer}
     return {k: g for k, g in groups.items()
             if "vanilla" in g and "routekit" in g and g["vanilla"]["file"] == g["routekit"]["file"]}
 
@@ -31,14 +36,14 @@ def main() -> None:
              "Built by `python benchmarks/summarise.py` from the files named in the last column; each row's vanilla "
              "and routekit runs come from the same process.", "",
              "| backbone | size | batch | mode | vanilla ms | routed ms | speed-up | FLOP limit | speed-up / limit | "
-             "peak GiB vanilla → routed | file (commit) |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+             "peak GiB vanilla → routed | token mixer | file (commit) |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|"]
     for (backbone, size, batch, mode), g in sorted(groups.items()):
         v, r = g["vanilla"], g["routekit"]
         speed = v["step_ms"] / r["step_ms"]
         lines.append(f"| {backbone} | {size} | {batch} | {mode} | {v['step_ms']:.1f} | {r['step_ms']:.1f} | {speed:.3f}× | "
                      f"{r['flop_limit']:.3f}× | {speed / r['flop_limit']:.3f} | {v['peak_gib']:.1f} → {r['peak_gib']:.1f} | "
-                     f"{r['file']} ({r['commit']}) |")
+                     f"{r['mixer']} | {r['file']} ({r['commit']}) |")
     (RESULTS / "throughput_backbones.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
