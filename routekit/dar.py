@@ -7,6 +7,10 @@ the output layer: the final aggregation). Blocks are inlined into the owner grap
 carries the history across blocks as plain data flow; the schedule of which sources each
 aggregation sees is static and built here.
 
+Dtypes: sources keep the dtype their sublayers give (bf16 under autocast: half the bytes each
+aggregation reads and half the memory the history holds), v_0 is cast to it once, and every mix
+comes out in the stream's dtype, as the residual add it replaces would have.
+
 Chunking (chunk=S): once S sublayer outputs have accumulated, they are replaced in the history by
 their sum (the chunk summary), so a sublayer sees v_0, earlier chunks' summaries and its own chunk's
 raw outputs.
