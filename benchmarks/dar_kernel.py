@@ -164,15 +164,16 @@ def measure(fn, sources, query, grad) -> dict[str, object]:
 
 def sweep(sources, query, grad) -> list[dict[str, object]]:
     """Fused kernel over warps per row program, forward and backward each with the other at its
-    default, to retune dar_triton.launch_warps on this GPU."""
-    from routekit.kernels.dar_triton import dar_aggregate_triton, launch_warps
+    default, one row per program, to retune dar_triton.launch_config on this GPU."""
+    from routekit.kernels.dar_triton import dar_aggregate_triton, launch_config
 
-    default_fwd, default_bwd = launch_warps(sources[0].shape[-1])
+    _, default_fwd, default_bwd = launch_config(sources[0].shape[-1], sources[0].shape[0] * sources[0].shape[1])
     rows = []
     for num_warps in (1, 2, 4, 8, 16):
         try:
-            fwd = time_ms(lambda w=num_warps: dar_aggregate_triton(sources, query, num_warps=(w, default_bwd)))
-            fn = partial(dar_aggregate_triton, num_warps=(default_fwd, num_warps))
+            fwd = time_ms(lambda w=num_warps: dar_aggregate_triton(sources, query, block_rows=1,
+                                                                   num_warps=(w, default_bwd)))
+            fn = partial(dar_aggregate_triton, block_rows=1, num_warps=(default_fwd, num_warps))
             bwd = time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad)) - time_ms(lambda fn=fn: fn(sources, query))
             row = {"fwd_ms": fwd, "bwd_ms": bwd}
         except Exception as exc:
@@ -318,7 +319,7 @@ def markdown(report: dict) -> str:
         if "sweep" in record:
             lines += ["", f"Fused launch-config sweep at batch {record['batch']} (default marked *):", ""]
             lines += ["| num_warps | fwd ms | bwd ms |", "|---|---|---|"]
-            default_fwd, default_bwd = report["default_launch_warps"]
+            _, default_fwd, default_bwd = report["default_launch_config"]
             for row in record["sweep"]:
                 fwd, bwd = fmt(row.get("fwd_ms", row.get("status")), 3), fmt(row.get("bwd_ms"), 3)
                 fwd += "*" if row["num_warps"] == default_fwd else ""
@@ -365,12 +366,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
-    from routekit.kernels.dar_triton import launch_warps
+    from routekit.kernels.dar_triton import launch_config
 
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "environment": environment(args),
-        "default_launch_warps": launch_warps(args.dim),
+        "default_launch_config": launch_config(args.dim, min(args.batches) * args.tokens),
         "batches": [],
     }
     print(json.dumps(report["environment"], indent=1), flush=True)

@@ -267,3 +267,22 @@ def test_bf16_sources_mix_into_the_requested_dtype(out_dtype):
         assert out.dtype == out_dtype and grad_sources.dtype == torch.bfloat16
         want = dar_aggregate_reference(list(sources), query, out_dtype=torch.float64)
         assert_close(out.double(), want, TOLERANCE[torch.bfloat16], f"{kernel} output")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_custom_ops_pass_torch_library_opcheck(out_dtype):
+    """Schema, fake (meta) kernels and autograd registration agree with the real kernels, also for a
+    source laid out column-major, as torch.compile may hand one over: a fake that copied its strides
+    once promised a layout the kernel does not write."""
+    sources, query, grad = Case(3, 2, 5, 24, torch.bfloat16, "b1d", True, 2.0, seed=2).tensors()
+    sources = [s.clone() for s in sources]
+    sources[1] = sources[1].transpose(1, 2).contiguous().transpose(1, 2)  # strides (N*D, 1, N)
+    sources = [s.requires_grad_() for s in sources]
+    query = query.float().requires_grad_()
+    args = (sources, query, 1e-6, out_dtype, True, 1, 1, 1)
+    torch.library.opcheck(dar_triton.dar_fused, args)
+    out, o32, lse = dar_triton.dar_fused(*args)
+    saved = o32 if o32.numel() else out
+    backward_args = ([s.detach() for s in sources], query.detach(), grad.to(out_dtype), saved.detach(), lse.detach(),
+                     1e-6, 1, 1)
+    torch.library.opcheck(dar_triton.dar_fused_backward, backward_args)
