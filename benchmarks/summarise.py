@@ -17,17 +17,20 @@ DEFAULT_MIXER = {"dit": "attention (SDPA)", "rwkv": "WKV 'matmul' (backbones/ops
 
 
 def collect() -> dict:
+    """(backbone, size, batch, mode) -> {variant: row}, from the newest file that holds both a vanilla and a
+    routekit row for it (files with DAR rows only, or vanilla only, never split a pair)."""
     groups: dict = {}
     for path in sorted(RESULTS.glob("throughput_*.json"), key=lambda p: json.loads(p.read_text())["machine"]["date"]):
         data = json.loads(path.read_text())
+        in_file: dict = {}
         for r in data["rows"]:
-            key = (r["backbone"], r["size"], r["batch"], r["mode"])
             # files from before the token mixer was recorded ran the default of their day
             mixer = data["machine"].get("scan_kernels", {}).get(r["backbone"]) or DEFAULT_MIXER[r["backbone"]]
-            groups.setdefault(key, {})[r["variant"]] = {**r, "file": path.name, "commit": data["machine"]["commit"],
-                                                        "mixer": mixer}
-    return {k: g for k, g in groups.items()
-            if "vanilla" in g and "routekit" in g and g["vanilla"]["file"] == g["routekit"]["file"]}
+            key = (r["backbone"], r["size"], r["batch"], r["mode"])
+            in_file.setdefault(key, {})[r["variant"]] = {**r, "file": path.name, "commit": data["machine"]["commit"],
+                                                         "mixer": mixer}
+        groups.update({k: g for k, g in in_file.items() if "vanilla" in g and "routekit" in g})
+    return groups
 
 
 def main() -> None:
