@@ -27,17 +27,21 @@ try:
 except ImportError:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.common import RESULTS, header, machine, write
+from recipes.config import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, out: Path) -> dict:
-    """One `accelerate launch` of the recipe on `gpus` processes; its measured throughput."""
+def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, out: Path,
+           extra: tuple[str, ...] = ()) -> dict:
+    """One `accelerate launch` of the recipe on `gpus` processes; its measured throughput.
+    ``extra``: more KEY=VALUE overrides for the recipe (the tests shrink the model with them)."""
     run_dir = out / f"gpus{gpus}"
     overrides = [f"batch={per_gpu_batch * gpus}", "eval.every=0", "sample.every=0", "checkpoint.every=0",
-                 "checkpoint.final=false", f"log_every={log_every}", "compile=false"]
-    command = ["accelerate", "launch", "--num_machines", "1", "--num_processes", str(gpus),
-               *(["--multi_gpu"] if gpus > 1 else []), "--mixed_precision", "bf16", "--dynamo_backend", "no",
+                 "checkpoint.final=false", f"log_every={log_every}", "compile=false", *extra]
+    precision = "bf16" if load_config(config).bf16 else "no"  # the launcher's must match the recipe's
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", str(gpus),
+               *(["--multi_gpu"] if gpus > 1 else []), "--mixed_precision", precision, "--dynamo_backend", "no",
                "-m", "recipes.train", config, "--out", str(run_dir), "--steps", str(steps), "--set", *overrides]
     print("$", shlex.join(command), flush=True)
     began = time.perf_counter()

@@ -416,3 +416,16 @@ def test_cli_writes_metrics_samples_and_checkpoints(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004.pt", "step_0000005.pt"]
     assert list((tmp_path / "cache").glob("classifier_synthetic_*.pt"))
     assert load_config(out / "config.yaml").steps == 5
+
+
+def test_scaling_benchmark_measures_a_launched_run(tmp_path):
+    """benchmarks/scaling.py end to end on one CPU process: accelerate launch, the run's log read back."""
+    from benchmarks.scaling import launch, table
+
+    config = tiny("dit_s2_vanilla", tmp_path)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    row = launch(str(path), 1, 2, 6, 2, tmp_path / "runs", extra=("seed=3",))
+    assert row["gpus"] == 1 and row["global_batch"] == 2 and row["steps"] == 6
+    assert row["images_per_s"] == pytest.approx(2 * row["steps_per_s"]) and row["images_per_s"] > 0
+    assert "| 1 | 2 |" in table([row]) and "100.0%" in table([row])
