@@ -35,11 +35,18 @@ def perturb(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 
 
 def assert_same_values_and_grads(fn, oracle, args, atol=1e-5, rtol=1e-4):
-    """A fast op equals its reference in value and in the gradients of a random projection."""
+    """A fast op equals its reference in value and in the gradients of a random projection.
+
+    ``atol`` scales with the largest magnitude of the expected tensor: a gradient such as a
+    per-channel decay's sums hundreds of terms, and two fp32 summation orders differ by that
+    sum's rounding, not by a fixed amount."""
+    def close(got, want):
+        torch.testing.assert_close(got, want, atol=atol * max(1.0, want.abs().max().item()), rtol=rtol)
+
     out, expected = fn(*args), oracle(*args)
-    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    close(out, expected)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     grads = torch.autograd.grad((out * weight).sum(), args)
     expected_grads = torch.autograd.grad((expected * weight).sum(), args)
     for g, e in zip(grads, expected_grads):
-        torch.testing.assert_close(g, e, atol=atol, rtol=rtol)
+        close(g, e)
