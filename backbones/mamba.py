@@ -89,17 +89,20 @@ def mamba_kernel() -> Callable:
     return kernel
 
 
+def ssd_impl(cuda: bool) -> str:
+    """The SSD implementation a scan on CUDA (or CPU) tensors runs: SSD_IMPL, else the kernel on CUDA
+    when mamba-ssm imports, else the chunked scan."""
+    if SSD_IMPL is not None:
+        return SSD_IMPL
+    return "kernel" if cuda and _load_kernel()[0] is not None else "chunked"
+
+
 def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
         chunk: int) -> torch.Tensor:
     """The SSD scan by the implementation SSD_IMPL names, or the best one for x's device."""
-    name = SSD_IMPL
-    if name is None:
-        name = "chunked"
-        if x.is_cuda:
-            if _load_kernel()[0] is not None:
-                name = "kernel"
-            else:
-                warnings.warn(INSTALL_HINT.format(error=_load_kernel()[1]), stacklevel=2)
+    name = ssd_impl(x.is_cuda)
+    if SSD_IMPL is None and x.is_cuda and name == "chunked":
+        warnings.warn(INSTALL_HINT.format(error=_load_kernel()[1]), stacklevel=2)
     if name == "kernel":
         return mamba_kernel()(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), chunk)
     if name == "chunked":

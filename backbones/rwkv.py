@@ -40,9 +40,14 @@ WKV_IMPLS = {"reference": wkv_reference, "chunked": wkv_chunked, "matmul": wkv_m
 WKV_IMPL: str | None = None  # None: "matmul" for CUDA tensors, "chunked" otherwise
 
 
+def wkv_impl(cuda: bool) -> str:
+    """The WKV implementation a mix on CUDA (or CPU) tensors runs."""
+    return WKV_IMPL or ("matmul" if cuda else "chunked")
+
+
 def wkv(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Bidirectional WKV by the implementation WKV_IMPL names, or the one that suits k's device."""
-    name = WKV_IMPL or ("matmul" if k.is_cuda else "chunked")
+    name = wkv_impl(k.is_cuda)
     if name not in WKV_IMPLS:
         raise ValueError(f"unknown WKV_IMPL {name!r}; valid: {', '.join(WKV_IMPLS)} or None (by device)")
     return WKV_IMPLS[name](w, u, k, v)

@@ -15,18 +15,27 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def commit(mark_dirty: bool = False) -> str:
+    """The short commit the tree is at: RK_COMMIT where the tree travels without its history (a lent GPU
+    machine), else git's; with ``mark_dirty``, " (dirty)" after it when files differ from it."""
+    if os.environ.get("RK_COMMIT"):
+        return os.environ["RK_COMMIT"]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" (dirty)" if mark_dirty and git("status", "--porcelain") else "")
+
+
 def machine() -> dict:
     """GPU, versions, commit and the exact command: every result file carries them."""
-    commit = os.environ.get("RK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip() or "unknown"
-        except OSError:
-            commit = "unknown"
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
+        "commit": commit(),
         "command": "python " + " ".join(sys.argv),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
     sys.path.insert(0, str(REPO))
 
+from benchmarks.common import commit  # noqa: E402
 from recipes.config import TrainConfig, load_config, with_overrides  # noqa: E402
 from recipes.data import load_dataset  # noqa: E402
 from recipes.metrics import load_classifier  # noqa: E402
@@ -96,17 +95,6 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return info
-
-
-def commit() -> str:
-    if os.environ.get("RK_COMMIT"):  # a copy of the tree without its history (e.g. on a lent GPU machine)
-        return os.environ["RK_COMMIT"]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + (" (dirty)" if git("status", "--porcelain") else "")
 
 
 def subject(report: dict) -> str:
@@ -212,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads(report_path.read_text()) if report_path.exists() and not args.fresh else {}
     if any(report.get(k) != v for k, v in settings.items()):
         report = {}  # earlier results were made under other settings: start over
-    report.update(settings, machine=machine(), commit=commit(),
+    report.update(settings, machine=machine(), commit=commit(mark_dirty=True),
                   command=" ".join(["python -m benchmarks.convergence", *map(shlex.quote, sys.argv[1:])]))
     report.setdefault("results", {})
 

@@ -62,12 +62,12 @@ def scan_kernel(backbone: str, device: str) -> str | None:
     """Which token-mixing implementation a scan backbone's train step runs on this device (said in every result)."""
     if backbone == "mamba":
         from backbones import mamba
-        name = mamba.SSD_IMPL or ("kernel" if device == "cuda" and mamba._load_kernel()[0] is not None else "chunked")
+        name = mamba.ssd_impl(device == "cuda")
         return {"kernel": "mamba-ssm Triton SSD (mamba_chunk_scan_combined)",
                 "chunked": "pure-PyTorch chunked SSD (backbones/ops/ssd.py)"}.get(name, name)
     if backbone == "rwkv":
         from backbones import rwkv
-        return f"WKV '{rwkv.WKV_IMPL or ('matmul' if device == 'cuda' else 'chunked')}' (backbones/ops/wkv.py)"
+        return f"WKV '{rwkv.wkv_impl(device == 'cuda')}' (backbones/ops/wkv.py)"
     return None
 
 
@@ -286,7 +286,7 @@ def main() -> None:
         args.sizes, args.batches, args.modes, args.steps, args.warmup = ["S/8"], [2], ["eager"], 2, 0
     info = machine()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    info["scan_kernels"] = {b: scan_kernel(b, device) for b in args.backbone if scan_kernel(b, device)}
+    info["scan_kernels"] = {b: k for b in args.backbone if (k := scan_kernel(b, device))}
     name = args.name or "throughput_" + "_".join(args.backbone)
 
     def save(rows: list[dict]) -> str:  # after every row, so a run cut short still leaves its results
