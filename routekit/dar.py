@@ -257,14 +257,13 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
 
     def aggregate(v: fx.Node) -> fx.Node:
         nonlocal point
-        newest = v
-        history.append(newest)
+        history.append(v)
         q = graph.call_function(operator.getitem, (query, point))
         if config.query == "static_t":
             q = graph.call_function(operator.add, (q, temb))
         elif config.query == "dynamic":
             w = graph.call_function(operator.getitem, (dynamic, point))
-            q = graph.call_function(F.linear, (newest, w))
+            q = graph.call_function(F.linear, (v, w))
         point += 1
         return graph.call_function(mix_history, (history.sources(), q, v0), {"eps": config.eps, "kernel": config.kernel})
 

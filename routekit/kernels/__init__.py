@@ -48,7 +48,7 @@ def dar_aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, kernel: st
 
     ``sources``: a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors;
     ``query`` broadcasts to (B, N, D).  ``kernel``: "triton" (fused), "torch" (reference),
-    or "auto": the Triton kernel for CUDA tensors it supports (fp32/bf16/fp16, D <= 4096)
+    or "auto": the Triton kernel for CUDA tensors it supports (fp32/bf16/fp16, D <= 2048)
     when triton imports, the reference otherwise.  ``out_dtype``: the result's dtype (default
     the sources'), e.g. an fp32 residual stream mixed from bf16 sources.
     """

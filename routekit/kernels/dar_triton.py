@@ -155,13 +155,12 @@ def _contiguous(tensors: list[Tensor]) -> list[Tensor]:
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
 def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
               block_rows: int, fwd_warps: int, bwd_warps: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, fp32 copy of out or an empty tensor, per-row log-sum-exp)."""
+    """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp)."""
     sources = _contiguous(sources)
     like = sources[0]
     b, n, d = like.shape
     q = torch.broadcast_to(query, (b, n, d))
     out = torch.empty((b, n, d), dtype=out_dtype, device=like.device)
-    keep_o32 = keep_o32 and out_dtype != torch.float32  # backward reads g . o in fp32
     o32 = torch.empty((b, n, d) if keep_o32 else (0,), dtype=torch.float32, device=like.device)
     lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
     if b * n:
@@ -177,7 +176,6 @@ def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch
 @dar_fused.register_fake
 def _(sources, query, eps, out_dtype, keep_o32, block_rows, fwd_warps, bwd_warps):
     b, n, d = sources[0].shape
-    keep_o32 = keep_o32 and out_dtype != torch.float32
     new = sources[0].new_empty
     return new((b, n, d), dtype=out_dtype), new((b, n, d) if keep_o32 else (0,), dtype=torch.float32), \
         new((b, n), dtype=torch.float32)
@@ -251,5 +249,6 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     default_rows, fwd_warps, bwd_warps = launch_config(d, b * n)
     fwd_warps, bwd_warps = num_warps or (fwd_warps, bwd_warps)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources))
-    out, _, _ = dar_fused(sources, query, eps, out_dtype, needs_grad, block_rows or default_rows, fwd_warps, bwd_warps)
+    keep_o32 = needs_grad and out_dtype != torch.float32  # backward reads g . o in fp32, not a rounded copy
+    out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, block_rows or default_rows, fwd_warps, bwd_warps)
     return out
