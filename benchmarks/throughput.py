@@ -149,20 +149,24 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     stats = {"step_ms": statistics.median(times), "min_ms": min(times), "peak_gib": peak, "first_step_s": first}
     if gpu_busy and cuda:
-        stats["gpu_busy_ms"] = gpu_busy_ms(lambda: train_step(runner, opt, x, t, y, cuda))
+        stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(lambda: train_step(runner, opt, x, t, y, cuda))
     return stats
 
 
-def gpu_busy_ms(step, steps: int = 3) -> float:
+def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]:
     """Time the GPU spends in kernels per step (profiler): far below the step time means the step
-    waits on the host (Python and kernel launches), not on the GPU."""
+    waits on the host (Python and kernel launches), not on the GPU. Also the `top` kernels by time
+    per step: where the step's GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    kernels = [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3 / steps, "calls": e.count / steps}
+               for e in events[:top] if e.self_device_time_total > 0]
+    return sum(e.self_device_time_total for e in events) / 1e3 / steps, kernels
 
 
 def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> int:
@@ -236,6 +240,11 @@ def table(rows: list[dict]) -> str:
     if busy:
         out += ["", "GPU kernel time per step (profiler; well below the step time = the step waits on the host):", ""]
         out += [f"- {line}" for line in busy]
+    for r in rows:
+        if r.get("top_kernels"):
+            out += ["", f"Top kernels per step, {r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}:", "",
+                    "| kernel | ms/step | calls/step |", "|---|---:|---:|"]
+            out += [f"| `{k['kernel']}` | {k['ms']:.2f} | {k['calls']:.0f} |" for k in r["top_kernels"]]
     return "\n".join(out) + "\n"
 
 
