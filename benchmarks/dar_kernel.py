@@ -163,22 +163,31 @@ def measure(fn, sources, query, grad) -> dict[str, object]:
 
 
 def sweep(sources, query, grad) -> list[dict[str, object]]:
-    """Fused kernel over warps per row program, forward and backward each with the other at its
-    default, one row per program, to retune dar_triton.launch_config on this GPU."""
+    """Fused kernel over sources per tile and warps per program, forward and backward each with the
+    other at its default, one row per program; and the default with separate tl.sum reductions
+    instead of one fused tl.reduce. To retune dar_triton.launch_config on this GPU."""
+    from dataclasses import replace
+
     from routekit.kernels.dar_triton import dar_aggregate_triton, launch_config
 
-    _, default_fwd, default_bwd = launch_config(sources[0].shape[-1], sources[0].shape[0] * sources[0].shape[1])
+    default = launch_config(sources[0].shape[-1], sources[0].shape[0] * sources[0].shape[1])
+    configs = [("fwd", bs, w) for bs in (1, 2, 4) for w in (2, 4, 8, 16)]
+    configs += [("bwd", bs, w) for bs in (1, 2, 4) for w in (4, 8, 16, 32)]
     rows = []
-    for num_warps in (1, 2, 4, 8, 16):
+    for phase, block_s, warps in configs + [("both", None, None)]:
+        if phase == "fwd":
+            launch = replace(default, block_rows=1, fwd_sources=block_s, fwd_warps=warps)
+        elif phase == "bwd":
+            launch = replace(default, block_rows=1, bwd_sources=block_s, bwd_warps=warps)
+        else:
+            launch = replace(default, fused_reduce=not default.fused_reduce)
+        fn = partial(dar_aggregate_triton, launch=launch)
         try:
-            fwd = time_ms(lambda w=num_warps: dar_aggregate_triton(sources, query, block_rows=1,
-                                                                   num_warps=(w, default_bwd)))
-            fn = partial(dar_aggregate_triton, block_rows=1, num_warps=(default_fwd, num_warps))
-            bwd = time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad)) - time_ms(lambda fn=fn: fn(sources, query))
-            row = {"fwd_ms": fwd, "bwd_ms": bwd}
+            fwd = time_ms(lambda fn=fn: fn(sources, query))
+            row = {"fwd_ms": fwd, "bwd_ms": time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad)) - fwd}
         except Exception as exc:
-            row = {"status": type(exc).__name__}
-        rows.append({"num_warps": num_warps, **row})
+            row = {"status": f"{type(exc).__name__}: {str(exc)[:120]}"}
+        rows.append({"phase": phase, "launch": launch.as_list(), **row})
         print(f"  sweep {rows[-1]}", flush=True)
     return rows
 
@@ -318,13 +327,14 @@ def markdown(report: dict) -> str:
     for record in report["batches"]:
         if "sweep" in record:
             lines += ["", f"Fused launch-config sweep at batch {record['batch']} (default marked *):", ""]
-            lines += ["| num_warps | fwd ms | bwd ms |", "|---|---|---|"]
-            _, default_fwd, default_bwd = report["default_launch_config"]
+            lines += ["Launch = [rows, fwd sources per tile, fwd warps, bwd sources per tile, bwd warps, fused "
+                      "reduce]; a row varies the phase it names (both: the default with the other reduction).", "",
+                      "| varied | launch | fwd ms | bwd ms |", "|---|---|---|---|"]
+            default = report["default_launch_config"]
             for row in record["sweep"]:
+                mark = "*" if row["launch"] == default else ""
                 fwd, bwd = fmt(row.get("fwd_ms", row.get("status")), 3), fmt(row.get("bwd_ms"), 3)
-                fwd += "*" if row["num_warps"] == default_fwd else ""
-                bwd += "*" if row["num_warps"] == default_bwd else ""
-                lines.append(f"| {row['num_warps']} | {fwd} | {bwd} |")
+                lines.append(f"| {row['phase']} | {row['launch']}{mark} | {fwd} | {bwd} |")
     return "\n".join(lines) + "\n"
 
 
@@ -371,7 +381,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "environment": environment(args),
-        "default_launch_config": launch_config(args.dim, min(args.batches) * args.tokens),
+        "default_launch_config": launch_config(args.dim, min(args.batches) * args.tokens).as_list(),
         "batches": [],
     }
     print(json.dumps(report["environment"], indent=1), flush=True)

@@ -17,6 +17,8 @@ benchmarks/results/dar_kernel_headtail.md.)
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,24 +34,39 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _source_ptr(table_ptr, s, like_ptr, ALIGNED: tl.constexpr):
-    """Pointer to source ``s`` (element type of ``like_ptr``), read from the pointer table."""
-    ptr = tl.load(table_ptr + s).to(tl.pointer_type(like_ptr.dtype.element_ty))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
-def _load_source(table_ptr, s, like_ptr, offs, mask, ALIGNED: tl.constexpr):
-    return tl.load(_source_ptr(table_ptr, s, like_ptr, ALIGNED) + offs, mask=mask, other=0.0)
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _tile_ptrs(table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointers (BLOCK_S, BLOCK_R, BLOCK_D) into sources s0 .. s0+BLOCK_S-1 (read from the pointer
+    table; indices past S point at source S-1 and are masked off), and that mask."""
+    idx = s0 + tl.arange(0, BLOCK_S)
+    ok = idx < S
+    base = tl.load(table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+    return base[:, None, None] + offs[None, :, :], ok[:, None, None] & mask[None, :, :]
+
+
+@triton.jit
+def _load_tile(table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr):
+    ptrs, ok = _tile_ptrs(table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+    return tl.load(ptrs, mask=ok, other=0.0)
 
 
 @triton.jit
 def _dar_fwd_kernel(
     table_ptr, like_ptr, q_ptr, out_ptr, o32_ptr, lse_ptr,
     S, R, N, D, stride_qb, stride_qn, stride_qd, eps, scale,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr, STORE_O32: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    STORE_O32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -63,22 +80,23 @@ def _dar_fwd_kernel(
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    # Three sources stay in flight while one is reduced, to hide memory latency (they cost
-    # few registers while still in bf16); the last iterations re-read source S-1 from cache.
-    v_next = _load_source(table_ptr, 0, like_ptr, offs, mask, ALIGNED)
-    v_then = _load_source(table_ptr, tl.minimum(1, S - 1), like_ptr, offs, mask, ALIGNED)
-    v_last = _load_source(table_ptr, tl.minimum(2, S - 1), like_ptr, offs, mask, ALIGNED)
-    for s in range(S):
+    # Sources go BLOCK_S at a time (one reduction serves them all) and the next tile is in
+    # flight while this one is reduced, to hide memory latency.
+    v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+    for s0 in range(0, S, BLOCK_S):
         v = v_next.to(tl.float32)
-        v_next, v_then = v_then, v_last
-        v_last = _load_source(table_ptr, tl.minimum(s + 3, S - 1), like_ptr, offs, mask, ALIGNED)
-        r = tl.rsqrt(tl.sum(v * v, 1) / D + eps)
-        logit = tl.sum(q * v, 1) * r * scale
-        m_new = tl.maximum(m, logit)
+        v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+        if FUSED_REDUCE:
+            ss, qv = tl.reduce((v * v, q[None, :, :] * v), 2, _add2)
+        else:
+            ss, qv = tl.sum(v * v, 2), tl.sum(q[None, :, :] * v, 2)
+        valid = (s0 + tl.arange(0, BLOCK_S)) < S
+        logit = tl.where(valid[:, None], qv * tl.rsqrt(ss / D + eps) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logit, 0))
         alpha = tl.exp(m - m_new)
-        p = tl.exp(logit - m_new)
-        denom = denom * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v
+        p = tl.exp(logit - m_new[None, :])
+        denom = denom * alpha + tl.sum(p, 0)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, 0)
         m = m_new
 
     out = acc / denom[:, None]
@@ -91,51 +109,109 @@ def _dar_fwd_kernel(
 @triton.jit
 def _dar_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, dq_ptr,
-    S, R, N, D, stride_qb, stride_qn, stride_qd, eps, scale,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    S, R, N, D, stride_qb, stride_qn, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, row_iters,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    DQ_SHARED: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """A program owns row_iters blocks of BLOCK_R rows. With DQ_SHARED (one query for all its rows)
+    the query gradient is summed over them in registers and one (BLOCK_D,) partial is written per
+    program, instead of a full (rows, D) fp32 tensor to be summed afterwards."""
     cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    rows64 = rows.to(tl.int64)  # (B * N * D) may pass 2**31
-    offs = rows64[:, None] * D + cols[None, :]
-    q_offs = (rows64 // N) * stride_qb + (rows64 % N) * stride_qn
-    q = tl.load(q_ptr + q_offs[:, None] + cols[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + offs, mask=mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    g_dot_o = tl.sum(g * o, 1)
+    dq_shared = tl.zeros([BLOCK_D], tl.float32)
+    for it in range(row_iters):
+        rows = (tl.program_id(0) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        rows64 = rows.to(tl.int64)  # (B * N * D) may pass 2**31
+        offs = rows64[:, None] * D + cols[None, :]
+        q_offs = (rows64 // N) * stride_qb + (rows64 % N) * stride_qn
+        q = tl.load(q_ptr + q_offs[:, None] + cols[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+        g_offs = (rows64 // N) * stride_gb + (rows64 % N) * stride_gn
+        g = tl.load(g_ptr + g_offs[:, None] + cols[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + offs, mask=mask, other=0.0)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g_dot_o = tl.sum(g * o, 1)
 
-    dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    v_next = _load_source(table_ptr, 0, like_ptr, offs, mask, ALIGNED)
-    v_then = _load_source(table_ptr, tl.minimum(1, S - 1), like_ptr, offs, mask, ALIGNED)
-    v_last = _load_source(table_ptr, tl.minimum(2, S - 1), like_ptr, offs, mask, ALIGNED)
-    for s in range(S):
-        v = v_next.to(tl.float32)
-        v_next, v_then = v_then, v_last
-        v_last = _load_source(table_ptr, tl.minimum(s + 3, S - 1), like_ptr, offs, mask, ALIGNED)
-        r = tl.rsqrt(tl.sum(v * v, 1) / D + eps)
-        q_dot_v = tl.sum(q * v, 1)
-        w = tl.exp(q_dot_v * r * scale - lse)
-        dlogit = w * (tl.sum(g * v, 1) - g_dot_o)
-        # logit = scale * r * (q . v) and dr/dv = -r^3 v / D.
-        c = dlogit * scale * r
-        dv = w[:, None] * g + c[:, None] * (q - (q_dot_v * r * r / D)[:, None] * v)
-        dv_ptr = _source_ptr(grad_table_ptr, s, like_ptr, ALIGNED)
-        tl.store(dv_ptr + offs, dv.to(like_ptr.dtype.element_ty), mask=mask)
-        dq += c[:, None] * v
-    tl.store(dq_ptr + offs, dq, mask=mask)
+        dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+        for s0 in range(0, S, BLOCK_S):
+            v = v_next.to(tl.float32)
+            v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+            if FUSED_REDUCE:
+                ss, qv, gv = tl.reduce((v * v, q[None, :, :] * v, g[None, :, :] * v), 2, _add3)
+            else:
+                ss, qv, gv = tl.sum(v * v, 2), tl.sum(q[None, :, :] * v, 2), tl.sum(g[None, :, :] * v, 2)
+            r = tl.rsqrt(ss / D + eps)
+            w = tl.exp(qv * r * scale - lse[None, :])
+            # logit = scale * r * (q . v), dr/dv = -r^3 v / D; padded sources and rows load as
+            # zeros and are zeroed here too (with eps=0 their r is inf), so they add nothing to dq
+            live = ((s0 + tl.arange(0, BLOCK_S)) < S)[:, None] & row_ok[None, :]
+            w = tl.where(live, w, 0.0)
+            c = tl.where(live, w * (gv - g_dot_o[None, :]) * scale * r, 0.0)
+            dv = w[:, :, None] * g[None, :, :] + c[:, :, None] * (q[None, :, :] - (qv * r * r / D)[:, :, None] * v)
+            dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+            tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
+            dq += tl.sum(c[:, :, None] * v, 0)
+        if DQ_SHARED:
+            dq_shared += tl.sum(dq, 0)
+        else:
+            tl.store(dq_ptr + offs, dq, mask=mask)
+    if DQ_SHARED:
+        tl.store(dq_ptr + tl.program_id(0) * D + cols, dq_shared, mask=cols < D)
 
 
-def launch_config(d: int, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_R, forward warps, backward warps): tiles of about 2K elements. From the H200 sweep at
-    D=1152 (benchmarks/results/dar_kernel.md): one row per program, 2 warps forward and 8 backward
-    (16 and 4 elements per thread) were fastest; the same elements per thread elsewhere."""
+@dataclass(frozen=True)
+class Launch:
+    """How the kernels are launched: rows per program, and per direction the sources reduced
+    together (one cross-thread reduction serves BLOCK_S sources) and the warps per program."""
+
+    block_rows: int
+    fwd_sources: int
+    fwd_warps: int
+    bwd_sources: int
+    bwd_warps: int
+    fused_reduce: bool = True  # one tl.reduce for all of a tile's row sums, or a tl.sum each
+
+    def as_list(self) -> list[int]:
+        return [self.block_rows, self.fwd_sources, self.fwd_warps, self.bwd_sources, self.bwd_warps,
+                int(self.fused_reduce)]
+
+
+def launch_config(d: int, rows: int) -> Launch:
+    """Row tiles of about 2K elements (one row per program at D=1152); sources per tile and
+    warps from the H200 sweep at D=1152 (benchmarks/results/dar_kernel.md), kept at the same
+    elements per thread for other widths."""
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(2048 // block_d, triton.next_power_of_2(rows)))
     size = block_r * block_d
-    return block_r, max(1, min(8, size // 1024)), max(1, min(8, size // 256))
+
+    def warps(sources: int, per_thread: int) -> int:
+        return max(1, min(16, sources * size // (32 * per_thread)))
+
+    return Launch(block_r, FWD_SOURCES, warps(FWD_SOURCES, FWD_PER_THREAD), BWD_SOURCES,
+                  warps(BWD_SOURCES, BWD_PER_THREAD), FUSED_REDUCE)
+
+
+# from the H200 sweep at D=1152, batch 32 (benchmarks/results/dar_kernel.md)
+FWD_SOURCES, FWD_PER_THREAD = 2, 32
+BWD_SOURCES, BWD_PER_THREAD = 2, 16
+# Triton's CPU interpreter runs a multi-operand tl.reduce element by element (50x slower than
+# separate tl.sum calls); compiled, the fused reduction saves a round of synchronisation
+FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _row_iters(b: int, n: int, block_rows: int, query: Tensor) -> tuple[int, bool]:
+    """(row blocks per backward program, whether one query serves all of a program's rows). A
+    query broadcast over tokens ((D,) or (B, 1, D)) is shared by a program's rows when they lie
+    in one sample; its gradient is then summed in registers over up to 16 row blocks."""
+    q = torch.broadcast_to(query, (b, n, query.shape[-1]))
+    if q.stride(1) != 0:
+        return 1, False
+    iters = 16
+    while iters > 1 and (q.stride(0) != 0 and n % (iters * block_rows) or b * n < 4096 * iters * block_rows):
+        iters //= 2
+    shared = q.stride(0) == 0 or n % (iters * block_rows) == 0
+    return iters, shared
 
 
 def _pointer_table(tensors: list[Tensor]) -> tuple[Tensor, bool]:
@@ -154,11 +230,12 @@ def _contiguous(tensors: list[Tensor]) -> list[Tensor]:
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
 def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
-              block_rows: int, fwd_warps: int, bwd_warps: int) -> tuple[Tensor, Tensor, Tensor]:
+              launch: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp)."""
     sources = _contiguous(sources)
     like = sources[0]
     b, n, d = like.shape
+    block_rows, block_s, warps = launch[0], launch[1], launch[2]
     q = torch.broadcast_to(query, (b, n, d))
     out = torch.empty((b, n, d), dtype=out_dtype, device=like.device)
     o32 = torch.empty((b, n, d) if keep_o32 else (0,), dtype=torch.float32, device=like.device)
@@ -167,14 +244,14 @@ def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch
         table, aligned = _pointer_table(sources)
         _dar_fwd_kernel[(triton.cdiv(b * n, block_rows),)](
             table, like, q, out, o32, lse, len(sources), b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
-            BLOCK_R=block_rows, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned, STORE_O32=keep_o32,
-            num_warps=fwd_warps,
+            BLOCK_R=block_rows, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned,
+            STORE_O32=keep_o32, FUSED_REDUCE=bool(launch[5]), num_warps=warps,
         )  # fmt: skip
     return out, o32, lse
 
 
 @dar_fused.register_fake
-def _(sources, query, eps, out_dtype, keep_o32, block_rows, fwd_warps, bwd_warps):
+def _(sources, query, eps, out_dtype, keep_o32, launch):
     b, n, d = sources[0].shape
     new = sources[0].new_empty
     return new((b, n, d), dtype=out_dtype), new((b, n, d) if keep_o32 else (0,), dtype=torch.float32), \
@@ -183,57 +260,63 @@ def _(sources, query, eps, out_dtype, keep_o32, block_rows, fwd_warps, bwd_warps
 
 @torch.library.custom_op("routekit::dar_fused_backward", mutates_args=())
 def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
-                       eps: float, block_rows: int, warps: int) -> tuple[list[Tensor], Tensor]:
-    """(gradient of each source, contiguous; gradient of the query broadcast to (B, N, D), fp32)."""
+                       eps: float, launch: list[int]) -> tuple[list[Tensor], Tensor]:
+    """(gradient of each source, contiguous; gradient of the query, fp32, in the query's shape)."""
     sources = _contiguous(sources)
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     b, n, d = out.shape
-    dq = torch.empty((b, n, d), dtype=torch.float32, device=out.device)
+    block_rows, block_s, warps = launch[0], launch[3], launch[4]
+    iters, shared = _row_iters(b, n, block_rows, query)
+    programs = triton.cdiv(b * n, block_rows * iters)
+    dq = torch.zeros((programs, d) if shared else (b, n, d), dtype=torch.float32, device=out.device)
     if b * n:
         table, aligned = _pointer_table(sources)
         grad_table, grad_aligned = _pointer_table(grads)
         q = torch.broadcast_to(query, (b, n, d))
-        _dar_bwd_kernel[(triton.cdiv(b * n, block_rows),)](
-            table, grad_table, sources[0], q, grad_out.contiguous(), out.contiguous(), lse, dq,
-            len(sources), b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
-            BLOCK_R=block_rows, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned and grad_aligned,
-            num_warps=warps,
+        _dar_bwd_kernel[(programs,)](
+            table, grad_table, sources[0], q, grad_out, out.contiguous(), lse, dq,
+            len(sources), b * n, n, d, *q.stride(), *grad_out.stride(), eps, 1.0 / math.sqrt(d), iters,
+            BLOCK_R=block_rows, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d),
+            ALIGNED=aligned and grad_aligned, DQ_SHARED=shared, FUSED_REDUCE=bool(launch[5]), num_warps=warps,
         )  # fmt: skip
-    return grads, dq
+    if not shared:
+        return grads, dq.sum_to_size(query.shape)
+    if torch.broadcast_to(query, (b, n, d)).stride(0) == 0:  # one query for every row
+        return grads, dq.sum(0).reshape(query.shape)
+    return grads, dq.view(b, -1, d).sum(1, keepdim=True).sum_to_size(query.shape)  # one per sample
 
 
 @dar_fused_backward.register_fake
-def _(sources, query, grad_out, out, lse, eps, block_rows, warps):
+def _(sources, query, grad_out, out, lse, eps, launch):
     # contiguous, like the real outputs: a fake that copied a source's strides would promise
     # torch.compile a layout the kernel does not write
-    return [t.new_empty(t.shape) for t in sources], out.new_empty(out.shape, dtype=torch.float32)
+    return [t.new_empty(t.shape) for t in sources], query.new_empty(query.shape, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    sources, query, eps, _, _, block_rows, _, bwd_warps = inputs
+    sources, query, eps, _, _, launch = inputs
     out, o32, lse = output
     ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse, *sources)
-    ctx.eps, ctx.block_rows, ctx.warps = eps, block_rows, bwd_warps
+    ctx.eps, ctx.launch = eps, launch
 
 
 def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
     query, out, lse, *sources = ctx.saved_tensors
-    grads, dq = dar_fused_backward(sources, query, grad_out, out, lse, ctx.eps, ctx.block_rows, ctx.warps)
-    grad_query = dq.sum_to_size(query.shape).to(query.dtype) if ctx.needs_input_grad[1] else None
-    return grads, grad_query, None, None, None, None, None, None
+    grads, dq = dar_fused_backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch)
+    grad_query = dq.to(query.dtype) if ctx.needs_input_grad[1] else None
+    return grads, grad_query, None, None, None, None
 
 
 dar_fused.register_autograd(_backward, setup_context=_setup_context)
 
 
 def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
-                         block_rows: int | None = None, num_warps: tuple[int, int] | None = None) -> Tensor:
+                         launch: Launch | None = None) -> Tensor:
     """Fused DAR aggregation with the contract of ``dar_aggregate_reference``.
 
     A stacked (S, B, N, D) tensor or a list of S (B, N, D) tensors (read in place).
     ``out_dtype`` (default: the sources') lets bf16 sources give an fp32 residual stream.
-    ``block_rows`` (a power of two) and ``num_warps`` = (forward, backward) override
-    ``launch_config`` for tuning sweeps.
+    ``launch`` overrides ``launch_config`` for tuning sweeps.
     """
     _, b, n, d = check_dar_inputs(sources, query)
     sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
@@ -244,11 +327,12 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     out_dtype = out_dtype or sources[0].dtype
     if out_dtype not in SUPPORTED_DTYPES:
         raise DarInputError(f"out_dtype {out_dtype} is not one of {SUPPORTED_DTYPES}")
-    if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1)):
-        raise DarInputError(f"block_rows must be a power of two, got {block_rows}")
-    default_rows, fwd_warps, bwd_warps = launch_config(d, b * n)
-    fwd_warps, bwd_warps = num_warps or (fwd_warps, bwd_warps)
+    launch = launch or launch_config(d, b * n)
+    for name in ("block_rows", "fwd_sources", "bwd_sources"):
+        value = getattr(launch, name)
+        if value < 1 or value & (value - 1):
+            raise DarInputError(f"launch.{name} must be a power of two, got {value}")
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources))
     keep_o32 = needs_grad and out_dtype != torch.float32  # backward reads g . o in fp32, not a rounded copy
-    out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, block_rows or default_rows, fwd_warps, bwd_warps)
+    out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list())
     return out
