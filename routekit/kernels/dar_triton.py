@@ -200,6 +200,10 @@ BWD_SOURCES, BWD_PER_THREAD = 2, 16
 FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
 
 
+MIN_PROGRAMS = 4096
+"""Backward programs below which rows are not grouped further (the GPU stays full)."""
+
+
 def _row_iters(b: int, n: int, block_rows: int, query: Tensor) -> tuple[int, bool]:
     """(row blocks per backward program, whether one query serves all of a program's rows). A
     query broadcast over tokens ((D,) or (B, 1, D)) is shared by a program's rows when they lie
@@ -208,7 +212,7 @@ def _row_iters(b: int, n: int, block_rows: int, query: Tensor) -> tuple[int, boo
     if q.stride(1) != 0:
         return 1, False
     iters = 16
-    while iters > 1 and (q.stride(0) != 0 and n % (iters * block_rows) or b * n < 4096 * iters * block_rows):
+    while iters > 1 and (q.stride(0) != 0 and n % (iters * block_rows) or b * n < MIN_PROGRAMS * iters * block_rows):
         iters //= 2
     shared = q.stride(0) == 0 or n % (iters * block_rows) == 0
     return iters, shared
