@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -163,28 +162,41 @@ def measure(fn, sources, query, grad) -> dict[str, object]:
 
 
 def sweep(sources, query, grad) -> list[dict[str, object]]:
-    """Fused kernel over sources per tile and warps per program, forward and backward each with the
-    other at its default, one row per program; and the default with separate tl.sum reductions
-    instead of one fused tl.reduce. To retune dar_triton.launch_config on this GPU."""
+    """The fused ops timed alone (no autograd around them, so at small batches the host's launch
+    work is not mistaken for kernel time) over sources per tile and warps per program, each phase
+    with the other at its default; then the default with the other reduction style, and backward
+    without grouping rows per program. To retune dar_triton.launch_config on this GPU."""
     from dataclasses import replace
 
-    from routekit.kernels.dar_triton import dar_aggregate_triton, launch_config
+    from routekit.kernels import dar_triton as dt
 
-    default = launch_config(sources[0].shape[-1], sources[0].shape[0] * sources[0].shape[1])
-    configs = [("fwd", bs, w) for bs in (1, 2, 4) for w in (2, 4, 8, 16)]
-    configs += [("bwd", bs, w) for bs in (1, 2, 4) for w in (4, 8, 16, 32)]
+    default = dt.launch_config(sources[0].shape[-1], sources[0].shape[0] * sources[0].shape[1])
+    values, q = [s.detach() for s in sources], query.detach()
+    _, saved, lse = dt.dar_fused(values, q, 1e-6, values[0].dtype, True, default.as_list())
+
+    def forward(launch):
+        return dt.dar_fused(values, q, 1e-6, values[0].dtype, True, launch.as_list())
+
+    def backward(launch):
+        return dt.dar_fused_backward(values, q, grad, saved, lse, 1e-6, launch.as_list())
+
+    configs = [("fwd", replace(default, fwd_sources=bs, fwd_warps=w)) for bs in (1, 2, 4) for w in (1, 2, 4, 8)]
+    configs += [("bwd", replace(default, bwd_sources=bs, bwd_warps=w)) for bs in (1, 2, 4) for w in (4, 8, 16)]
+    configs += [("both", replace(default, fused_reduce=not default.fused_reduce)), ("bwd ungrouped", default)]
     rows = []
-    for phase, block_s, warps in configs + [("both", None, None)]:
-        if phase == "fwd":
-            launch = replace(default, block_rows=1, fwd_sources=block_s, fwd_warps=warps)
-        elif phase == "bwd":
-            launch = replace(default, block_rows=1, bwd_sources=block_s, bwd_warps=warps)
-        else:
-            launch = replace(default, fused_reduce=not default.fused_reduce)
-        fn = partial(dar_aggregate_triton, launch=launch)
+    for phase, launch in configs:
         try:
-            fwd = time_ms(lambda fn=fn: fn(sources, query))
-            row = {"fwd_ms": fwd, "bwd_ms": time_ms(lambda fn=fn: fwd_bwd(fn, sources, query, grad)) - fwd}
+            row = {}
+            if phase in ("fwd", "both"):
+                row["fwd_ms"] = time_ms(lambda launch=launch: forward(launch))
+            if phase == "bwd ungrouped":
+                old, dt.MIN_PROGRAMS = dt.MIN_PROGRAMS, 1 << 40
+                try:
+                    row["bwd_ms"] = time_ms(lambda: backward(default))
+                finally:
+                    dt.MIN_PROGRAMS = old
+            elif phase != "fwd":
+                row["bwd_ms"] = time_ms(lambda launch=launch: backward(launch))
         except Exception as exc:
             row = {"status": f"{type(exc).__name__}: {str(exc)[:120]}"}
         rows.append({"phase": phase, "launch": launch.as_list(), **row})
@@ -269,7 +281,7 @@ def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, ob
         for phase in ("fwd", "bwd")
         for other in ("naive", "compiled")
     }
-    if not args.no_sweep and batch == min(args.batches):
+    if not args.no_sweep:
         record["sweep"] = sweep(sources, query, grad)
     return record
 
@@ -327,13 +339,14 @@ def markdown(report: dict) -> str:
     for record in report["batches"]:
         if "sweep" in record:
             lines += ["", f"Fused launch-config sweep at batch {record['batch']} (default marked *):", ""]
-            lines += ["Launch = [rows, fwd sources per tile, fwd warps, bwd sources per tile, bwd warps, fused "
-                      "reduce]; a row varies the phase it names (both: the default with the other reduction).", "",
+            lines += ["The ops timed alone (no autograd). Launch = [rows, fwd sources per tile, fwd warps, bwd "
+                      "sources per tile, bwd warps, fused reduce]; a row varies the phase it names (both: the "
+                      "default with the other reduction; bwd ungrouped: one row block per backward program).", "",
                       "| varied | launch | fwd ms | bwd ms |", "|---|---|---|---|"]
             default = report["default_launch_config"]
             for row in record["sweep"]:
                 mark = "*" if row["launch"] == default else ""
-                fwd, bwd = fmt(row.get("fwd_ms", row.get("status")), 3), fmt(row.get("bwd_ms"), 3)
+                fwd, bwd = fmt(row.get("fwd_ms", row.get("status", "")), 3), fmt(row.get("bwd_ms", ""), 3)
                 lines.append(f"| {row['phase']} | {row['launch']}{mark} | {fwd} | {bwd} |")
     return "\n".join(lines) + "\n"
 

@@ -155,18 +155,24 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
 
 def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]:
     """Time the GPU spends in kernels per step (profiler): far below the step time means the step
-    waits on the host (Python and kernel launches), not on the GPU. Also the `top` kernels by time
-    per step: where the step's GPU time goes."""
+    waits on the host (Python and kernel launches), not on the GPU. Also the `top` kernels and the
+    `top` operators (by the kernel time they launch) per step: where the step's GPU time goes."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
-    kernels = [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3 / steps, "calls": e.count / steps}
-               for e in events[:top] if e.self_device_time_total > 0]
-    return sum(e.self_device_time_total for e in events) / 1e3 / steps, kernels
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    ops = [e for e in events if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
+
+    def rows(found: list, kind: str) -> list[dict]:
+        return [{"kind": kind, "kernel": e.key[:90], "ms": e.self_device_time_total / 1e3 / steps,
+                 "calls": e.count / steps} for e in found[:top]]
+
+    return sum(e.self_device_time_total for e in kernels) / 1e3 / steps, rows(kernels, "kernel") + rows(ops, "op")
 
 
 def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> int:
@@ -242,9 +248,11 @@ def table(rows: list[dict]) -> str:
         out += [f"- {line}" for line in busy]
     for r in rows:
         if r.get("top_kernels"):
-            out += ["", f"Top kernels per step, {r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}:", "",
-                    "| kernel | ms/step | calls/step |", "|---|---:|---:|"]
-            out += [f"| `{k['kernel']}` | {k['ms']:.2f} | {k['calls']:.0f} |" for k in r["top_kernels"]]
+            out += ["", f"Top kernels and operators (by the kernel time they launch) per step, {r['backbone']} "
+                    f"{r['size']} b{r['batch']} {r['mode']} {r['variant']}:", "",
+                    "| kind | name | ms/step | calls/step |", "|---|---|---:|---:|"]
+            out += [f"| {k.get('kind', 'kernel')} | `{k['kernel']}` | {k['ms']:.2f} | {k['calls']:.0f} |"
+                    for k in r["top_kernels"]]
     return "\n".join(out) + "\n"
 
 

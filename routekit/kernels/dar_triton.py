@@ -180,7 +180,18 @@ class Launch:
 def launch_config(d: int, rows: int) -> Launch:
     """Row tiles of about 2K elements (one row per program at D=1152); sources per tile and
     warps from the H200 sweep at D=1152 (benchmarks/results/dar_kernel.md), kept at the same
-    elements per thread for other widths."""
+    elements per thread for other widths. ROUTEKIT_DAR_LAUNCH="rows,fwd_sources,fwd_warps,
+    bwd_sources,bwd_warps,fused_reduce" overrides it, for tuning on another GPU."""
+    override = os.environ.get("ROUTEKIT_DAR_LAUNCH")
+    if override:
+        try:
+            values = [int(v) for v in override.split(",")]
+            return Launch(*values[:5], bool(values[5]))
+        except (ValueError, TypeError, IndexError):
+            raise DarInputError(
+                f"ROUTEKIT_DAR_LAUNCH={override!r}: expected six integers "
+                "rows,fwd_sources,fwd_warps,bwd_sources,bwd_warps,fused_reduce, e.g. 1,1,2,1,8,1"
+            ) from None
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(2048 // block_d, triton.next_power_of_2(rows)))
     size = block_r * block_d
@@ -192,9 +203,9 @@ def launch_config(d: int, rows: int) -> Launch:
                   warps(BWD_SOURCES, BWD_PER_THREAD), FUSED_REDUCE)
 
 
-# from the H200 sweep at D=1152, batch 32 (benchmarks/results/dar_kernel.md)
-FWD_SOURCES, FWD_PER_THREAD = 2, 32
-BWD_SOURCES, BWD_PER_THREAD = 2, 16
+# from the H200 sweep at D=1152 (benchmarks/results/dar_kernel.md)
+FWD_SOURCES, FWD_PER_THREAD = 1, 32
+BWD_SOURCES, BWD_PER_THREAD = 1, 8
 # Triton's CPU interpreter runs a multi-operand tl.reduce element by element (50x slower than
 # separate tl.sum calls); compiled, the fused reduction saves a round of synchronisation
 FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
