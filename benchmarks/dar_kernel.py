@@ -164,8 +164,8 @@ def measure(fn, sources, query, grad) -> dict[str, object]:
 def sweep(sources, query, grad) -> list[dict[str, object]]:
     """The fused ops timed alone (no autograd around them, so at small batches the host's launch
     work is not mistaken for kernel time) over sources per tile and warps per program, each phase
-    with the other at its default; then the default with the other reduction style, and backward
-    without grouping rows per program. To retune dar_triton.launch_config on this GPU."""
+    with the other at its default; then the default with the other reduction style. To retune
+    dar_triton.launch_config on this GPU."""
     from dataclasses import replace
 
     from routekit.kernels import dar_triton as dt
@@ -182,20 +182,14 @@ def sweep(sources, query, grad) -> list[dict[str, object]]:
 
     configs = [("fwd", replace(default, fwd_sources=bs, fwd_warps=w)) for bs in (1, 2, 4) for w in (1, 2, 4, 8)]
     configs += [("bwd", replace(default, bwd_sources=bs, bwd_warps=w)) for bs in (1, 2, 4) for w in (4, 8, 16)]
-    configs += [("both", replace(default, fused_reduce=not default.fused_reduce)), ("bwd ungrouped", default)]
+    configs += [("both", replace(default, fused_reduce=not default.fused_reduce))]
     rows = []
     for phase, launch in configs:
         try:
             row = {}
             if phase in ("fwd", "both"):
                 row["fwd_ms"] = time_ms(lambda launch=launch: forward(launch))
-            if phase == "bwd ungrouped":
-                old, dt.MIN_PROGRAMS = dt.MIN_PROGRAMS, 1 << 40
-                try:
-                    row["bwd_ms"] = time_ms(lambda: backward(default))
-                finally:
-                    dt.MIN_PROGRAMS = old
-            elif phase != "fwd":
+            if phase != "fwd":
                 row["bwd_ms"] = time_ms(lambda launch=launch: backward(launch))
         except Exception as exc:
             row = {"status": f"{type(exc).__name__}: {str(exc)[:120]}"}
@@ -341,7 +335,7 @@ def markdown(report: dict) -> str:
             lines += ["", f"Fused launch-config sweep at batch {record['batch']} (default marked *):", ""]
             lines += ["The ops timed alone (no autograd). Launch = [rows, fwd sources per tile, fwd warps, bwd "
                       "sources per tile, bwd warps, fused reduce]; a row varies the phase it names (both: the "
-                      "default with the other reduction; bwd ungrouped: one row block per backward program).", "",
+                      "default with the other reduction).", "",
                       "| varied | launch | fwd ms | bwd ms |", "|---|---|---|---|"]
             default = report["default_launch_config"]
             for row in record["sweep"]:

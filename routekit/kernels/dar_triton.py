@@ -109,55 +109,44 @@ def _dar_fwd_kernel(
 @triton.jit
 def _dar_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, dq_ptr,
-    S, R, N, D, stride_qb, stride_qn, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, row_iters,
+    S, R, N, D, stride_qb, stride_qn, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    DQ_SHARED: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
 ):  # fmt: skip
-    """A program owns row_iters blocks of BLOCK_R rows. With DQ_SHARED (one query for all its rows)
-    the query gradient is summed over them in registers and one (BLOCK_D,) partial is written per
-    program, instead of a full (rows, D) fp32 tensor to be summed afterwards."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
-    dq_shared = tl.zeros([BLOCK_D], tl.float32)
-    for it in range(row_iters):
-        rows = (tl.program_id(0) * row_iters + it) * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < R
-        mask = row_ok[:, None] & (cols < D)[None, :]
-        rows64 = rows.to(tl.int64)  # (B * N * D) may pass 2**31
-        offs = rows64[:, None] * D + cols[None, :]
-        q_offs = (rows64 // N) * stride_qb + (rows64 % N) * stride_qn
-        q = tl.load(q_ptr + q_offs[:, None] + cols[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
-        g_offs = (rows64 // N) * stride_gb + (rows64 % N) * stride_gn
-        g = tl.load(g_ptr + g_offs[:, None] + cols[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + offs, mask=mask, other=0.0)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        g_dot_o = tl.sum(g * o, 1)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)  # (B * N * D) may pass 2**31
+    offs = rows64[:, None] * D + cols[None, :]
+    q_offs = (rows64 // N) * stride_qb + (rows64 % N) * stride_qn
+    q = tl.load(q_ptr + q_offs[:, None] + cols[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+    g_offs = (rows64 // N) * stride_gb + (rows64 % N) * stride_gn
+    g = tl.load(g_ptr + g_offs[:, None] + cols[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + offs, mask=mask, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_dot_o = tl.sum(g * o, 1)
 
-        dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-        for s0 in range(0, S, BLOCK_S):
-            v = v_next.to(tl.float32)
-            v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-            if FUSED_REDUCE:
-                ss, qv, gv = tl.reduce((v * v, q[None, :, :] * v, g[None, :, :] * v), 2, _add3)
-            else:
-                ss, qv, gv = tl.sum(v * v, 2), tl.sum(q[None, :, :] * v, 2), tl.sum(g[None, :, :] * v, 2)
-            r = tl.rsqrt(ss / D + eps)
-            w = tl.exp(qv * r * scale - lse[None, :])
-            # logit = scale * r * (q . v), dr/dv = -r^3 v / D; padded sources and rows load as
-            # zeros and are zeroed here too (with eps=0 their r is inf), so they add nothing to dq
-            live = ((s0 + tl.arange(0, BLOCK_S)) < S)[:, None] & row_ok[None, :]
-            w = tl.where(live, w, 0.0)
-            c = tl.where(live, w * (gv - g_dot_o[None, :]) * scale * r, 0.0)
-            dv = w[:, :, None] * g[None, :, :] + c[:, :, None] * (q[None, :, :] - (qv * r * r / D)[:, :, None] * v)
-            dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-            tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
-            dq += tl.sum(c[:, :, None] * v, 0)
-        if DQ_SHARED:
-            dq_shared += tl.sum(dq, 0)
+    dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+    for s0 in range(0, S, BLOCK_S):
+        v = v_next.to(tl.float32)
+        v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+        if FUSED_REDUCE:
+            ss, qv, gv = tl.reduce((v * v, q[None, :, :] * v, g[None, :, :] * v), 2, _add3)
         else:
-            tl.store(dq_ptr + offs, dq, mask=mask)
-    if DQ_SHARED:
-        tl.store(dq_ptr + tl.program_id(0) * D + cols, dq_shared, mask=cols < D)
+            ss, qv, gv = tl.sum(v * v, 2), tl.sum(q[None, :, :] * v, 2), tl.sum(g[None, :, :] * v, 2)
+        r = tl.rsqrt(ss / D + eps)
+        # logit = scale * r * (q . v), dr/dv = -r^3 v / D; padded sources load as zeros and are
+        # zeroed here too (with eps=0 their r is inf), so they add nothing to dq
+        live = ((s0 + tl.arange(0, BLOCK_S)) < S)[:, None] & row_ok[None, :]
+        w = tl.where(live, tl.exp(qv * r * scale - lse[None, :]), 0.0)
+        c = tl.where(live, w * (gv - g_dot_o[None, :]) * scale * r, 0.0)
+        dv = w[:, :, None] * g[None, :, :] + c[:, :, None] * (q[None, :, :] - (qv * r * r / D)[:, :, None] * v)
+        dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+        tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
+        dq += tl.sum(c[:, :, None] * v, 0)
+    tl.store(dq_ptr + offs, dq, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -199,34 +188,20 @@ def launch_config(d: int, rows: int) -> Launch:
     def warps(sources: int, per_thread: int) -> int:
         return max(1, min(16, sources * size // (32 * per_thread)))
 
+    # Triton 3.6 fails to compile the fused reduction for some small tiles ("operand does not
+    # dominate this use", seen at D=3); it is used only for the row shape measured on the H200
+    fused = FUSED_REDUCE and block_d == 2048 and block_r == 1
     return Launch(block_r, FWD_SOURCES, warps(FWD_SOURCES, FWD_PER_THREAD), BWD_SOURCES,
-                  warps(BWD_SOURCES, BWD_PER_THREAD), FUSED_REDUCE)
+                  warps(BWD_SOURCES, BWD_PER_THREAD), fused)
 
 
-# from the H200 sweep at D=1152 (benchmarks/results/dar_kernel.md)
-FWD_SOURCES, FWD_PER_THREAD = 1, 32
-BWD_SOURCES, BWD_PER_THREAD = 1, 8
+# From the H200 sweep at D=1152, batch 32 and 256 (benchmarks/results/dar_kernel.md): forward one
+# source per tile on one warp, backward two sources per tile on four warps.
+FWD_SOURCES, FWD_PER_THREAD = 1, 64
+BWD_SOURCES, BWD_PER_THREAD = 2, 32
 # Triton's CPU interpreter runs a multi-operand tl.reduce element by element (50x slower than
-# separate tl.sum calls); compiled, the fused reduction saves a round of synchronisation
+# separate tl.sum calls); compiled, one fused reduction saved ~10% of the backward at D=1152
 FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
-
-
-MIN_PROGRAMS = 4096
-"""Backward programs below which rows are not grouped further (the GPU stays full)."""
-
-
-def _row_iters(b: int, n: int, block_rows: int, query: Tensor) -> tuple[int, bool]:
-    """(row blocks per backward program, whether one query serves all of a program's rows). A
-    query broadcast over tokens ((D,) or (B, 1, D)) is shared by a program's rows when they lie
-    in one sample; its gradient is then summed in registers over up to 16 row blocks."""
-    q = torch.broadcast_to(query, (b, n, query.shape[-1]))
-    if q.stride(1) != 0:
-        return 1, False
-    iters = 16
-    while iters > 1 and (q.stride(0) != 0 and n % (iters * block_rows) or b * n < MIN_PROGRAMS * iters * block_rows):
-        iters //= 2
-    shared = q.stride(0) == 0 or n % (iters * block_rows) == 0
-    return iters, shared
 
 
 def _pointer_table(tensors: list[Tensor]) -> tuple[Tensor, bool]:
@@ -281,24 +256,18 @@ def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, o
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     b, n, d = out.shape
     block_rows, block_s, warps = launch[0], launch[3], launch[4]
-    iters, shared = _row_iters(b, n, block_rows, query)
-    programs = triton.cdiv(b * n, block_rows * iters)
-    dq = torch.zeros((programs, d) if shared else (b, n, d), dtype=torch.float32, device=out.device)
+    dq = torch.empty((b, n, d), dtype=torch.float32, device=out.device)
     if b * n:
         table, aligned = _pointer_table(sources)
         grad_table, grad_aligned = _pointer_table(grads)
         q = torch.broadcast_to(query, (b, n, d))
-        _dar_bwd_kernel[(programs,)](
+        _dar_bwd_kernel[(triton.cdiv(b * n, block_rows),)](
             table, grad_table, sources[0], q, grad_out, out.contiguous(), lse, dq,
-            len(sources), b * n, n, d, *q.stride(), *grad_out.stride(), eps, 1.0 / math.sqrt(d), iters,
+            len(sources), b * n, n, d, *q.stride(), *grad_out.stride(), eps, 1.0 / math.sqrt(d),
             BLOCK_R=block_rows, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d),
-            ALIGNED=aligned and grad_aligned, DQ_SHARED=shared, FUSED_REDUCE=bool(launch[5]), num_warps=warps,
+            ALIGNED=aligned and grad_aligned, FUSED_REDUCE=bool(launch[5]), num_warps=warps,
         )  # fmt: skip
-    if not shared:
-        return grads, dq.sum_to_size(query.shape)
-    if torch.broadcast_to(query, (b, n, d)).stride(0) == 0:  # one query for every row
-        return grads, dq.sum(0).reshape(query.shape)
-    return grads, dq.view(b, -1, d).sum(1, keepdim=True).sum_to_size(query.shape)  # one per sample
+    return grads, dq.sum_to_size(query.shape)
 
 
 @dar_fused_backward.register_fake
