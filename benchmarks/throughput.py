@@ -193,7 +193,7 @@ def run(args, save=lambda rows: None) -> list[dict]:
         variants = args.variants or (["vanilla", "routekit", "manual"] if backbone == "dit" else ["vanilla", "routekit"])
         for size in args.sizes:
             flops = {}
-            for variant in variants:
+            for variant in dict.fromkeys(["vanilla", *variants]):  # vanilla's FLOPs set every row's limit
                 model = build(backbone, size, variant, device)
                 flops[variant] = step_flops(model, backbone, device)
                 del model

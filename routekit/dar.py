@@ -57,8 +57,10 @@ def sum_sources(sources: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cast_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """x in like's dtype: the embedding joins the history in the sublayer outputs' dtype."""
-    return x.to(like.dtype)
+    """x in like's dtype and contiguous: the embedding joins the history in the sublayer outputs'
+    dtype, laid out once as the kernel reads it (a patch embedding's (B, N, D) is often a transposed
+    view, which every aggregation would otherwise copy, forward and backward)."""
+    return x.to(like.dtype).contiguous()
 
 
 def mix_history(sources: list[torch.Tensor], query: torch.Tensor, stream: torch.Tensor, eps: float,
