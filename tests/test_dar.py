@@ -540,6 +540,27 @@ def test_static_t_query_follows_the_dit_timestep():
         torch.testing.assert_close(run(named, (x, t, y), train), a, **TOL)
 
 
+def test_every_aggregation_reads_contiguous_sources(monkeypatch):
+    """DiT's patch embedding is a transposed (B, N, D) view; it joins the history contiguous once, or
+    the fused kernel would copy it at every aggregation, forward and backward (57 ms of a compiled
+    DiT-XL/2 step on the H200)."""
+    import routekit.dar
+
+    model = tiny_dit()
+    x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+    assert not model.x_embedder(x).is_contiguous()
+    routed = dar(model, (x, t, y), query="static", chunk=2)
+    layouts, mix = [], routekit.dar.dar_aggregate
+
+    def recording(sources, *args, **kwargs):
+        layouts.append([v.is_contiguous() for v in sources])
+        return mix(sources, *args, **kwargs)
+
+    monkeypatch.setattr(routekit.dar, "dar_aggregate", recording)
+    run(routed, (x, t, y), train=True)
+    assert len(layouts) == 4 and all(all(found) for found in layouts), layouts
+
+
 @FEW
 @given(spec=specs(max_depth=3), seed=st.integers(0, 2**16))
 def test_static_t_query_is_w_plus_the_timestep_embedding(spec, seed):
