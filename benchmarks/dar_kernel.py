@@ -76,6 +76,22 @@ def time_ms(fn: Callable[[], object]) -> float:
     return sorted(times)[1]
 
 
+def device_ms(fn: Callable[[], object], iters: int = 20) -> float | None:
+    """GPU kernel time per call (profiler): what the GPU does, without the host's launch work, which
+    dominates small batches (a 57-input custom op allocates and launches more than its kernel takes)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / iters
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -151,7 +167,11 @@ def measure(fn, sources, query, grad) -> dict[str, object]:
             fwd_bwd(fn, sources, query, grad)
         fwd = time_ms(lambda: fn(sources, query))
         total = time_ms(lambda: fwd_bwd(fn, sources, query, grad))
-        return {"status": "ok", "fwd_ms": fwd, "fwd_bwd_ms": total, "bwd_ms": total - fwd,
+        gpu_fwd = device_ms(lambda: fn(sources, query))
+        gpu_total = device_ms(lambda: fwd_bwd(fn, sources, query, grad))
+        gpu = {} if gpu_fwd is None else {"gpu_fwd_ms": gpu_fwd, "gpu_fwd_bwd_ms": gpu_total,
+                                          "gpu_bwd_ms": gpu_total - gpu_fwd}
+        return {"status": "ok", "fwd_ms": fwd, "fwd_bwd_ms": total, "bwd_ms": total - fwd, **gpu,
                 **memory(fn, sources, query, grad)}  # fmt: skip
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
@@ -236,11 +256,12 @@ def environment(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def speedup(results: dict, phase: str, against: str) -> float | None:
+def speedup(results: dict, phase: str, against: str, prefix: str = "") -> float | None:
     fused, other = results["fused"], results[against]
-    if fused.get("status") != "ok" or other.get("status") != "ok":
+    key = f"{prefix}{phase}_ms"
+    if key not in fused or key not in other:
         return None
-    return other[f"{phase}_ms"] / fused[f"{phase}_ms"]
+    return other[key] / fused[key]
 
 
 def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, object]:
@@ -271,7 +292,8 @@ def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, ob
             "bwd": 2 * source_bytes / results["fused"]["bwd_ms"] / 1e6,  # read once, gradient written once
         }
     record["speedup"] = {
-        f"{phase}_vs_{other}": speedup(results, phase, other)
+        f"{prefix}{phase}_vs_{other}": speedup(results, phase, other, prefix)
+        for prefix in ("", "gpu_")
         for phase in ("fwd", "bwd")
         for other in ("naive", "compiled")
     }
@@ -310,12 +332,19 @@ def markdown(report: dict) -> str:
             cells = [res[k] for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")]
             cells += [res[k] for k in ("fwd_peak_gib", "fwd_retained_gib", "fwd_bwd_peak_gib")]
             lines.append(f"| {record['batch']} | {name} | " + " | ".join(fmt(c, 3) for c in cells) + " |")
-    lines += ["", "| batch | fused speed-up | fwd | bwd |", "|---|---|---|---|"]
+    lines += ["", "| batch | fused speed-up | fwd | bwd | fwd, GPU time | bwd, GPU time |", "|---|---|---|---|---|---|"]
     for record in report["batches"]:
         sp = record["speedup"]
         for other in ("naive", "compiled"):
-            fwd, bwd = fmt(sp[f"fwd_vs_{other}"]), fmt(sp[f"bwd_vs_{other}"])
-            lines.append(f"| {record['batch']} | vs {other} | {fwd}× | {bwd}× |")
+            cells = [fmt(sp.get(f"{p}{phase}_vs_{other}")) for p in ("", "gpu_") for phase in ("fwd", "bwd")]
+            lines.append(f"| {record['batch']} | vs {other} | " + " | ".join(c if c == "—" else f"{c}×" for c in cells) + " |")
+    gpu_rows = [(r["batch"], name, res) for r in report["batches"] for name, res in r["variants"].items()
+                if "gpu_fwd_ms" in res]
+    if gpu_rows:
+        lines += ["", "GPU kernel time per call (profiler, no host work), ms; the speed-ups' last two columns use it:", "",
+                  "| batch | variant | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]
+        lines += [f"| {b} | {name} | {res['gpu_fwd_ms']:.3f} | {res['gpu_bwd_ms']:.3f} | {res['gpu_fwd_bwd_ms']:.3f} |"
+                  for b, name, res in gpu_rows]
     lines += ["", "Fused kernel vs reference (max abs / max relative to the reference's largest value):", ""]
     for record in report["batches"]:
         corr = record["correctness"]
