@@ -337,7 +337,8 @@ def markdown(report: dict) -> str:
         sp = record["speedup"]
         for other in ("naive", "compiled"):
             cells = [fmt(sp.get(f"{p}{phase}_vs_{other}")) for p in ("", "gpu_") for phase in ("fwd", "bwd")]
-            lines.append(f"| {record['batch']} | vs {other} | " + " | ".join(c if c == "—" else f"{c}×" for c in cells) + " |")
+            cells = [c if c == "—" else f"{c}×" for c in cells]
+            lines.append(f"| {record['batch']} | vs {other} | " + " | ".join(cells) + " |")
     gpu_rows = [(r["batch"], name, res) for r in report["batches"] for name, res in r["variants"].items()
                 if "gpu_fwd_ms" in res]
     if gpu_rows:
