@@ -62,20 +62,35 @@ def _load_tile(table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S: tl.constexpr, AL
 
 
 @triton.jit
+def _row_block(R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's rows of the flattened (B*N, D) problem: indices, row and element masks, and
+    element offsets into a contiguous (B, N, D) tensor (int64: B*N*D may pass 2**31)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return rows, row_ok, mask, offs
+
+
+@triton.jit
+def _load_rows(ptr, rows, mask, N, stride_b, stride_n, stride_d, BLOCK_D: tl.constexpr):
+    """The rows of a strided (B, N, D) tensor (the query may broadcast, strides 0), in fp32."""
+    rows64 = rows.to(tl.int64)
+    row_offs = (rows64 // N) * stride_b + (rows64 % N) * stride_n
+    cols = tl.arange(0, BLOCK_D)
+    return tl.load(ptr + row_offs[:, None] + cols[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _dar_fwd_kernel(
     table_ptr, like_ptr, q_ptr, out_ptr, o32_ptr, lse_ptr,
     S, R, N, D, stride_qb, stride_qn, stride_qd, eps, scale,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
     STORE_O32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    rows64 = rows.to(tl.int64)  # (B * N * D) may pass 2**31
-    offs = rows64[:, None] * D + cols[None, :]
-    q_offs = (rows64 // N) * stride_qb + (rows64 % N) * stride_qn
-    q = tl.load(q_ptr + q_offs[:, None] + cols[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+    rows, row_ok, mask, offs = _row_block(R, D, BLOCK_R, BLOCK_D)
+    q = _load_rows(q_ptr, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
 
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_R], tl.float32)
@@ -113,16 +128,9 @@ def _dar_bwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    rows64 = rows.to(tl.int64)  # (B * N * D) may pass 2**31
-    offs = rows64[:, None] * D + cols[None, :]
-    q_offs = (rows64 // N) * stride_qb + (rows64 % N) * stride_qn
-    q = tl.load(q_ptr + q_offs[:, None] + cols[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
-    g_offs = (rows64 // N) * stride_gb + (rows64 % N) * stride_gn
-    g = tl.load(g_ptr + g_offs[:, None] + cols[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    rows, row_ok, mask, offs = _row_block(R, D, BLOCK_R, BLOCK_D)
+    q = _load_rows(q_ptr, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
+    g = _load_rows(g_ptr, rows, mask, N, stride_gb, stride_gn, stride_gd, BLOCK_D)
     o = tl.load(o_ptr + offs, mask=mask, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g_dot_o = tl.sum(g * o, 1)
