@@ -38,6 +38,7 @@ class Program:
     constants: tuple
     specialised: bool
     report: GraphReport
+    called: frozenset[str] = frozenset()  # qualified names of the modules the graph calls
 
     def __call__(self, module: nn.Module, tensors: list[torch.Tensor]) -> Any:
         return pytree.tree_unflatten(list(self.fn(module, *tensors, *self.constants)), self.out_spec)
@@ -61,6 +62,8 @@ class RoutedModel(nn.Module):
     def forward(self, *args, **kwargs):
         if not self.training and self._routekit_residual is None:
             return super().forward(*args, **kwargs)  # routes are training-only: the original forward
+        if self._routekit_residual is not None:
+            _check_sharding(self)
         tensors, program = self._routekit_program(args, kwargs)
         out = program(self, tensors)
         if self._routekit_check_finite:
@@ -97,6 +100,25 @@ class RoutedModel(nn.Module):
         """Pickle (torch.save, copy.deepcopy) as the model's own class plus routekit's state, not the made-up class."""
         state = {k: v for k, v in self.__dict__.items() if k != "_routekit_programs"}
         return _unpickle, (type(self).__bases__[0], self._routekit_base, state)
+
+
+def _check_sharding(model: RoutedModel) -> None:
+    """DAR runs the blocks' layers from one inlined graph, so an FSDP unit around a module whose own
+    forward no longer runs (a block, or a non-leaf layer inside one) would never gather its parameters
+    (FSDP2 fails deep inside a matmul on mixed Tensor/DTensor; FSDP1 on a missing attribute)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for info in model._routekit_report.blocks:
+        for name, module in model.get_submodule(info.qualname).named_modules(prefix=info.qualname):
+            if isinstance(module, (FSDPModule, FullyShardedDataParallel)) and name not in model._routekit_called:
+                raise ConfigError(
+                    f"{name} is an FSDP unit, but with DAR routekit runs the blocks' layers from one graph and "
+                    f"never calls {name}'s forward, so its parameters would not be gathered. Shard the whole model "
+                    "as one unit (fully_shard(model); accelerate: fsdp_auto_wrap_policy NO_WRAP) or only leaf "
+                    "layers such as nn.Linear; routes without DAR work with per-block units"
+                )
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -157,7 +179,8 @@ def _program(tr: Trace, report: GraphReport, routes: list[Route], grid, model: n
     values = constants_to_inputs(graph, constants)
     mode = "train" if routes or residual is None else "eval"
     fn = compile_graph(graph, f"{report.model} {mode} graph")
-    return Program(fn, tr.out_spec, tuple(values), specialised, report)
+    called = frozenset(n.target for n in graph.nodes if n.op == "call_module")
+    return Program(fn, tr.out_spec, tuple(values), specialised, report, called)
 
 
 def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, residual: DAR | None = None,
@@ -212,7 +235,9 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
         )
         for select in getattr(routed, _STATE).routes:
             select.generator = generator
-        routed._routekit_program(args, kwargs, _program(tr, report, routes, grid, model, residual))
+        program = _program(tr, report, routes, grid, model, residual)
+        routed._routekit_called = program.called
+        routed._routekit_program(args, kwargs, program)
         _dry_run(routed, tr, args, kwargs)
     routed.train(model.training)
     return rewrap(routed)

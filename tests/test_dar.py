@@ -561,6 +561,41 @@ def test_every_aggregation_reads_contiguous_sources(monkeypatch):
     assert len(layouts) == 4 and all(all(found) for found in layouts), layouts
 
 
+@pytest.mark.parametrize("units", ["blocks", "leaf layers", "whole model"])
+def test_fsdp_units_dar_cannot_reach_are_refused_with_what_to_do(tmp_path, units):
+    """DAR inlines the blocks, so FSDP units around blocks would never gather their parameters: a
+    routekit error says how to shard instead; leaf-layer or whole-model units train as unsharded."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_dit()
+    x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+    reference = dar(model, (x, t, y), chunk=2)
+    randomise_queries(reference, 3)
+    expected = run(reference, (x, t, y), train=True)
+    sharded = dar(model, (x, t, y), chunk=2)  # applied before sharding, as accelerate.prepare comes after
+    sharded.load_state_dict(reference.state_dict())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        if units == "blocks":
+            for block in sharded.blocks:
+                fully_shard(block)
+        elif units == "leaf layers":
+            for layer in [m for m in sharded.blocks.modules() if isinstance(m, nn.Linear)]:
+                fully_shard(layer)
+        fully_shard(sharded)
+        sharded.train()
+        if units == "blocks":
+            with pytest.raises(rk.ConfigError, match=r"blocks\.0 is an FSDP unit.*Shard the whole model"):
+                sharded(x, t, y)
+            return
+        out = sharded(x, t, y)
+        out.float().pow(2).mean().backward()
+        torch.testing.assert_close(out.detach(), expected, **TOL)
+    finally:
+        dist.destroy_process_group()
+
+
 @FEW
 @given(spec=specs(max_depth=3), seed=st.integers(0, 2**16))
 def test_static_t_query_is_w_plus_the_timestep_embedding(spec, seed):
