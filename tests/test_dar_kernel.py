@@ -300,3 +300,12 @@ def test_source_tiles_and_the_fused_reduction_equal_the_reference(query_shape):
     expected = run(dar_aggregate_reference, sources, query, grad, True)
     for name, got, want in zip(("output", "grad sources", "grad query"), fused, expected):
         assert_close(got, want, TOLERANCE[torch.float32], f"{name} ({query_shape})")
+
+
+def test_launch_override_is_parsed_or_refused_with_the_expected_form(monkeypatch):
+    monkeypatch.setenv("ROUTEKIT_DAR_LAUNCH", "2,1,4,2,8,0")
+    assert dar_triton.launch_config(1152, 64) == dar_triton.Launch(2, 1, 4, 2, 8, False)
+    for bad in ("1,1,2", "1,1,2,1,8,1,9", "a,b,c,d,e,f", "0,1,1,1,1,1"):
+        monkeypatch.setenv("ROUTEKIT_DAR_LAUNCH", bad)
+        with pytest.raises(DarInputError, match="expected six integers"):
+            dar_triton.launch_config(1152, 64)

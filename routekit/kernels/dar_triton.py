@@ -2,9 +2,10 @@
 
 The naive path (``dar_reference``) stacks the sources, then materialises fp32 copies,
 normalised keys, logits and weighted products, several times the size of the sources.
-Here one program owns a block of rows (b, n) and walks the sources with an online
-softmax (running max and sum, rescaled accumulator), so only the output and a per-row
-log-sum-exp are kept for backward; backward recomputes keys and weights from the sources.
+Here one program owns a block of rows (b, n) and walks the sources, a tile of BLOCK_S at a
+time, with an online softmax (running max and sum, rescaled accumulator), so only the output
+and a per-row log-sum-exp are kept for backward; backward recomputes keys and weights from
+the sources.
 
 Sources are addressed through an int64 table of data pointers, so a list of tensors is
 read in place (no ``torch.stack`` copy). The kernels sit behind ``torch.library`` custom
@@ -183,12 +184,15 @@ def launch_config(d: int, rows: int) -> Launch:
     if override:
         try:
             values = [int(v) for v in override.split(",")]
-            return Launch(*values[:5], bool(values[5]))
-        except (ValueError, TypeError, IndexError):
+        except ValueError:
+            values = []
+        if len(values) != 6 or min(values[:5]) < 1:
             raise DarInputError(
                 f"ROUTEKIT_DAR_LAUNCH={override!r}: expected six integers "
-                "rows,fwd_sources,fwd_warps,bwd_sources,bwd_warps,fused_reduce, e.g. 1,1,2,1,8,1"
-            ) from None
+                "rows,fwd_sources,fwd_warps,bwd_sources,bwd_warps,fused_reduce (the first five >= 1), "
+                "e.g. 1,1,1,2,4,1"
+            )
+        return Launch(*values[:5], bool(values[5]))
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(2048 // block_d, triton.next_power_of_2(rows)))
     size = block_r * block_d
