@@ -170,9 +170,23 @@ class Launch:
     bwd_warps: int
     fused_reduce: bool = True  # one tl.reduce for all of a tile's row sums, or a tl.sum each
 
+    def __post_init__(self) -> None:
+        for name in ("block_rows", "fwd_sources", "bwd_sources"):  # Triton tile sizes: powers of two
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise DarInputError(f"launch.{name} must be a power of two, got {value}")
+        for name in ("fwd_warps", "bwd_warps"):
+            if getattr(self, name) < 1:
+                raise DarInputError(f"launch.{name} must be at least 1, got {getattr(self, name)}")
+
     def as_list(self) -> list[int]:
+        """The form the custom ops take (their schema allows a list of ints, not this class)."""
         return [self.block_rows, self.fwd_sources, self.fwd_warps, self.bwd_sources, self.bwd_warps,
                 int(self.fused_reduce)]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> Launch:
+        return cls(*values[:5], bool(values[5]))
 
 
 def launch_config(d: int, rows: int) -> Launch:
@@ -184,15 +198,15 @@ def launch_config(d: int, rows: int) -> Launch:
     if override:
         try:
             values = [int(v) for v in override.split(",")]
-        except ValueError:
-            values = []
-        if len(values) != 6 or min(values[:5]) < 1:
+            if len(values) != 6:
+                raise ValueError(f"got {len(values)} values")
+            return Launch.from_list(values)
+        except ValueError as exc:  # DarInputError is a ValueError too
             raise DarInputError(
                 f"ROUTEKIT_DAR_LAUNCH={override!r}: expected six integers "
-                "rows,fwd_sources,fwd_warps,bwd_sources,bwd_warps,fused_reduce (the first five >= 1), "
-                "e.g. 1,1,1,2,4,1"
-            )
-        return Launch(*values[:5], bool(values[5]))
+                "rows,fwd_sources,fwd_warps,bwd_sources,bwd_warps,fused_reduce (rows and sources powers of "
+                f"two, warps >= 1), e.g. 1,1,1,2,4,1 ({exc})"
+            ) from None
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(2048 // block_d, triton.next_power_of_2(rows)))
     size = block_r * block_d
@@ -237,17 +251,17 @@ def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch
     sources = _contiguous(sources)
     like = sources[0]
     b, n, d = like.shape
-    block_rows, block_s, warps = launch[0], launch[1], launch[2]
+    cfg = Launch.from_list(launch)
     q = torch.broadcast_to(query, (b, n, d))
     out = torch.empty((b, n, d), dtype=out_dtype, device=like.device)
     o32 = torch.empty((b, n, d) if keep_o32 else (0,), dtype=torch.float32, device=like.device)
     lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
     if b * n:
         table, aligned = _pointer_table(sources)
-        _dar_fwd_kernel[(triton.cdiv(b * n, block_rows),)](
+        _dar_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
             table, like, q, out, o32, lse, len(sources), b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
-            BLOCK_R=block_rows, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned,
-            STORE_O32=keep_o32, FUSED_REDUCE=bool(launch[5]), num_warps=warps,
+            BLOCK_R=cfg.block_rows, BLOCK_S=cfg.fwd_sources, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned,
+            STORE_O32=keep_o32, FUSED_REDUCE=cfg.fused_reduce, num_warps=cfg.fwd_warps,
         )  # fmt: skip
     return out, o32, lse
 
@@ -267,17 +281,17 @@ def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, o
     sources = _contiguous(sources)
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     b, n, d = out.shape
-    block_rows, block_s, warps = launch[0], launch[3], launch[4]
+    cfg = Launch.from_list(launch)
     dq = torch.empty((b, n, d), dtype=torch.float32, device=out.device)
     if b * n:
         table, aligned = _pointer_table(sources)
         grad_table, grad_aligned = _pointer_table(grads)
         q = torch.broadcast_to(query, (b, n, d))
-        _dar_bwd_kernel[(triton.cdiv(b * n, block_rows),)](
+        _dar_bwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
             table, grad_table, sources[0], q, grad_out, out.contiguous(), lse, dq,
             len(sources), b * n, n, d, *q.stride(), *grad_out.stride(), eps, 1.0 / math.sqrt(d),
-            BLOCK_R=block_rows, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d),
-            ALIGNED=aligned and grad_aligned, FUSED_REDUCE=bool(launch[5]), num_warps=warps,
+            BLOCK_R=cfg.block_rows, BLOCK_S=cfg.bwd_sources, BLOCK_D=triton.next_power_of_2(d),
+            ALIGNED=aligned and grad_aligned, FUSED_REDUCE=cfg.fused_reduce, num_warps=cfg.bwd_warps,
         )  # fmt: skip
     return grads, dq.sum_to_size(query.shape)
 
@@ -323,11 +337,7 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     out_dtype = out_dtype or sources[0].dtype
     if out_dtype not in SUPPORTED_DTYPES:
         raise DarInputError(f"out_dtype {out_dtype} is not one of {SUPPORTED_DTYPES}")
-    launch = launch or launch_config(d, b * n)
-    for name in ("block_rows", "fwd_sources", "bwd_sources"):
-        value = getattr(launch, name)
-        if value < 1 or value & (value - 1):
-            raise DarInputError(f"launch.{name} must be a power of two, got {value}")
+    launch = launch or launch_config(d, b * n)  # a Launch is valid by construction
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources))
     keep_o32 = needs_grad and out_dtype != torch.float32  # backward reads g . o in fp32, not a rounded copy
     out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list())
