@@ -225,8 +225,9 @@ def launch_config(d: int, rows: int) -> Launch:
 # source per tile on one warp, backward two sources per tile on four warps.
 FWD_SOURCES, FWD_PER_THREAD = 1, 64
 BWD_SOURCES, BWD_PER_THREAD = 2, 32
-# Triton's CPU interpreter runs a multi-operand tl.reduce element by element (50x slower than
-# separate tl.sum calls); compiled, one fused reduction saved ~10% of the backward at D=1152
+# Triton's CPU interpreter runs a multi-operand tl.reduce element by element (far slower than
+# separate tl.sum calls: it made the CPU kernel tests take minutes); compiled, one fused reduction
+# saved ~10% of the backward at D=1152 (dar_kernel.md, row "both")
 FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
 
 
