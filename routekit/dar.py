@@ -40,7 +40,7 @@ from torch import nn
 from .analysis import GraphReport, fake_block_inputs, slot_value, to_networkx
 from .config import DAR
 from .errors import ConfigError
-from .kernels import dar_aggregate
+from .kernels import dar_aggregate, dar_prefix
 from .ops import gather_tokens, scatter_tokens
 from .trace import TensorMeta, Trace, bind_arguments, trace
 
@@ -71,6 +71,28 @@ def mix_history(sources: list[torch.Tensor], query: torch.Tensor, stream: torch.
     dtype = sources[-1].dtype
     sources = [s if s.dtype == dtype else s.to(dtype) for s in sources]
     return dar_aggregate(sources, query, eps, kernel, out_dtype=stream.dtype)
+
+
+def mix_history_after(sources: list[torch.Tensor], query: torch.Tensor, stream: torch.Tensor, prefix_mix: torch.Tensor,
+                      prefix_lse: torch.Tensor, eps: float, kernel: str) -> torch.Tensor:
+    """One aggregation of a two-phase chunk: its own chunk's sources, continuing the shared part."""
+    dtype = prefix_mix.dtype
+    sources = [s if s.dtype == dtype else s.to(dtype) for s in sources]
+    return dar_aggregate(sources, query, eps, kernel, out_dtype=stream.dtype, prefix=(prefix_mix, prefix_lse))
+
+
+def shared_history(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
+                   kernel: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Phase one of a chunk: the sources all of its sublayers see (v_0 and earlier chunks'
+    summaries), read once for all of the chunk's queries."""
+    dtype = sources[-1].dtype
+    sources = [s if s.dtype == dtype else s.to(dtype) for s in sources]
+    return dar_prefix(sources, queries, eps, kernel)
+
+
+def timestep_queries(w: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """(K, B, 1, D) queries w_k + e(t) for a chunk's K static_t aggregations."""
+    return w[:, None, None, :] + temb[None]
 
 
 def _is_add(node: fx.Node) -> bool:
@@ -256,9 +278,12 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
     ends = {r.end: k for k, r in enumerate(routes)}
     constants: dict[str, torch.Tensor] = {}
     point = 0
+    shared_until, shared, prefix = 0, [], None
+    two_phase = _two_phase_chunks(blocks, starts, ends, config)
+    options = {"eps": config.eps, "kernel": config.kernel}
 
     def aggregate(v: fx.Node) -> fx.Node:
-        nonlocal point
+        nonlocal point, shared_until, shared, prefix
         history.append(v)
         q = graph.call_function(operator.getitem, (query, point))
         if config.query == "static_t":
@@ -266,8 +291,24 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
         elif config.query == "dynamic":
             w = graph.call_function(operator.getitem, (dynamic, point))
             q = graph.call_function(F.linear, (v, w))
+        if point in two_phase:  # a chunk begins: its shared sources, once for all its queries
+            size = two_phase[point]
+            shared, shared_until = history.sources()[:-1], point + size
+            queries = graph.call_function(operator.getitem, (query, slice(point, shared_until)))
+            if config.query == "static_t":
+                queries = graph.call_function(timestep_queries, (queries, temb))
+            prefix = graph.call_function(shared_history, (shared, queries), options)
+            mixes, lses = (graph.call_function(operator.getitem, (prefix, i)) for i in (0, 1))
+            prefix = (mixes, lses, point)
         point += 1
-        return graph.call_function(mix_history, (history.sources(), q, v0), {"eps": config.eps, "kernel": config.kernel})
+        sources = history.sources()
+        if point > shared_until:
+            return graph.call_function(mix_history, (sources, q, v0), options)
+        assert sources[:len(shared)] == shared, "a two-phase chunk's shared sources changed inside it"
+        mixes, lses, first = prefix
+        j = point - 1 - first
+        mix, lse = (graph.call_function(operator.getitem, (part, j)) for part in (mixes, lses))
+        return graph.call_function(mix_history_after, (sources[len(shared):], q, v0, mix, lse), options)
 
     for i, info in enumerate(report.blocks):
         call = by_name[info.node]
@@ -301,6 +342,25 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
                 history.exit()
     graph.lint()
     return constants
+
+
+def _two_phase_chunks(blocks: list[BlockTrace], starts: dict, ends: dict, config: DAR) -> dict[int, int]:
+    """{first point: points} of the chunks computed in two phases: static queries (known before the
+    chunk runs), chunks of two or more points, and no route boundary inside the chunk (its shared
+    sources must keep their tokens throughout)."""
+    if config.query == "dynamic" or (config.chunk or 0) < 2:
+        return {}
+    first = [0]
+    for bt in blocks:
+        first.append(first[-1] + (len(bt.adds) or 1))
+    total = first[-1]
+    boundaries = {first[i] for i in starts} | {first[i + 1] for i in ends}
+    chunks = {}
+    for p in range(0, total, config.chunk):
+        size = min(config.chunk, total - p)
+        if size >= 2 and not any(b in boundaries for b in range(p + 1, p + size)):
+            chunks[p] = size
+    return chunks
 
 
 def _descends(node: fx.Node, ancestor: fx.Node) -> bool:

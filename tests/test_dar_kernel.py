@@ -4,6 +4,7 @@ Without CUDA the Triton kernel runs in Triton's CPU interpreter; tensors stay sm
 file finishes in well under a minute on two cores.
 """
 
+import math
 import os
 
 import torch
@@ -27,6 +28,7 @@ from routekit.kernels import (  # noqa: E402
     UnknownKernelError,
     dar_aggregate,
     dar_aggregate_reference,
+    dar_prefix,
 )
 
 triton = pytest.importorskip("triton")
@@ -193,7 +195,8 @@ def test_zero_query_gives_the_uniform_mean_of_the_sources(kernel, case: Case):
 
 
 # With eps=0 the zero rows that pad a program's last block divide by zero; they are never stored.
-@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning",
+                            "ignore:All-NaN slice:RuntimeWarning")
 @BOTH
 @FAST
 @given(case=cases(dtypes=(torch.float32,)), factor=st.floats(0.125, 8.0))
@@ -309,3 +312,87 @@ def test_launch_override_is_parsed_or_refused_with_the_expected_form(monkeypatch
         monkeypatch.setenv("ROUTEKIT_DAR_LAUNCH", bad)
         with pytest.raises(DarInputError, match="expected six integers"):
             dar_triton.launch_config(1152, 64)
+
+
+# --- two-phase chunks: a shared prefix read once for K queries, merged per query ---------------------
+
+# The partial mix is kept in the sources' dtype, and so is its gradient: in bf16 one more rounding each.
+CHUNK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True)
+class ChunkCase:
+    """K aggregations sharing ``shared`` sources, aggregation k adding ``own[k]`` sources of its own."""
+
+    shared: int
+    own: tuple[int, ...]
+    b: int
+    n: int
+    d: int
+    dtype: torch.dtype
+    query_shape: str  # "kd", "kb1d" or "kbnd"
+    seed: int
+
+    def tensors(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        b, n, d, k = self.b, self.n, self.d, len(self.own)
+
+        def source():
+            return (torch.randn(b, n, d, generator=gen) * math.exp(torch.randn((), generator=gen).item()))
+
+        shared = [source() for _ in range(self.shared)]
+        own = [[source() for _ in range(m)] for m in self.own]
+        shape = {"kd": (k, d), "kb1d": (k, b, 1, d), "kbnd": (k, b, n, d)}[self.query_shape]
+        queries = torch.randn(shape, generator=gen) * 2
+        grads = [torch.randn(b, n, d, generator=gen) for _ in range(k)]
+        move = lambda ts: [t.to(DEVICE, self.dtype) for t in ts]  # noqa: E731
+        return move(shared), [move(o) for o in own], queries.to(DEVICE), [g.to(DEVICE) for g in grads]
+
+
+@st.composite
+def chunk_cases(draw) -> ChunkCase:
+    shared = draw(st.integers(1, 12))
+    own = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=5)))
+    d = draw(st.integers(1, 70))
+    b = draw(st.integers(1, 3))
+    n = min(draw(st.integers(1, 9)), max(1, ELEMENT_BUDGET // ((shared + sum(own)) * b * d)))
+    return ChunkCase(shared, own, b, n, d, draw(st.sampled_from([torch.float32, torch.bfloat16])),
+                     draw(st.sampled_from(["kd", "kb1d", "kbnd"])), draw(st.integers(0, 2**31 - 1)))
+
+
+def chunk_outputs(case: ChunkCase, kernel: str | None):
+    """The K fp32 outputs and the gradients of shared sources, own sources and queries, for the
+    loss sum_k <out_k, grad_k>: two-phase with ``kernel``, or (None) one reference aggregation each."""
+    shared, own, queries, grads = case.tensors()
+    shared = [t.requires_grad_() for t in shared]
+    own = [[t.requires_grad_() for t in o] for o in own]
+    queries = queries.requires_grad_()
+    if kernel is None:
+        outs = [dar_aggregate_reference(shared + o, queries[k], out_dtype=torch.float32) for k, o in enumerate(own)]
+    else:
+        mixes, lse = dar_prefix(shared, queries, kernel=kernel)
+        outs = [dar_aggregate(o, queries[k], kernel=kernel, out_dtype=torch.float32, prefix=(mixes[k], lse[k]))
+                for k, o in enumerate(own)]
+    loss = sum((out * g).sum() for out, g in zip(outs, grads))
+    flat_own = [t for o in own for t in o]
+    got = torch.autograd.grad(loss, [*shared, *flat_own, queries])
+    return [torch.stack(outs), torch.stack(got[: len(shared)]), torch.stack(got[len(shared):-1]), got[-1]]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@FAST
+@given(case=chunk_cases())
+def test_two_phase_chunk_equals_one_aggregation_over_all_sources(kernel, case: ChunkCase):
+    """Forward and every gradient, including the Triton pair's backward shortcut (the merge hands the
+    prefix -p_A (g . o) instead of the gradient of its log-sum-exp)."""
+    got = chunk_outputs(case, kernel)
+    want = chunk_outputs(case, None)
+    for name, g, w in zip(("outputs", "grad shared", "grad own", "grad queries"), got, want):
+        assert_close(g, w, CHUNK_TOLERANCE[case.dtype], f"{kernel} {name} of {case}")
+
+
+def test_prefix_queries_must_be_k_by_d_or_four_d():
+    sources, query, _ = Case(2, 1, 2, 8, torch.float32, "d", True, 1.0, seed=1).tensors()
+    for kernel in ("torch", "triton"):
+        with pytest.raises(DarInputError, match=r"queries must be \(K, D\) or \(K, B, N, D\)"):
+            dar_prefix(list(sources), query, kernel=kernel)

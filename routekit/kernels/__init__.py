@@ -16,9 +16,11 @@ from routekit.kernels.dar_reference import (
     Sources,
     check_dar_inputs,
     dar_aggregate_reference,
+    dar_prefix_reference,
 )
 
-__all__ = ["DarInputError", "UnknownKernelError", "dar_aggregate", "dar_aggregate_reference", "KERNELS"]
+__all__ = ["DarInputError", "UnknownKernelError", "dar_aggregate", "dar_aggregate_reference", "dar_prefix",
+           "dar_prefix_reference", "KERNELS"]
 
 KERNELS = ("auto", "triton", "torch")
 """Valid ``kernel`` names for ``dar_aggregate``."""
@@ -28,39 +30,57 @@ class UnknownKernelError(ConfigError):
     """Raised when ``kernel`` names no implementation."""
 
 
-def _fused_kernel(sources: Sources, query: Tensor, d: int):
-    """The Triton kernel if it can run these inputs here, else None."""
+def _use_triton(sources: Sources, query: Tensor, d: int, kernel: str) -> bool:
+    """Whether ``kernel`` means the Triton kernel for these inputs ("auto": where it can run)."""
+    if kernel not in KERNELS:
+        raise UnknownKernelError(f"unknown kernel {kernel!r}; valid kernels are {', '.join(KERNELS)}")
+    if kernel != "auto":
+        return kernel == "triton"
     if not query.is_cuda:
-        return None
+        return False
     try:
         from routekit.kernels import dar_triton
     except ImportError:
-        return None
+        return False
     dtype = sources.dtype if isinstance(sources, Tensor) else sources[0].dtype
-    if d > dar_triton.MAX_D or dtype not in dar_triton.SUPPORTED_DTYPES:
-        return None
-    return dar_triton.dar_aggregate_triton
+    return d <= dar_triton.MAX_D and dtype in dar_triton.SUPPORTED_DTYPES
+
+
+def _triton():
+    try:
+        from routekit.kernels import dar_triton
+    except ImportError as exc:
+        raise ImportError("kernel='triton' needs the triton package: pip install 'routekit[gpu]'") from exc
+    return dar_triton
 
 
 def dar_aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, kernel: str = "auto", *,
-                  out_dtype: torch.dtype | None = None) -> Tensor:
+                  out_dtype: torch.dtype | None = None, prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """DAR aggregation: sum_s softmax_s(query . RMSNorm(v_s) / sqrt(D)) v_s.
 
     ``sources``: a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors;
     ``query`` broadcasts to (B, N, D).  ``kernel``: "triton" (fused), "torch" (reference),
     or "auto": the Triton kernel for CUDA tensors it supports (fp32/bf16/fp16, D <= 2048)
     when triton imports, the reference otherwise.  ``out_dtype``: the result's dtype (default
-    the sources'), e.g. an fp32 residual stream mixed from bf16 sources.
+    the sources'), e.g. an fp32 residual stream mixed from bf16 sources.  ``prefix``: one
+    (mix, lse) pair of ``dar_prefix`` with the same ``kernel``: the mix then covers its sources too.
     """
-    if kernel not in KERNELS:
-        raise UnknownKernelError(f"unknown kernel {kernel!r}; valid kernels are {', '.join(KERNELS)}")
     d = check_dar_inputs(sources, query)[3]
-    if kernel == "auto":
-        return (_fused_kernel(sources, query, d) or dar_aggregate_reference)(sources, query, eps, out_dtype=out_dtype)
-    if kernel == "torch":
-        return dar_aggregate_reference(sources, query, eps, out_dtype=out_dtype)
-    try:
-        from routekit.kernels.dar_triton import dar_aggregate_triton
-    except ImportError as exc:
-        raise ImportError("kernel='triton' needs the triton package: pip install 'routekit[gpu]'") from exc
-    return dar_aggregate_triton(sources, query, eps, out_dtype=out_dtype)
+    if _use_triton(sources, query, d, kernel):
+        return _triton().dar_aggregate_triton(sources, query, eps, out_dtype=out_dtype, prefix=prefix)
+    return dar_aggregate_reference(sources, query, eps, out_dtype=out_dtype, prefix=prefix)
+
+
+def dar_prefix(sources: Sources, queries: Tensor, eps: float = 1e-6, kernel: str = "auto",
+               ) -> tuple[list[Tensor], Tensor]:
+    """The part K aggregations share: their common ``sources`` read once for all K ``queries``
+    ((K, D) or broadcasting to (K, B, N, D)). Returns K partial mixes and their log-sum-exps
+    (K, B, N); aggregation k is then ``dar_aggregate(own_sources, queries[k], kernel=kernel,
+    prefix=(mixes[k], lse[k]))``. Both must use the same kernel: the Triton pair passes each
+    other a backward shortcut that the reference does not (dar_triton's docstring)."""
+    if queries.dim() not in (2, 4) or queries.shape[0] < 1:
+        raise DarInputError(f"queries must be (K, D) or (K, B, N, D) with K >= 1, got {tuple(queries.shape)}")
+    d = check_dar_inputs(sources, queries[0])[3]
+    if _use_triton(sources, queries[0], d, kernel):
+        return _triton().dar_prefix_triton(sources, queries, eps)
+    return dar_prefix_reference(sources, queries, eps)

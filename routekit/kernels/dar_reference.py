@@ -70,18 +70,45 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
     return s, b, n, d
 
 
+def _logits(values: Tensor, query: Tensor, eps: float) -> Tensor:
+    """q . RMSNorm(v) / sqrt(D) over the last dim: values (..., S, B, N, D) in fp32."""
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    return (keys * query.float()).sum(-1) / math.sqrt(values.shape[-1])
+
+
 def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6, *,
-                            out_dtype: torch.dtype | None = None) -> Tensor:
+                            out_dtype: torch.dtype | None = None,
+                            prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Softmax-over-sources mix of ``sources`` keyed by their RMS-normalised values.
 
     ``sources`` is a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors and
     ``query`` broadcasts to (B, N, D).  Math is fp32; the result has ``out_dtype``, by default
-    the sources' dtype.
+    the sources' dtype.  ``prefix``: a (mix, lse) pair from ``dar_prefix_reference``, which
+    joins the softmax as one more source of value ``mix`` and logit ``lse``.
     """
-    d = check_dar_inputs(sources, query)[3]
+    check_dar_inputs(sources, query)
     stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
     values = stacked.float()
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-    logits = (keys * query.float()).sum(-1) / math.sqrt(d)
+    logits = _logits(values, query, eps)
+    if prefix is not None:
+        mix, lse = prefix
+        values = torch.cat([mix.float()[None], values])
+        logits = torch.cat([lse.float()[None], logits])
     weights = torch.softmax(logits, dim=0)
     return (weights.unsqueeze(-1) * values).sum(0).to(out_dtype or stacked.dtype)
+
+
+def dar_prefix_reference(sources: Sources, queries: Tensor, eps: float = 1e-6) -> tuple[list[Tensor], Tensor]:
+    """The part of K aggregations that their shared ``sources`` make: per query the mix over those
+    sources (in their dtype) and its log-sum-exp (K, B, N); ``queries`` (K, D) or broadcasting to
+    (K, B, N, D). Merged by ``dar_aggregate_reference(..., prefix=(mixes[k], lse[k]))``, the result
+    equals the aggregation over all sources at once."""
+    queries = queries[:, None, None, :] if queries.dim() == 2 else queries
+    if queries.dim() != 4 or queries.shape[0] < 1:
+        raise DarInputError(f"queries must be (K, D) or (K, B, N, D) with K >= 1, got {tuple(queries.shape)}")
+    check_dar_inputs(sources, queries[0])
+    stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
+    values = stacked.float()
+    logits = _logits(values[None], queries[:, None], eps)  # (K, S, B, N)
+    mixes = (torch.softmax(logits, dim=1).unsqueeze(-1) * values[None]).sum(1).to(stacked.dtype)
+    return list(mixes.unbind(0)), torch.logsumexp(logits, dim=1)

@@ -13,6 +13,21 @@ ops, so ``torch.compile`` keeps them in its graph (one opaque call) instead of b
 around them. (A variant that split each row into a power-of-two head and tail instead of
 padding D=1152 to 2048 lanes measured slower on the H200, in both directions:
 benchmarks/results/dar_kernel_headtail.md.)
+
+Two-phase chunks. The K sublayers of a chunk share the sources before it (v_0 and earlier
+chunks' summaries), so ``dar_prefix_fused`` reads each of those once for all K queries and
+leaves, per query, a partial mix and its log-sum-exp; each sublayer then merges its partial
+with its own chunk's outputs (``dar_fused`` with a prefix: the partial enters the online
+softmax as its initial state). The two are a pair in backward: the merge hands the prefix
+p_A g (the gradient of the partial mix, p_A its share of the softmax) and, in place of the
+gradient of the partial's log-sum-exp, the row factor -p_A (g . o); with these the prefix's
+logit gradients are p(g . v - g . o) without the partial mix itself, so it is never kept for
+backward. A prefix is only correct under a merge of the same kernel (the graph rewrite
+guarantees it; the composite is tested against the reference).
+
+Backward programs walk several row tiles of one sample and sum a broadcast query's gradient
+in registers, so only one (D,) partial per program is written instead of a (B, N, D) fp32
+gradient per aggregation.
 """
 
 from __future__ import annotations
@@ -75,6 +90,28 @@ def _row_block(R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _sample_rows(b, n0, N, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows n0 .. n0+BLOCK_R-1 of sample b (masked past N), as ``_row_block`` gives them."""
+    ns = n0 + tl.arange(0, BLOCK_R)
+    row_ok = ns < N
+    rows = b * N + ns
+    cols = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return rows, row_ok, mask, offs
+
+
+@triton.jit
+def _load_queries(ptr, ks, k_ok, rows, mask, N, stride_k, stride_b, stride_n, stride_d, BLOCK_D: tl.constexpr):
+    """K queries for these rows, (BLOCK_K, BLOCK_R, BLOCK_D) fp32, from a strided (K, B, N, D) view."""
+    rows64 = rows.to(tl.int64)
+    row_offs = (rows64 // N) * stride_b + (rows64 % N) * stride_n
+    cols = tl.arange(0, BLOCK_D)
+    offs = ks.to(tl.int64)[:, None, None] * stride_k + row_offs[None, :, None] + cols[None, None, :] * stride_d
+    return tl.load(ptr + offs, mask=k_ok[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_rows(ptr, rows, mask, N, stride_b, stride_n, stride_d, BLOCK_D: tl.constexpr):
     """The rows of a strided (B, N, D) tensor (the query may broadcast, strides 0), in fp32."""
     rows64 = rows.to(tl.int64)
@@ -85,17 +122,22 @@ def _load_rows(ptr, rows, mask, N, stride_b, stride_n, stride_d, BLOCK_D: tl.con
 
 @triton.jit
 def _dar_fwd_kernel(
-    table_ptr, like_ptr, q_ptr, out_ptr, o32_ptr, lse_ptr,
+    table_ptr, like_ptr, q_ptr, out_ptr, o32_ptr, lse_ptr, prefix_ptr, prefix_lse_ptr,
     S, R, N, D, stride_qb, stride_qn, stride_qd, eps, scale,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    STORE_O32: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    STORE_O32: tl.constexpr, FUSED_REDUCE: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):  # fmt: skip
     rows, row_ok, mask, offs = _row_block(R, D, BLOCK_R, BLOCK_D)
     q = _load_rows(q_ptr, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
 
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    if HAS_PREFIX:  # the chunk's shared part, already mixed: the online softmax's starting state
+        m = tl.load(prefix_lse_ptr + rows, mask=row_ok, other=0.0)
+        denom = tl.full([BLOCK_R], 1.0, tl.float32)
+        acc = tl.load(prefix_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     # Sources go BLOCK_S at a time (one reduction serves them all) and the next tile is in
     # flight while this one is reduced, to hide memory latency.
     v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
@@ -124,38 +166,133 @@ def _dar_fwd_kernel(
 
 @triton.jit
 def _dar_bwd_kernel(
-    table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, dq_ptr,
-    S, R, N, D, stride_qb, stride_qn, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale,
+    table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, dq_ptr, prefix_lse_ptr, dprefix_ptr, y_ptr,
+    S, R, N, D, stride_qb, stride_qn, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, SPLITS, ITERS,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, HAS_PREFIX: tl.constexpr, DQ_PER_ROW: tl.constexpr,
 ):  # fmt: skip
-    rows, row_ok, mask, offs = _row_block(R, D, BLOCK_R, BLOCK_D)
-    q = _load_rows(q_ptr, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
-    g = _load_rows(g_ptr, rows, mask, N, stride_gb, stride_gn, stride_gd, BLOCK_D)
-    o = tl.load(o_ptr + offs, mask=mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    g_dot_o = tl.sum(g * o, 1)
-
+    # this program: ITERS row tiles of sample b (the query gradient of a query shared by those
+    # rows is summed here, one (D,) row per program, unless DQ_PER_ROW)
+    pid = tl.program_id(0)
+    b, split = pid // SPLITS, pid % SPLITS
     dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-    for s0 in range(0, S, BLOCK_S):
-        v = v_next.to(tl.float32)
-        v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-        if FUSED_REDUCE:
-            ss, qv, gv = tl.reduce((v * v, q[None, :, :] * v, g[None, :, :] * v), 2, _add3)
-        else:
-            ss, qv, gv = tl.sum(v * v, 2), tl.sum(q[None, :, :] * v, 2), tl.sum(g[None, :, :] * v, 2)
-        r = tl.rsqrt(ss / D + eps)
-        # logit = scale * r * (q . v), dr/dv = -r^3 v / D; padded sources load as zeros and are
-        # zeroed here too (with eps=0 their r is inf), so they add nothing to dq
-        live = ((s0 + tl.arange(0, BLOCK_S)) < S)[:, None] & row_ok[None, :]
-        w = tl.where(live, tl.exp(qv * r * scale - lse[None, :]), 0.0)
-        c = tl.where(live, w * (gv - g_dot_o[None, :]) * scale * r, 0.0)
-        dv = w[:, :, None] * g[None, :, :] + c[:, :, None] * (q[None, :, :] - (qv * r * r / D)[:, :, None] * v)
-        dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-        tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
-        dq += tl.sum(c[:, :, None] * v, 0)
-    tl.store(dq_ptr + offs, dq, mask=mask)
+    for it in range(ITERS):
+        rows, row_ok, mask, offs = _sample_rows(b, (split * ITERS + it) * BLOCK_R, N, D, BLOCK_R, BLOCK_D)
+        q = _load_rows(q_ptr, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
+        g = _load_rows(g_ptr, rows, mask, N, stride_gb, stride_gn, stride_gd, BLOCK_D)
+        o = tl.load(o_ptr + offs, mask=mask, other=0.0)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g_dot_o = tl.sum(g * o, 1)
+        if HAS_PREFIX:  # what the prefix's backward needs (see the module docstring)
+            p_a = tl.where(row_ok, tl.exp(tl.load(prefix_lse_ptr + rows, mask=row_ok, other=0.0) - lse), 0.0)
+            tl.store(dprefix_ptr + offs, (p_a[:, None] * g).to(dprefix_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + rows, -p_a * g_dot_o, mask=row_ok)
+        if DQ_PER_ROW:
+            dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+
+        v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+        for s0 in range(0, S, BLOCK_S):
+            v = v_next.to(tl.float32)
+            v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+            if FUSED_REDUCE:
+                ss, qv, gv = tl.reduce((v * v, q[None, :, :] * v, g[None, :, :] * v), 2, _add3)
+            else:
+                ss, qv, gv = tl.sum(v * v, 2), tl.sum(q[None, :, :] * v, 2), tl.sum(g[None, :, :] * v, 2)
+            r = tl.rsqrt(ss / D + eps)
+            # logit = scale * r * (q . v), dr/dv = -r^3 v / D; padded sources load as zeros and are
+            # zeroed here too (with eps=0 their r is inf), so they add nothing to dq
+            live = ((s0 + tl.arange(0, BLOCK_S)) < S)[:, None] & row_ok[None, :]
+            w = tl.where(live, tl.exp(qv * r * scale - lse[None, :]), 0.0)
+            c = tl.where(live, w * (gv - g_dot_o[None, :]) * scale * r, 0.0)
+            dv = w[:, :, None] * g[None, :, :] + c[:, :, None] * (q[None, :, :] - (qv * r * r / D)[:, :, None] * v)
+            dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+            tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
+            dq += tl.sum(c[:, :, None] * v, 0)
+        if DQ_PER_ROW:
+            tl.store(dq_ptr + offs, dq, mask=mask)
+    if not DQ_PER_ROW:
+        cols = tl.arange(0, BLOCK_D)
+        tl.store(dq_ptr + pid.to(tl.int64) * D + cols, tl.sum(dq, 0), mask=cols < D)
+
+
+@triton.jit
+def _dar_prefix_fwd_kernel(
+    table_ptr, like_ptr, q_ptr, mix_table_ptr, lse_ptr,
+    S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """K online softmaxes over the same sources: each source is read once for all K queries."""
+    rows, row_ok, mask, offs = _row_block(R, D, BLOCK_R, BLOCK_D)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd, BLOCK_D)
+
+    m = tl.full([BLOCK_K, BLOCK_R], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_K, BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
+    v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, 1, ALIGNED)
+    for s in range(0, S):
+        v = v_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D)
+        v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
+        logit = tl.sum(q * v, 2) * tl.rsqrt(tl.sum(v * v, 2) / D + eps) * scale  # (BLOCK_K, BLOCK_R)
+        m_new = tl.maximum(m, logit)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(logit - m_new)
+        denom = denom * alpha + p
+        acc = acc * alpha[:, :, None] + p[:, :, None] * v
+        m = m_new
+
+    mix_ptrs, ok = _tile_ptrs(mix_table_ptr, 0, K, like_ptr, offs, mask, BLOCK_K, ALIGNED)
+    tl.store(mix_ptrs, (acc / denom[:, :, None]).to(like_ptr.dtype.element_ty), mask=ok)
+    tl.store(lse_ptr + ks[:, None].to(tl.int64) * R + rows[None, :], m + tl.log(denom),
+             mask=k_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _dar_prefix_bwd_kernel(
+    table_ptr, grad_table_ptr, like_ptr, q_ptr, dmix_table_ptr, y_ptr, lse_ptr, dq_ptr,
+    S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale, SPLITS, ITERS,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    DQ_PER_ROW: tl.constexpr,
+):  # fmt: skip
+    """Each source's gradient from all K queries at once, written once."""
+    pid = tl.program_id(0)
+    b, split = pid // SPLITS, pid % SPLITS
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    dq = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
+    for it in range(ITERS):
+        rows, row_ok, mask, offs = _sample_rows(b, (split * ITERS + it) * BLOCK_R, N, D, BLOCK_R, BLOCK_D)
+        q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd, BLOCK_D)
+        dmix = _load_tile(dmix_table_ptr, 0, K, like_ptr, offs, mask, BLOCK_K, ALIGNED).to(tl.float32)
+        kr = ks[:, None].to(tl.int64) * R + rows[None, :]
+        live = k_ok[:, None] & row_ok[None, :]
+        y = tl.load(y_ptr + kr, mask=live, other=0.0)
+        lse = tl.load(lse_ptr + kr, mask=live, other=0.0)
+        if DQ_PER_ROW:
+            dq = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
+
+        v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, 1, ALIGNED)
+        for s in range(0, S):
+            v = v_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D)
+            v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
+            r = tl.rsqrt(tl.sum(v * v, 2) / D + eps)  # (1, BLOCK_R)
+            qv = tl.sum(q * v, 2)  # (BLOCK_K, BLOCK_R)
+            p = tl.where(live, tl.exp(qv * r * scale - lse), 0.0)
+            c = tl.where(live, p * (tl.sum(dmix * v, 2) + y) * scale * r, 0.0)
+            dv = tl.sum(p[:, :, None] * dmix + c[:, :, None] * q, 0)[None, :, :] \
+                - (tl.sum(c * qv, 0)[None, :] * r * r / D)[:, :, None] * v
+            dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s, S, like_ptr, offs, mask, 1, ALIGNED)
+            tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
+            dq += c[:, :, None] * v
+        if DQ_PER_ROW:
+            tl.store(dq_ptr + ks[:, None, None].to(tl.int64) * R * D + offs[None, :, :], dq,
+                     mask=k_ok[:, None, None] & mask[None, :, :])
+    if not DQ_PER_ROW:
+        cols = tl.arange(0, BLOCK_D)
+        programs = tl.num_programs(0)
+        tl.store(dq_ptr + (ks[:, None].to(tl.int64) * programs + pid) * D + cols[None, :], tl.sum(dq, 1),
+                 mask=k_ok[:, None] & (cols < D)[None, :])
 
 
 @dataclass(frozen=True)
@@ -231,6 +368,11 @@ BWD_SOURCES, BWD_PER_THREAD = 2, 32
 FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
 
 
+# Backward programs per launch: several per SM to hide memory latency, few enough that each sums
+# its query gradient over many rows.
+BWD_PROGRAMS = 4096
+
+
 def _pointer_table(tensors: list[Tensor]) -> tuple[Tensor, bool]:
     """Int64 tensor of the data pointers of ``tensors`` on their device, and whether all are
     16-byte aligned."""
@@ -245,10 +387,25 @@ def _contiguous(tensors: list[Tensor]) -> list[Tensor]:
     return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
+def _sample_split(b: int, n: int, block_r: int) -> tuple[int, int]:
+    """(programs per sample, row tiles per program) for the backward grid."""
+    tiles = triton.cdiv(n, block_r)
+    splits = min(tiles, max(1, triton.cdiv(BWD_PROGRAMS, b)))
+    iters = triton.cdiv(tiles, splits)
+    return triton.cdiv(tiles, iters), iters
+
+
+def _prefix_warps(block_k: int, block_r: int, block_d: int, tiles: int) -> int:
+    """Warps for the K-query kernels: ``tiles`` (K, rows, D) fp32 tiles live in registers."""
+    return min(16, triton.next_power_of_2(max(1, tiles * block_k * block_r * block_d // (32 * 64))))
+
+
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
 def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
-              launch: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp)."""
+              launch: list[int], prefix: Tensor | None = None, prefix_lse: Tensor | None = None,
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp).
+    With ``prefix``/``prefix_lse`` (from ``dar_prefix_fused``) the mix continues theirs."""
     sources = _contiguous(sources)
     like = sources[0]
     b, n, d = like.shape
@@ -257,18 +414,21 @@ def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch
     out = torch.empty((b, n, d), dtype=out_dtype, device=like.device)
     o32 = torch.empty((b, n, d) if keep_o32 else (0,), dtype=torch.float32, device=like.device)
     lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
+    has_prefix = prefix is not None
     if b * n:
         table, aligned = _pointer_table(sources)
         _dar_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
-            table, like, q, out, o32, lse, len(sources), b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
+            table, like, q, out, o32, lse, prefix.contiguous() if has_prefix else lse,
+            prefix_lse.contiguous() if has_prefix else lse,
+            len(sources), b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
             BLOCK_R=cfg.block_rows, BLOCK_S=cfg.fwd_sources, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned,
-            STORE_O32=keep_o32, FUSED_REDUCE=cfg.fused_reduce, num_warps=cfg.fwd_warps,
+            STORE_O32=keep_o32, FUSED_REDUCE=cfg.fused_reduce, HAS_PREFIX=has_prefix, num_warps=cfg.fwd_warps,
         )  # fmt: skip
     return out, o32, lse
 
 
 @dar_fused.register_fake
-def _(sources, query, eps, out_dtype, keep_o32, launch):
+def _(sources, query, eps, out_dtype, keep_o32, launch, prefix=None, prefix_lse=None):
     b, n, d = sources[0].shape
     new = sources[0].new_empty
     return new((b, n, d), dtype=out_dtype), new((b, n, d) if keep_o32 else (0,), dtype=torch.float32), \
@@ -277,58 +437,163 @@ def _(sources, query, eps, out_dtype, keep_o32, launch):
 
 @torch.library.custom_op("routekit::dar_fused_backward", mutates_args=())
 def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
-                       eps: float, launch: list[int]) -> tuple[list[Tensor], Tensor]:
-    """(gradient of each source, contiguous; gradient of the query, fp32, in the query's shape)."""
+                       eps: float, launch: list[int], prefix_lse: Tensor | None = None,
+                       ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """(gradient of each source, contiguous; gradient of the query, fp32, in the query's shape;
+    with a prefix: p_A g for the prefix mix and -p_A (g . o) for its log-sum-exp, else empty)."""
     sources = _contiguous(sources)
+    like = sources[0]
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     b, n, d = out.shape
     cfg = Launch.from_list(launch)
-    dq = torch.empty((b, n, d), dtype=torch.float32, device=out.device)
+    q = torch.broadcast_to(query, (b, n, d))
+    has_prefix = prefix_lse is not None
+    dprefix = like.new_empty((b, n, d) if has_prefix else (0,))
+    y = like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32)
+    splits, iters = _sample_split(b, n, cfg.block_rows)
+    per_row = n > 1 and q.stride(1) != 0
+    dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
     if b * n:
         table, aligned = _pointer_table(sources)
         grad_table, grad_aligned = _pointer_table(grads)
-        q = torch.broadcast_to(query, (b, n, d))
-        _dar_bwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
-            table, grad_table, sources[0], q, grad_out, out.contiguous(), lse, dq,
-            len(sources), b * n, n, d, *q.stride(), *grad_out.stride(), eps, 1.0 / math.sqrt(d),
+        _dar_bwd_kernel[(b * splits,)](
+            table, grad_table, like, q, grad_out, out.contiguous(), lse, dq,
+            prefix_lse.contiguous() if has_prefix else lse, dprefix, y,
+            len(sources), b * n, n, d, *q.stride(), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
             BLOCK_R=cfg.block_rows, BLOCK_S=cfg.bwd_sources, BLOCK_D=triton.next_power_of_2(d),
-            ALIGNED=aligned and grad_aligned, FUSED_REDUCE=cfg.fused_reduce, num_warps=cfg.bwd_warps,
+            ALIGNED=aligned and grad_aligned, FUSED_REDUCE=cfg.fused_reduce, HAS_PREFIX=has_prefix,
+            DQ_PER_ROW=per_row, num_warps=cfg.bwd_warps,
         )  # fmt: skip
-    return grads, dq.sum_to_size(query.shape)
+    else:
+        dq.zero_()
+    dq = dq.view(b, n, d) if per_row else dq.view(b, splits, d).sum(1, keepdim=True)
+    return grads, dq.sum_to_size(query.shape), dprefix, y
 
 
 @dar_fused_backward.register_fake
-def _(sources, query, grad_out, out, lse, eps, launch):
+def _(sources, query, grad_out, out, lse, eps, launch, prefix_lse=None):
     # contiguous, like the real outputs: a fake that copied a source's strides would promise
     # torch.compile a layout the kernel does not write
-    return [t.new_empty(t.shape) for t in sources], query.new_empty(query.shape, dtype=torch.float32)
+    b, n, d = out.shape
+    like = sources[0]
+    has_prefix = prefix_lse is not None
+    return ([t.new_empty(t.shape) for t in sources], query.new_empty(query.shape, dtype=torch.float32),
+            like.new_empty((b, n, d) if has_prefix else (0,)),
+            like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    sources, query, eps, _, _, launch = inputs
+    sources, query, eps, _, _, launch, *prefix = inputs  # the prefix arguments are dropped when None
     out, o32, lse = output
-    ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse, *sources)
+    ctx.has_prefix = bool(prefix) and prefix[0] is not None
+    prefix_lse = prefix[1] if ctx.has_prefix else None
+    ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse,
+                          prefix_lse if ctx.has_prefix else lse, *sources)
     ctx.eps, ctx.launch = eps, launch
 
 
 def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
-    query, out, lse, *sources = ctx.saved_tensors
-    grads, dq = dar_fused_backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch)
+    query, out, lse, prefix_lse, *sources = ctx.saved_tensors
+    grads, dq, dprefix, y = dar_fused_backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch,
+                                               prefix_lse if ctx.has_prefix else None)
     grad_query = dq.to(query.dtype) if ctx.needs_input_grad[1] else None
-    return grads, grad_query, None, None, None, None
+    if not ctx.has_prefix:
+        dprefix = y = None
+    # as many gradients as arguments were passed (None prefix arguments do not count)
+    return (grads, grad_query, None, None, None, None, dprefix, y)[:len(ctx.needs_input_grad)]
 
 
 dar_fused.register_autograd(_backward, setup_context=_setup_context)
 
 
-def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
-                         launch: Launch | None = None) -> Tensor:
-    """Fused DAR aggregation with the contract of ``dar_aggregate_reference``.
+@torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=())
+def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch: list[int],
+                     ) -> tuple[list[Tensor], Tensor]:
+    """K partial mixes (one per query, in the sources' dtype) and their log-sum-exps (K, B, N)."""
+    sources = _contiguous(sources)
+    like = sources[0]
+    b, n, d = like.shape
+    k = queries.shape[0]
+    cfg = Launch.from_list(launch)
+    q = torch.broadcast_to(queries, (k, b, n, d))
+    mixes = [torch.empty_like(like) for _ in range(k)]
+    lse = torch.empty((k, b, n), dtype=torch.float32, device=like.device)
+    if b * n:
+        table, aligned = _pointer_table(sources)
+        mix_table, mix_aligned = _pointer_table(mixes)
+        block_k, block_d = triton.next_power_of_2(k), triton.next_power_of_2(d)
+        _dar_prefix_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
+            table, like, q, mix_table, lse, len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
+            BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d, ALIGNED=aligned and mix_aligned,
+            num_warps=_prefix_warps(block_k, cfg.block_rows, block_d, 2),
+        )  # fmt: skip
+    return mixes, lse
 
-    A stacked (S, B, N, D) tensor or a list of S (B, N, D) tensors (read in place).
-    ``out_dtype`` (default: the sources') lets bf16 sources give an fp32 residual stream.
-    ``launch`` overrides ``launch_config`` for tuning sweeps.
-    """
+
+@dar_prefix_fused.register_fake
+def _(sources, queries, eps, launch):
+    like = sources[0]
+    return [like.new_empty(like.shape) for _ in range(queries.shape[0])], \
+        like.new_empty((queries.shape[0], *like.shape[:2]), dtype=torch.float32)
+
+
+@torch.library.custom_op("routekit::dar_prefix_fused_backward", mutates_args=())
+def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes: list[Tensor], y: Tensor,
+                              lse: Tensor, eps: float, launch: list[int]) -> tuple[list[Tensor], Tensor]:
+    """(gradient of each source; gradient of the queries, fp32, in their shape), from the merges'
+    p_A g (``grad_mixes``) and -p_A (g . o) (``y``)."""
+    sources = _contiguous(sources)
+    like = sources[0]
+    b, n, d = like.shape
+    k = queries.shape[0]
+    cfg = Launch.from_list(launch)
+    q = torch.broadcast_to(queries, (k, b, n, d))
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
+    grad_mixes = [g.to(like.dtype).contiguous() for g in grad_mixes]
+    splits, iters = _sample_split(b, n, cfg.block_rows)
+    per_row = n > 1 and q.stride(2) != 0
+    dq = torch.empty((k, b * n, d) if per_row else (k, b * splits, d), dtype=torch.float32, device=like.device)
+    if b * n:
+        table, aligned = _pointer_table(sources)
+        grad_table, grad_aligned = _pointer_table(grads)
+        dmix_table, dmix_aligned = _pointer_table(grad_mixes)
+        block_k, block_d = triton.next_power_of_2(k), triton.next_power_of_2(d)
+        _dar_prefix_bwd_kernel[(b * splits,)](
+            table, grad_table, like, q, dmix_table, y.contiguous(), lse.contiguous(), dq,
+            len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
+            BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d,
+            ALIGNED=aligned and grad_aligned and dmix_aligned, DQ_PER_ROW=per_row,
+            num_warps=_prefix_warps(block_k, cfg.block_rows, block_d, 4),
+        )  # fmt: skip
+    else:
+        dq.zero_()
+    dq = dq.view(k, b, n, d) if per_row else dq.view(k, b, splits, d).sum(2, keepdim=True)
+    return grads, dq.sum_to_size(queries.shape)
+
+
+@dar_prefix_fused_backward.register_fake
+def _(sources, queries, grad_mixes, y, lse, eps, launch):
+    return [t.new_empty(t.shape) for t in sources], queries.new_empty(queries.shape, dtype=torch.float32)
+
+
+def _prefix_setup_context(ctx, inputs, output) -> None:
+    sources, queries, eps, launch = inputs
+    ctx.save_for_backward(queries, output[1], *sources)
+    ctx.eps, ctx.launch = eps, launch
+
+
+def _prefix_backward(ctx, grad_mixes, grad_lse):
+    queries, lse, *sources = ctx.saved_tensors
+    grad_mixes = [torch.zeros_like(sources[0]) if g is None else g for g in grad_mixes]
+    y = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    grads, dq = dar_prefix_fused_backward(sources, queries, grad_mixes, y, lse, ctx.eps, ctx.launch)
+    return grads, dq.to(queries.dtype) if ctx.needs_input_grad[1] else None, None, None
+
+
+dar_prefix_fused.register_autograd(_prefix_backward, setup_context=_prefix_setup_context)
+
+
+def _checked(sources: Sources, query: Tensor, out_dtype: torch.dtype | None) -> tuple[list[Tensor], torch.dtype, int]:
     _, b, n, d = check_dar_inputs(sources, query)
     sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
     if sources[0].dtype not in SUPPORTED_DTYPES:
@@ -338,8 +603,34 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     out_dtype = out_dtype or sources[0].dtype
     if out_dtype not in SUPPORTED_DTYPES:
         raise DarInputError(f"out_dtype {out_dtype} is not one of {SUPPORTED_DTYPES}")
-    launch = launch or launch_config(d, b * n)  # a Launch is valid by construction
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources))
+    return sources, out_dtype, b * n
+
+
+def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
+                         launch: Launch | None = None, prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Fused DAR aggregation with the contract of ``dar_aggregate_reference``.
+
+    A stacked (S, B, N, D) tensor or a list of S (B, N, D) tensors (read in place).
+    ``out_dtype`` (default: the sources') lets bf16 sources give an fp32 residual stream.
+    ``launch`` overrides ``launch_config`` for tuning sweeps. ``prefix``: one (mix, lse) pair
+    from ``dar_prefix_triton`` (its sources join this mix).
+    """
+    sources, out_dtype, rows = _checked(sources, query, out_dtype)
+    launch = launch or launch_config(sources[0].shape[-1], rows)  # a Launch is valid by construction
+    mix, lse = prefix if prefix is not None else (None, None)
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources)
+                                              or (mix is not None and (mix.requires_grad or lse.requires_grad)))
     keep_o32 = needs_grad and out_dtype != torch.float32  # backward reads g . o in fp32, not a rounded copy
-    out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list())
+    out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse)
     return out
+
+
+def dar_prefix_triton(sources: Sources, queries: Tensor, eps: float = 1e-6, *, launch: Launch | None = None,
+                      ) -> tuple[list[Tensor], Tensor]:
+    """The shared part of K aggregations over the same ``sources``: K (mix, lse) pairs, as lists
+    (mixes) and a (K, B, N) tensor, for ``dar_aggregate_triton(..., prefix=(mixes[k], lse[k]))``.
+    ``queries``: (K, D) or broadcasting to (K, B, N, D)."""
+    queries = queries[:, None, None, :] if queries.dim() == 2 else queries
+    sources, _, rows = _checked(sources, queries[0], None)
+    launch = launch or launch_config(sources[0].shape[-1], rows)
+    return dar_prefix_fused(sources, queries, eps, launch.as_list())
