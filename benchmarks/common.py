@@ -47,6 +47,9 @@ def machine() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         pass
+    tuning = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ROUTEKIT_DAR_")}
+    if tuning:  # kernel launch overrides change what was measured
+        info["env"] = tuning
     return info
 
 
@@ -61,4 +64,5 @@ def write(name: str, payload: dict, markdown: str, out: Path | None = None) -> P
 
 def header(info: dict) -> str:
     return (f"Machine: {info['device']}; torch {info['torch']}" + (f", triton {info['triton']}" if "triton" in info else "")
-            + f"; commit `{info['commit']}`; {info['date']}\n\nCommand: `{info['command']}`\n")
+            + f"; commit `{info['commit']}`; {info['date']}\n\nCommand: `"
+            + "".join(f"{k}={v} " for k, v in info.get("env", {}).items()) + f"{info['command']}`\n")

@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--kernel", default="auto", choices=["auto", "triton", "torch"])
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the two-phase schedule over prefix launch settings (ROUTEKIT_DAR_PREFIX)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes that run on CPU in seconds")
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results")
     args = parser.parse_args()
@@ -109,6 +111,41 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     return result
 
 
+# [queries per kernel, fwd warps, bwd warps, fused reduce, reload query]
+SWEEP = ([(4, fw, bw, 1, 1) for fw, bw in ((2, 4), (4, 8), (8, 16), (2, 8))]
+         + [(4, fw, bw, 1, 0) for fw, bw in ((4, 8), (8, 16))] + [(4, 4, 8, 0, 1), (4, 8, 16, 0, 0)]
+         + [(2, fw, bw, 1, reload) for fw, bw in ((2, 4), (4, 8)) for reload in (1, 0)])
+
+
+def sweep(args, leaves, query, grads) -> list[dict]:
+    """Kernel time of the two-phase schedule per prefix launch (queries per kernel, forward warps,
+    backward warps, fused reduction); the per-sublayer merges keep their defaults."""
+    rows = []
+    saved = os.environ.get("ROUTEKIT_DAR_PREFIX")
+
+    def forward():
+        return dar_step(leaves[0], leaves[1:], query, args.chunk, True, args.kernel)
+
+    try:
+        for setting in SWEEP:
+            os.environ["ROUTEKIT_DAR_PREFIX"] = ",".join(map(str, setting))
+            try:
+                torch.autograd.grad(forward(), [*leaves, query], grads)  # compile
+                fwd = device_ms(forward, iters=3)
+                total = device_ms(lambda: torch.autograd.grad(forward(), [*leaves, query], grads), iters=3)
+                row = {"prefix": list(setting), "gpu_fwd_ms": fwd, "gpu_bwd_ms": total - fwd, "gpu_fwd_bwd_ms": total}
+            except Exception as exc:  # a launch that does not compile must not lose the others
+                row = {"prefix": list(setting), "status": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            rows.append(row)
+            print("sweep", row, flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop("ROUTEKIT_DAR_PREFIX", None)
+        else:
+            os.environ["ROUTEKIT_DAR_PREFIX"] = saved
+    return rows
+
+
 def agreement(args, leaves, query, grads) -> dict:
     """Largest difference between the schedules, relative to the per-sublayer values' largest."""
     got = {}
@@ -161,6 +198,21 @@ def markdown(report: dict) -> str:
               "Two-phase vs per-sublayer, largest difference relative to the largest value: "
               + "; ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in report["agreement"].items()), ""]
+    if report.get("sweep"):
+        lines += ["Two-phase schedule per prefix launch [queries per kernel, fwd warps, bwd warps, fused reduce, "
+                  "reload query], "
+                  "GPU kernel time in ms (best marked *):", "", "| prefix launch | fwd | bwd | fwd+bwd |",
+                  "|---|---:|---:|---:|"]
+        ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]
+        best = min(ok, key=lambda r: r["gpu_fwd_bwd_ms"]) if ok else None
+        for r in report["sweep"]:
+            if "gpu_fwd_bwd_ms" not in r:
+                lines.append(f"| {r['prefix']} | {r['status']} | | |")
+                continue
+            mark = "*" if r is best else ""
+            lines.append(f"| {r['prefix']}{mark} | {r['gpu_fwd_ms']:.2f} | {r['gpu_bwd_ms']:.2f} | "
+                         f"{r['gpu_fwd_bwd_ms']:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -200,6 +252,11 @@ def main() -> None:
     for schedule in SCHEDULES:
         report["schedules"][schedule] = measure(args, schedule, leaves, query, grads)
         print(schedule, report["schedules"][schedule], flush=True)
+    if args.sweep and torch.cuda.is_available():
+        report["sweep"] = sweep(args, leaves, query, grads)
+        ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]
+        if ok:
+            print("best prefix launch", ",".join(map(str, min(ok, key=lambda r: r["gpu_fwd_bwd_ms"])["prefix"])))
     out = write("dar_schedule", report, markdown(report), args.out)
     plot(report, out / "dar_schedule.png")
     print(markdown(report))

@@ -220,8 +220,11 @@ def _dar_prefix_fwd_kernel(
     table_ptr, like_ptr, q_ptr, mix_table_ptr, lse_ptr,
     S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, RELOAD_Q: tl.constexpr,
 ):  # fmt: skip
-    """K online softmaxes over the same sources: each source is read once for all K queries."""
+    """K online softmaxes over the same sources: each source is read once for all K queries.
+    RELOAD_Q: load the queries at every source (a static query is the same for every row, so it
+    comes from cache) instead of keeping them in registers."""
     rows, row_ok, mask, offs = _row_block(R, D, BLOCK_R, BLOCK_D)
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < K
@@ -234,7 +237,13 @@ def _dar_prefix_fwd_kernel(
     for s in range(0, S):
         v = v_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D)
         v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
-        logit = tl.sum(q * v, 2) * tl.rsqrt(tl.sum(v * v, 2) / D + eps) * scale  # (BLOCK_K, BLOCK_R)
+        if RELOAD_Q:
+            q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd, BLOCK_D)
+        if FUSED_REDUCE:  # one cross-thread reduction for both row sums
+            ss, qv = tl.reduce((tl.broadcast_to(v * v, (BLOCK_K, BLOCK_R, BLOCK_D)), q * v), 2, _add2)
+        else:
+            ss, qv = tl.sum(v * v, 2), tl.sum(q * v, 2)
+        logit = qv * tl.rsqrt(ss / D + eps) * scale  # (BLOCK_K, BLOCK_R)
         m_new = tl.maximum(m, logit)
         alpha = tl.exp(m - m_new)
         p = tl.exp(logit - m_new)
@@ -253,7 +262,7 @@ def _dar_prefix_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, dmix_table_ptr, y_ptr, lse_ptr, dq_ptr,
     S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale, SPLITS, ITERS,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    DQ_PER_ROW: tl.constexpr,
+    DQ_PER_ROW: tl.constexpr, FUSED_REDUCE: tl.constexpr, RELOAD_Q: tl.constexpr,
 ):  # fmt: skip
     """Each source's gradient from all K queries at once, written once."""
     pid = tl.program_id(0)
@@ -276,12 +285,20 @@ def _dar_prefix_bwd_kernel(
         for s in range(0, S):
             v = v_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D)
             v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
-            r = tl.rsqrt(tl.sum(v * v, 2) / D + eps)  # (1, BLOCK_R)
-            qv = tl.sum(q * v, 2)  # (BLOCK_K, BLOCK_R)
+            if RELOAD_Q:
+                q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd,
+                                  BLOCK_D)
+            if FUSED_REDUCE:  # one cross-thread reduction for the three row sums
+                ss, qv, hv = tl.reduce((tl.broadcast_to(v * v, (BLOCK_K, BLOCK_R, BLOCK_D)), q * v, dmix * v), 2,
+                                       _add3)
+            else:
+                ss, qv, hv = tl.sum(v * v, 2), tl.sum(q * v, 2), tl.sum(dmix * v, 2)
+            r = tl.rsqrt(ss / D + eps)  # (1 or BLOCK_K, BLOCK_R); qv, hv: (BLOCK_K, BLOCK_R)
             p = tl.where(live, tl.exp(qv * r * scale - lse), 0.0)
-            c = tl.where(live, p * (tl.sum(dmix * v, 2) + y) * scale * r, 0.0)
+            c = tl.where(live, p * (hv + y) * scale * r, 0.0)
+            rr = tl.max(r, 0)  # (BLOCK_R,): the same in every row of r
             dv = tl.sum(p[:, :, None] * dmix + c[:, :, None] * q, 0)[None, :, :] \
-                - (tl.sum(c * qv, 0)[None, :] * r * r / D)[:, :, None] * v
+                - (tl.sum(c * qv, 0) * rr * rr / D)[None, :, None] * v
             dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s, S, like_ptr, offs, mask, 1, ALIGNED)
             tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
             dq += c[:, :, None] * v
@@ -395,9 +412,51 @@ def _sample_split(b: int, n: int, block_r: int) -> tuple[int, int]:
     return triton.cdiv(tiles, iters), iters
 
 
-def _prefix_warps(block_k: int, block_r: int, block_d: int, tiles: int) -> int:
-    """Warps for the K-query kernels: ``tiles`` (K, rows, D) fp32 tiles live in registers."""
-    return min(16, triton.next_power_of_2(max(1, tiles * block_k * block_r * block_d // (32 * 64))))
+@dataclass(frozen=True)
+class PrefixLaunch:
+    """How a chunk's shared part runs: at most ``queries`` queries per kernel (a chunk of more is
+    split into groups, each reading the shared sources once), warps per program for each direction,
+    whether the row sums share one tl.reduce, and whether the queries are reloaded (from cache) at
+    every source rather than held in registers."""
+
+    queries: int
+    fwd_warps: int
+    bwd_warps: int
+    fused_reduce: bool
+    reload_query: bool = False
+
+    def as_list(self) -> list[int]:
+        return [self.queries, self.fwd_warps, self.bwd_warps, int(self.fused_reduce), int(self.reload_query)]
+
+    def __post_init__(self) -> None:
+        if self.queries < 1:
+            raise DarInputError(f"prefix launch queries must be at least 1, got {self.queries}")
+        for name in ("fwd_warps", "bwd_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise DarInputError(f"prefix launch {name} must be a power of two, got {value}")
+
+
+def prefix_launch_config(d: int) -> PrefixLaunch:
+    """Defaults for the prefix kernels; ROUTEKIT_DAR_PREFIX="queries,fwd_warps,bwd_warps,fused_reduce,
+    reload_query" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
+    override = os.environ.get("ROUTEKIT_DAR_PREFIX")
+    if override:
+        try:
+            values = [int(v) for v in override.split(",")]
+            if len(values) != 5:
+                raise ValueError(f"got {len(values)} values")
+            return PrefixLaunch(*values[:3], bool(values[3]), bool(values[4]))
+        except ValueError as exc:
+            raise DarInputError(
+                f"ROUTEKIT_DAR_PREFIX={override!r}: expected five integers queries,fwd_warps,bwd_warps,fused_reduce,"
+                f"reload_query (queries >= 1, warps powers of two), e.g. 4,4,8,1,1 ({exc})"
+            ) from None
+    fused = FUSED_REDUCE and triton.next_power_of_2(d) == 2048
+    return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY)
+
+
+PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY = 4, 8, 16, False
 
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
@@ -508,7 +567,7 @@ dar_fused.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=())
 def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch: list[int],
-                     ) -> tuple[list[Tensor], Tensor]:
+                     prefix_launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """K partial mixes (one per query, in the sources' dtype) and their log-sum-exps (K, B, N)."""
     sources = _contiguous(sources)
     like = sources[0]
@@ -525,13 +584,13 @@ def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch:
         _dar_prefix_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
             table, like, q, mix_table, lse, len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
             BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d, ALIGNED=aligned and mix_aligned,
-            num_warps=_prefix_warps(block_k, cfg.block_rows, block_d, 2),
+            FUSED_REDUCE=bool(prefix_launch[3]), RELOAD_Q=bool(prefix_launch[4]), num_warps=prefix_launch[1],
         )  # fmt: skip
     return mixes, lse
 
 
 @dar_prefix_fused.register_fake
-def _(sources, queries, eps, launch):
+def _(sources, queries, eps, launch, prefix_launch):
     like = sources[0]
     return [like.new_empty(like.shape) for _ in range(queries.shape[0])], \
         like.new_empty((queries.shape[0], *like.shape[:2]), dtype=torch.float32)
@@ -539,7 +598,8 @@ def _(sources, queries, eps, launch):
 
 @torch.library.custom_op("routekit::dar_prefix_fused_backward", mutates_args=())
 def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes: list[Tensor], y: Tensor,
-                              lse: Tensor, eps: float, launch: list[int]) -> tuple[list[Tensor], Tensor]:
+                              lse: Tensor, eps: float, launch: list[int], prefix_launch: list[int],
+                              ) -> tuple[list[Tensor], Tensor]:
     """(gradient of each source; gradient of the queries, fp32, in their shape), from the merges'
     p_A g (``grad_mixes``) and -p_A (g . o) (``y``)."""
     sources = _contiguous(sources)
@@ -563,7 +623,7 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
             len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
             BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d,
             ALIGNED=aligned and grad_aligned and dmix_aligned, DQ_PER_ROW=per_row,
-            num_warps=_prefix_warps(block_k, cfg.block_rows, block_d, 4),
+            FUSED_REDUCE=bool(prefix_launch[3]), RELOAD_Q=bool(prefix_launch[4]), num_warps=prefix_launch[2],
         )  # fmt: skip
     else:
         dq.zero_()
@@ -572,22 +632,23 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
 
 
 @dar_prefix_fused_backward.register_fake
-def _(sources, queries, grad_mixes, y, lse, eps, launch):
+def _(sources, queries, grad_mixes, y, lse, eps, launch, prefix_launch):
     return [t.new_empty(t.shape) for t in sources], queries.new_empty(queries.shape, dtype=torch.float32)
 
 
 def _prefix_setup_context(ctx, inputs, output) -> None:
-    sources, queries, eps, launch = inputs
+    sources, queries, eps, launch, prefix_launch = inputs
     ctx.save_for_backward(queries, output[1], *sources)
-    ctx.eps, ctx.launch = eps, launch
+    ctx.eps, ctx.launch, ctx.prefix_launch = eps, launch, prefix_launch
 
 
 def _prefix_backward(ctx, grad_mixes, grad_lse):
     queries, lse, *sources = ctx.saved_tensors
     grad_mixes = [torch.zeros_like(sources[0]) if g is None else g for g in grad_mixes]
     y = torch.zeros_like(lse) if grad_lse is None else grad_lse
-    grads, dq = dar_prefix_fused_backward(sources, queries, grad_mixes, y, lse, ctx.eps, ctx.launch)
-    return grads, dq.to(queries.dtype) if ctx.needs_input_grad[1] else None, None, None
+    grads, dq = dar_prefix_fused_backward(sources, queries, grad_mixes, y, lse, ctx.eps, ctx.launch,
+                                          ctx.prefix_launch)
+    return grads, dq.to(queries.dtype) if ctx.needs_input_grad[1] else None, None, None, None
 
 
 dar_prefix_fused.register_autograd(_prefix_backward, setup_context=_prefix_setup_context)
@@ -626,11 +687,18 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
 
 
 def dar_prefix_triton(sources: Sources, queries: Tensor, eps: float = 1e-6, *, launch: Launch | None = None,
-                      ) -> tuple[list[Tensor], Tensor]:
+                      prefix_launch: PrefixLaunch | None = None) -> tuple[list[Tensor], Tensor]:
     """The shared part of K aggregations over the same ``sources``: K (mix, lse) pairs, as lists
     (mixes) and a (K, B, N) tensor, for ``dar_aggregate_triton(..., prefix=(mixes[k], lse[k]))``.
     ``queries``: (K, D) or broadcasting to (K, B, N, D)."""
     queries = queries[:, None, None, :] if queries.dim() == 2 else queries
     sources, _, rows = _checked(sources, queries[0], None)
-    launch = launch or launch_config(sources[0].shape[-1], rows)
-    return dar_prefix_fused(sources, queries, eps, launch.as_list())
+    d = sources[0].shape[-1]
+    launch = launch or launch_config(d, rows)
+    prefix_launch = prefix_launch or prefix_launch_config(d)
+    settings = prefix_launch.as_list()
+    parts = [dar_prefix_fused(sources, queries[k:k + prefix_launch.queries], eps, launch.as_list(), settings)
+             for k in range(0, queries.shape[0], prefix_launch.queries)]
+    if len(parts) == 1:
+        return parts[0]
+    return [m for mixes, _ in parts for m in mixes], torch.cat([lse for _, lse in parts])
