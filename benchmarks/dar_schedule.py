@@ -112,9 +112,8 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
 
 
 # [queries per kernel, fwd warps, bwd warps, fused reduce, reload query]
-SWEEP = ([(4, fw, bw, 1, 1) for fw, bw in ((2, 4), (4, 8), (8, 16), (2, 8))]
-         + [(4, fw, bw, 1, 0) for fw, bw in ((4, 8), (8, 16))] + [(4, 4, 8, 0, 1), (4, 8, 16, 0, 0)]
-         + [(2, fw, bw, 1, reload) for fw, bw in ((2, 4), (4, 8)) for reload in (1, 0)])
+SWEEP = [(4, 2, 4, 1, 1), (4, 1, 4, 1, 1), (4, 2, 2, 1, 1), (4, 1, 2, 1, 1), (4, 2, 4, 0, 1), (4, 2, 4, 1, 0),
+         (4, 4, 8, 1, 0), (4, 8, 16, 1, 0), (2, 1, 2, 1, 1), (2, 1, 2, 1, 0), (2, 2, 4, 1, 0)]
 
 
 def sweep(args, leaves, query, grads) -> list[dict]:

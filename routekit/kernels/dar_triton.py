@@ -404,6 +404,19 @@ def _contiguous(tensors: list[Tensor]) -> list[Tensor]:
     return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
+def _query_gradient(dq: Tensor, shape: torch.Size, b: int, n: int, splits: int, per_row: bool) -> Tensor:
+    """A backward kernel's query gradient, (K, rows or programs, D) or without K, summed to the
+    query's broadcast ``shape``: over the programs of each sample, and over samples where the query
+    is shared (one reduction for a (D,) or (K, D) query)."""
+    lead = dq.shape[:-2]
+    d = dq.shape[-1]
+    if per_row:
+        return dq.view(*lead, b, n, d).sum_to_size(shape)
+    if math.prod(shape[len(lead):-1]) == 1:  # the same query for every sample
+        return dq.sum(-2).view(shape)
+    return dq.view(*lead, b, splits, d).sum(-2, keepdim=True).sum_to_size(shape)
+
+
 def _sample_split(b: int, n: int, block_r: int) -> tuple[int, int]:
     """(programs per sample, row tiles per program) for the backward grid."""
     tiles = triton.cdiv(n, block_r)
@@ -456,7 +469,11 @@ def prefix_launch_config(d: int) -> PrefixLaunch:
     return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY)
 
 
-PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY = 4, 8, 16, False
+# From the H200 sweep of benchmarks/results/dar_schedule.md (DiT-XL/2's 14 chunks of 4, batch 256): a
+# chunk's 4 queries in one kernel, 2 warps forward and 4 backward, queries reloaded from cache at each
+# source rather than held in registers (more warps per row cost more in cross-warp reductions than
+# they gain; 8/16 warps with the queries in registers took 2.1x the kernel time)
+PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY = 4, 2, 4, True
 
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
@@ -525,8 +542,7 @@ def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, o
         )  # fmt: skip
     else:
         dq.zero_()
-    dq = dq.view(b, n, d) if per_row else dq.view(b, splits, d).sum(1, keepdim=True)
-    return grads, dq.sum_to_size(query.shape), dprefix, y
+    return grads, _query_gradient(dq, query.shape, b, n, splits, per_row), dprefix, y
 
 
 @dar_fused_backward.register_fake
@@ -627,8 +643,7 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
         )  # fmt: skip
     else:
         dq.zero_()
-    dq = dq.view(k, b, n, d) if per_row else dq.view(k, b, splits, d).sum(2, keepdim=True)
-    return grads, dq.sum_to_size(queries.shape)
+    return grads, _query_gradient(dq, queries.shape, b, n, splits, per_row)
 
 
 @dar_prefix_fused_backward.register_fake
