@@ -388,6 +388,7 @@ FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
 # Backward programs per launch: several per SM to hide memory latency, few enough that each sums
 # its query gradient over many rows.
 BWD_PROGRAMS = 4096
+ROW_LOOP_MAX_SOURCES = 8
 
 
 def _pointer_table(tensors: list[Tensor]) -> tuple[Tensor, bool]:
@@ -417,9 +418,15 @@ def _query_gradient(dq: Tensor, shape: torch.Size, b: int, n: int, splits: int, 
     return dq.view(*lead, b, splits, d).sum(-2, keepdim=True).sum_to_size(shape)
 
 
-def _sample_split(b: int, n: int, block_r: int) -> tuple[int, int]:
-    """(programs per sample, row tiles per program) for the backward grid."""
+def _sample_split(b: int, n: int, block_r: int, sources: int = 1) -> tuple[int, int]:
+    """(programs per sample, row tiles per program) for the backward grid. Walking several row
+    tiles per program saves the query-gradient bytes (one fp32 row per row tile otherwise) but
+    leaves fewer programs to hide latency: worth it for a few sources (a chunk's merges, the prefix),
+    not for many, where those bytes are a few percent of the sources' (57 sources, batch 256: 7%
+    slower with the loop, benchmarks/results/dar_kernel.md)."""
     tiles = triton.cdiv(n, block_r)
+    if sources > ROW_LOOP_MAX_SOURCES:
+        return tiles, 1
     splits = min(tiles, max(1, triton.cdiv(BWD_PROGRAMS, b)))
     iters = triton.cdiv(tiles, splits)
     return triton.cdiv(tiles, iters), iters
@@ -526,7 +533,7 @@ def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, o
     has_prefix = prefix_lse is not None
     dprefix = like.new_empty((b, n, d) if has_prefix else (0,))
     y = like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32)
-    splits, iters = _sample_split(b, n, cfg.block_rows)
+    splits, iters = _sample_split(b, n, cfg.block_rows, len(sources))
     per_row = n > 1 and q.stride(1) != 0
     dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
     if b * n:
