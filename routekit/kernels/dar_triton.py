@@ -345,7 +345,7 @@ class Launch:
 
 def launch_config(d: int, rows: int) -> Launch:
     """Row tiles of about 2K elements (one row per program at D=1152); sources per tile and
-    warps from the H200 sweep at D=1152 (benchmarks/results/dar_kernel.md), kept at the same
+    warps from the H200 sweep at D=1152 (benchmarks/results/dar_kernel_launch_sweep.md), kept at the same
     elements per thread for other widths. ROUTEKIT_DAR_LAUNCH="rows,fwd_sources,fwd_warps,
     bwd_sources,bwd_warps,fused_reduce" overrides it, for tuning on another GPU."""
     override = os.environ.get("ROUTEKIT_DAR_LAUNCH")
@@ -375,13 +375,13 @@ def launch_config(d: int, rows: int) -> Launch:
                   warps(BWD_SOURCES, BWD_PER_THREAD), fused)
 
 
-# From the H200 sweep at D=1152, batch 32 and 256 (benchmarks/results/dar_kernel.md): forward one
+# From the H200 sweep at D=1152, batch 32 and 256 (benchmarks/results/dar_kernel_launch_sweep.md): forward one
 # source per tile on one warp, backward two sources per tile on four warps.
 FWD_SOURCES, FWD_PER_THREAD = 1, 64
 BWD_SOURCES, BWD_PER_THREAD = 2, 32
 # Triton's CPU interpreter runs a multi-operand tl.reduce element by element (far slower than
 # separate tl.sum calls: it made the CPU kernel tests take minutes); compiled, one fused reduction
-# saved ~10% of the backward at D=1152 (dar_kernel.md, row "both")
+# saved ~10% of the backward at D=1152 (dar_kernel_launch_sweep.md, row "both")
 FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -423,7 +423,7 @@ def _sample_split(b: int, n: int, block_r: int, sources: int = 1) -> tuple[int, 
     tiles per program saves the query-gradient bytes (one fp32 row per row tile otherwise) but
     leaves fewer programs to hide latency: worth it for a few sources (a chunk's merges, the prefix),
     not for many, where those bytes are a few percent of the sources' (57 sources, batch 256: 7%
-    slower with the loop, benchmarks/results/dar_kernel.md)."""
+    slower with the loop, dar_kernel_rowloop.md vs dar_kernel.md)."""
     tiles = triton.cdiv(n, block_r)
     if sources > ROW_LOOP_MAX_SOURCES:
         return tiles, 1
