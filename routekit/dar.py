@@ -278,12 +278,12 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
     ends = {r.end: k for k, r in enumerate(routes)}
     constants: dict[str, torch.Tensor] = {}
     point = 0
-    shared_until, shared, prefix = 0, [], None
     two_phase = _two_phase_chunks(blocks, starts, ends, config)
+    chunk = None  # the current two-phase chunk: (first point, its shared sources, mixes node, lses node)
     options = {"eps": config.eps, "kernel": config.kernel}
 
     def aggregate(v: fx.Node) -> fx.Node:
-        nonlocal point, shared_until, shared, prefix
+        nonlocal point, chunk
         history.append(v)
         q = graph.call_function(operator.getitem, (query, point))
         if config.query == "static_t":
@@ -292,22 +292,20 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
             w = graph.call_function(operator.getitem, (dynamic, point))
             q = graph.call_function(F.linear, (v, w))
         if point in two_phase:  # a chunk begins: its shared sources, once for all its queries
-            size = two_phase[point]
-            shared, shared_until = history.sources()[:-1], point + size
-            queries = graph.call_function(operator.getitem, (query, slice(point, shared_until)))
+            shared = history.sources()[:-1]
+            queries = graph.call_function(operator.getitem, (query, slice(point, point + two_phase[point])))
             if config.query == "static_t":
                 queries = graph.call_function(timestep_queries, (queries, temb))
-            prefix = graph.call_function(shared_history, (shared, queries), options)
-            mixes, lses = (graph.call_function(operator.getitem, (prefix, i)) for i in (0, 1))
-            prefix = (mixes, lses, point)
+            parts = graph.call_function(shared_history, (shared, queries), options)
+            chunk = (point, shared, *(graph.call_function(operator.getitem, (parts, i)) for i in (0, 1)))
         point += 1
         sources = history.sources()
-        if point > shared_until:
+        if chunk is None or point > chunk[0] + two_phase[chunk[0]]:
             return graph.call_function(mix_history, (sources, q, v0), options)
-        assert sources[:len(shared)] == shared, "a two-phase chunk's shared sources changed inside it"
-        mixes, lses, first = prefix
-        j = point - 1 - first
-        mix, lse = (graph.call_function(operator.getitem, (part, j)) for part in (mixes, lses))
+        first, shared, mixes, lses = chunk
+        if sources[:len(shared)] != shared:  # _two_phase_chunks admits no route boundary inside a chunk
+            raise RuntimeError(f"routekit bug: the shared sources of the chunk at point {first} changed inside it")
+        mix, lse = (graph.call_function(operator.getitem, (part, point - 1 - first)) for part in (mixes, lses))
         return graph.call_function(mix_history_after, (sources[len(shared):], q, v0, mix, lse), options)
 
     for i, info in enumerate(report.blocks):

@@ -720,3 +720,17 @@ def test_two_phase_chunks_give_the_gradients_of_dar_by_hand(spec, chunk, mode, s
             assert g is None or not g.any(), name
         else:
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_two_phase_chunks_are_those_no_route_boundary_crosses():
+    """DiT-XL/2's schedule: 28 blocks of 2 sublayers, chunks of 4, TREAD's route 2→24. Entering at block 2
+    starts chunk 4..7 (allowed: the prefix is taken after the gather); leaving after block 24 falls inside
+    chunk 48..51 (point 50), which keeps one aggregation per sublayer."""
+    from routekit.dar import BlockTrace, _two_phase_chunks
+
+    blocks = [BlockTrace(trace=None, adds=["attn_add", "mlp_add"]) for _ in range(28)]
+    chunks = _two_phase_chunks(blocks, starts={2: 0}, ends={24: 0}, config=rk.DAR(chunk=4))
+    assert chunks == {p: 4 for p in range(0, 56, 4) if p != 48}
+    assert _two_phase_chunks(blocks, {}, {}, rk.DAR(chunk=3))[54] == 2  # a short last chunk of two points
+    assert _two_phase_chunks(blocks, {}, {}, rk.DAR(chunk=4, query="dynamic")) == {}
+    assert _two_phase_chunks(blocks, {}, {}, rk.DAR(chunk=1)) == {}
