@@ -34,3 +34,24 @@ def test_summary_names_the_token_mixer_each_file_ran(tmp_path, monkeypatch):
     assert "chunked" in next(iter(summarise.collect().values()))["routekit"]["mixer"]
     _write(tmp_path / "throughput_new.json", "2026-02-01", rows, scan_kernels={"mamba": "mamba-ssm Triton SSD"})
     assert next(iter(summarise.collect().values()))["routekit"]["mixer"] == "mamba-ssm Triton SSD"
+
+
+def test_dar_schedule_counts_the_reads_of_dit_xl_and_runs_on_cpu(tmp_path):
+    """518 source reads per forward one aggregation per sublayer (56 sublayers, chunks of 4), 203 two-phase
+    (14 shared parts: 1 + 2 + ... + 14 = 105; own outputs 1 + 2 + 3 + 1 per chunk); the --quick run writes its
+    report and both schedules agree."""
+    import argparse
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks.dar_schedule import reads
+
+    assert reads(argparse.Namespace(sublayers=56, chunk=4)) == {"per_sublayer": 518, "two_phase": 203}
+    assert reads(argparse.Namespace(sublayers=3, chunk=4)) == {"per_sublayer": 2 + 3 + 4, "two_phase": 1 + 1 + 2 + 3}
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "dar_schedule.py"
+    subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], check=True, capture_output=True)
+    report = json.loads((tmp_path / "dar_schedule.json").read_text())
+    assert set(report["schedules"]) == {"per_sublayer", "two_phase"}
+    assert report["agreement"]["outputs"] < 1e-2 and report["agreement"]["worst source grad error"] < 2e-2
+    assert (tmp_path / "dar_schedule.md").exists() and (tmp_path / "dar_schedule.png").exists()
