@@ -25,9 +25,9 @@ logit gradients are p(g . v - g . o) without the partial mix itself, so it is ne
 backward. A prefix is only correct under a merge of the same kernel (the graph rewrite
 guarantees it; the composite is tested against the reference).
 
-Backward programs walk several row tiles of one sample and sum a broadcast query's gradient
-in registers, so only one (D,) partial per program is written instead of a (B, N, D) fp32
-gradient per aggregation.
+With few sources (a chunk's merges, the prefix) backward programs walk several row tiles of
+one sample and sum a broadcast query's gradient in registers, so one (D,) partial per program
+is written instead of a (B, N, D) fp32 gradient per aggregation (``_sample_split``).
 """
 
 from __future__ import annotations
