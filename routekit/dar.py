@@ -63,31 +63,30 @@ def cast_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.to(like.dtype).contiguous()
 
 
+def _in_dtype(sources: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    return [s if s.dtype == dtype else s.to(dtype) for s in sources]
+
+
 def mix_history(sources: list[torch.Tensor], query: torch.Tensor, stream: torch.Tensor, eps: float,
                 kernel: str) -> torch.Tensor:
     """One aggregation. Sources stay in the dtype the sublayers give (bf16 under autocast: half the
     bytes to read and to keep for backward); the mix comes out in the stream's dtype, as the residual
     add it replaces would have."""
-    dtype = sources[-1].dtype
-    sources = [s if s.dtype == dtype else s.to(dtype) for s in sources]
-    return dar_aggregate(sources, query, eps, kernel, out_dtype=stream.dtype)
+    return dar_aggregate(_in_dtype(sources, sources[-1].dtype), query, eps, kernel, out_dtype=stream.dtype)
 
 
 def mix_history_after(sources: list[torch.Tensor], query: torch.Tensor, stream: torch.Tensor, prefix_mix: torch.Tensor,
                       prefix_lse: torch.Tensor, eps: float, kernel: str) -> torch.Tensor:
     """One aggregation of a two-phase chunk: its own chunk's sources, continuing the shared part."""
-    dtype = prefix_mix.dtype
-    sources = [s if s.dtype == dtype else s.to(dtype) for s in sources]
-    return dar_aggregate(sources, query, eps, kernel, out_dtype=stream.dtype, prefix=(prefix_mix, prefix_lse))
+    return dar_aggregate(_in_dtype(sources, prefix_mix.dtype), query, eps, kernel, out_dtype=stream.dtype,
+                         prefix=(prefix_mix, prefix_lse))
 
 
 def shared_history(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
                    kernel: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Phase one of a chunk: the sources all of its sublayers see (v_0 and earlier chunks'
     summaries), read once for all of the chunk's queries."""
-    dtype = sources[-1].dtype
-    sources = [s if s.dtype == dtype else s.to(dtype) for s in sources]
-    return dar_prefix(sources, queries, eps, kernel)
+    return dar_prefix(_in_dtype(sources, sources[-1].dtype), queries, eps, kernel)
 
 
 def timestep_queries(w: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:

@@ -81,12 +81,7 @@ def _load_tile(table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S: tl.constexpr, AL
 def _row_block(R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's rows of the flattened (B*N, D) problem: indices, row and element masks, and
     element offsets into a contiguous (B, N, D) tensor (int64: B*N*D may pass 2**31)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    return rows, row_ok, mask, offs
+    return _sample_rows(0, tl.program_id(0) * BLOCK_R, R, D, BLOCK_R, BLOCK_D)
 
 
 @triton.jit
@@ -343,24 +338,32 @@ class Launch:
         return cls(*values[:5], bool(values[5]))
 
 
+def _from_env(name: str, build, count: int, form: str):
+    """The launch an environment variable of ``count`` comma-separated integers names (built by
+    ``build`` from their list), None when it is unset, or a DarInputError giving the expected ``form``."""
+    override = os.environ.get(name)
+    if not override:
+        return None
+    try:
+        values = [int(v) for v in override.split(",")]
+        if len(values) != count:
+            raise ValueError(f"got {len(values)} values")
+        return build(values)
+    except ValueError as exc:  # DarInputError is a ValueError too
+        words = {5: "five", 6: "six"}
+        raise DarInputError(f"{name}={override!r}: expected {words.get(count, count)} integers {form} ({exc})") from None
+
+
 def launch_config(d: int, rows: int) -> Launch:
     """Row tiles of about 2K elements (one row per program at D=1152); sources per tile and
     warps from the H200 sweep at D=1152 (benchmarks/results/dar_kernel_launch_sweep.md), kept at the same
     elements per thread for other widths. ROUTEKIT_DAR_LAUNCH="rows,fwd_sources,fwd_warps,
     bwd_sources,bwd_warps,fused_reduce" overrides it, for tuning on another GPU."""
-    override = os.environ.get("ROUTEKIT_DAR_LAUNCH")
+    override = _from_env("ROUTEKIT_DAR_LAUNCH", Launch.from_list, 6,
+                         "rows,fwd_sources,fwd_warps,bwd_sources,bwd_warps,fused_reduce (rows and sources powers of "
+                         "two, warps >= 1), e.g. 1,1,1,2,4,1")
     if override:
-        try:
-            values = [int(v) for v in override.split(",")]
-            if len(values) != 6:
-                raise ValueError(f"got {len(values)} values")
-            return Launch.from_list(values)
-        except ValueError as exc:  # DarInputError is a ValueError too
-            raise DarInputError(
-                f"ROUTEKIT_DAR_LAUNCH={override!r}: expected six integers "
-                "rows,fwd_sources,fwd_warps,bwd_sources,bwd_warps,fused_reduce (rows and sources powers of "
-                f"two, warps >= 1), e.g. 1,1,1,2,4,1 ({exc})"
-            ) from None
+        return override
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(2048 // block_d, triton.next_power_of_2(rows)))
     size = block_r * block_d
@@ -446,7 +449,12 @@ class PrefixLaunch:
     reload_query: bool = False
 
     def as_list(self) -> list[int]:
+        """The form the custom ops take, as ``Launch.as_list``."""
         return [self.queries, self.fwd_warps, self.bwd_warps, int(self.fused_reduce), int(self.reload_query)]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> PrefixLaunch:
+        return cls(*values[:3], bool(values[3]), bool(values[4]))
 
     def __post_init__(self) -> None:
         if self.queries < 1:
@@ -460,18 +468,11 @@ class PrefixLaunch:
 def prefix_launch_config(d: int) -> PrefixLaunch:
     """Defaults for the prefix kernels; ROUTEKIT_DAR_PREFIX="queries,fwd_warps,bwd_warps,fused_reduce,
     reload_query" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
-    override = os.environ.get("ROUTEKIT_DAR_PREFIX")
+    override = _from_env("ROUTEKIT_DAR_PREFIX", PrefixLaunch.from_list, 5,
+                         "queries,fwd_warps,bwd_warps,fused_reduce,reload_query (queries >= 1, warps powers of two), "
+                         "e.g. 4,4,8,1,1")
     if override:
-        try:
-            values = [int(v) for v in override.split(",")]
-            if len(values) != 5:
-                raise ValueError(f"got {len(values)} values")
-            return PrefixLaunch(*values[:3], bool(values[3]), bool(values[4]))
-        except ValueError as exc:
-            raise DarInputError(
-                f"ROUTEKIT_DAR_PREFIX={override!r}: expected five integers queries,fwd_warps,bwd_warps,fused_reduce,"
-                f"reload_query (queries >= 1, warps powers of two), e.g. 4,4,8,1,1 ({exc})"
-            ) from None
+        return override
     fused = FUSED_REDUCE and triton.next_power_of_2(d) == 2048
     return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY)
 
@@ -568,9 +569,8 @@ def _setup_context(ctx, inputs, output) -> None:
     sources, query, eps, _, _, launch, *prefix = inputs  # the prefix arguments are dropped when None
     out, o32, lse = output
     ctx.has_prefix = bool(prefix) and prefix[0] is not None
-    prefix_lse = prefix[1] if ctx.has_prefix else None
-    ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse,
-                          prefix_lse if ctx.has_prefix else lse, *sources)
+    ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse, prefix[1] if ctx.has_prefix else lse,
+                          *sources)  # lse stands in for an absent prefix lse
     ctx.eps, ctx.launch = eps, launch
 
 
@@ -596,7 +596,7 @@ def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch:
     like = sources[0]
     b, n, d = like.shape
     k = queries.shape[0]
-    cfg = Launch.from_list(launch)
+    cfg, pcfg = Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
     q = torch.broadcast_to(queries, (k, b, n, d))
     mixes = [torch.empty_like(like) for _ in range(k)]
     lse = torch.empty((k, b, n), dtype=torch.float32, device=like.device)
@@ -607,7 +607,7 @@ def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch:
         _dar_prefix_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
             table, like, q, mix_table, lse, len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
             BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d, ALIGNED=aligned and mix_aligned,
-            FUSED_REDUCE=bool(prefix_launch[3]), RELOAD_Q=bool(prefix_launch[4]), num_warps=prefix_launch[1],
+            FUSED_REDUCE=pcfg.fused_reduce, RELOAD_Q=pcfg.reload_query, num_warps=pcfg.fwd_warps,
         )  # fmt: skip
     return mixes, lse
 
@@ -629,7 +629,7 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
     like = sources[0]
     b, n, d = like.shape
     k = queries.shape[0]
-    cfg = Launch.from_list(launch)
+    cfg, pcfg = Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
     q = torch.broadcast_to(queries, (k, b, n, d))
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     grad_mixes = [g.to(like.dtype).contiguous() for g in grad_mixes]
@@ -646,7 +646,7 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
             len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
             BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d,
             ALIGNED=aligned and grad_aligned and dmix_aligned, DQ_PER_ROW=per_row,
-            FUSED_REDUCE=bool(prefix_launch[3]), RELOAD_Q=bool(prefix_launch[4]), num_warps=prefix_launch[2],
+            FUSED_REDUCE=pcfg.fused_reduce, RELOAD_Q=pcfg.reload_query, num_warps=pcfg.bwd_warps,
         )  # fmt: skip
     else:
         dq.zero_()
