@@ -79,6 +79,12 @@ def time_ms(fn: Callable[[], object]) -> float:
 def device_ms(fn: Callable[[], object], iters: int = 20) -> float | None:
     """GPU kernel time per call (profiler): what the GPU does, without the host's launch work, which
     dominates small batches (a 57-input custom op allocates and launches more than its kernel takes)."""
+    kernels = device_kernels(fn, iters)
+    return None if kernels is None else sum(kernels.values())
+
+
+def device_kernels(fn: Callable[[], object], iters: int = 20) -> dict[str, float] | None:
+    """GPU time per call of each kernel ``fn`` launches, in ms, by kernel name (None without CUDA)."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -89,7 +95,7 @@ def device_ms(fn: Callable[[], object], iters: int = 20) -> float | None:
         for _ in range(iters):
             fn()
         synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / iters
+    return {e.key: e.self_device_time_total / 1e3 / iters for e in prof.key_averages() if e.self_device_time_total}
 
 
 def free_memory() -> None:

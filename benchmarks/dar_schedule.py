@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import header, machine, write  # noqa: E402
-from benchmarks.dar_kernel import device_ms, free_memory, synchronize, time_ms  # noqa: E402
+from benchmarks.dar_kernel import device_kernels, device_ms, free_memory, synchronize, time_ms  # noqa: E402
 from routekit.dar import sum_sources  # noqa: E402
 from routekit.kernels import dar_aggregate, dar_prefix  # noqa: E402
 
@@ -99,6 +99,8 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     gpu_fwd, gpu_total = device_ms(forward, iters=5), device_ms(forward_backward, iters=5)
     if gpu_fwd is not None:
         result.update(gpu_fwd_ms=gpu_fwd, gpu_fwd_bwd_ms=gpu_total, gpu_bwd_ms=gpu_total - gpu_fwd)
+        kernels = device_kernels(forward_backward, iters=3)
+        result["kernels_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:8])
     if torch.cuda.is_available():
         free_memory()
         torch.cuda.reset_peak_memory_stats()
@@ -111,14 +113,14 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     return result
 
 
-# [queries per kernel, fwd warps, bwd warps, fused reduce, reload query]
-SWEEP = [(4, 2, 4, 1, 1), (4, 1, 4, 1, 1), (4, 2, 2, 1, 1), (4, 1, 2, 1, 1), (4, 2, 4, 0, 1), (4, 2, 4, 1, 0),
-         (4, 4, 8, 1, 0), (4, 8, 16, 1, 0), (2, 1, 2, 1, 1), (2, 1, 2, 1, 0), (2, 2, 4, 1, 0)]
+# [queries per backward, fwd warps, row-sum warps, gradient tile rows, gradient warps]
+SWEEP = [(4, 1, 4, 8, 4), (4, 2, 4, 8, 4), (4, 4, 4, 8, 4), (4, 1, 2, 8, 4), (4, 1, 8, 8, 4), (4, 1, 4, 4, 4),
+         (4, 1, 4, 16, 4), (4, 1, 4, 8, 2), (4, 1, 4, 8, 8), (4, 1, 4, 16, 8), (4, 1, 4, 32, 8), (2, 1, 2, 8, 4)]
 
 
 def sweep(args, leaves, query, grads) -> list[dict]:
-    """Kernel time of the two-phase schedule per prefix launch (queries per kernel, forward warps,
-    backward warps, fused reduction); the per-sublayer merges keep their defaults."""
+    """Kernel time of the two-phase schedule per prefix launch (``PrefixLaunch``: queries per backward,
+    forward warps, row-sum warps, gradient tile rows and warps); the per-sublayer merges keep their defaults."""
     rows = []
     saved = os.environ.get("ROUTEKIT_DAR_PREFIX")
 
@@ -191,6 +193,10 @@ def markdown(report: dict) -> str:
         cells = [r.get(k) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "gpu_fwd_ms", "gpu_bwd_ms", "gpu_fwd_bwd_ms",
                                     "fwd_bwd_peak_gib")]
         lines.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
+    for name, r in report["schedules"].items():
+        if r.get("kernels_ms"):
+            lines += ["", f"{name}, GPU ms per forward+backward by kernel: "
+                      + "; ".join(f"`{k[:40]}` {v:.2f}" for k, v in r["kernels_ms"].items())]
     per, two = report["schedules"]["per_sublayer"], report["schedules"]["two_phase"]
     key = "gpu_fwd_bwd_ms" if "gpu_fwd_bwd_ms" in two else "fwd_bwd_ms"
     lines += ["", f"Two-phase: {per[key] / two[key]:.2f}× faster forward+backward ({key}).", "",
@@ -198,8 +204,8 @@ def markdown(report: dict) -> str:
               + "; ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in report["agreement"].items()), ""]
     if report.get("sweep"):
-        lines += ["Two-phase schedule per prefix launch [queries per kernel, fwd warps, bwd warps, fused reduce, "
-                  "reload query], "
+        lines += ["Two-phase schedule per prefix launch [queries per backward, fwd warps, row-sum warps, "
+                  "gradient tile rows, gradient warps], "
                   "GPU kernel time in ms (best marked *):", "", "| prefix launch | fwd | bwd | fwd+bwd |",
                   "|---|---:|---:|---:|"]
         ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]
