@@ -113,14 +113,14 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     return result
 
 
-# [queries per backward, fwd warps, row-sum warps, gradient tile rows, gradient warps]
-SWEEP = [(4, 1, 4, 8, 4), (4, 2, 4, 8, 4), (4, 4, 4, 8, 4), (4, 1, 2, 8, 4), (4, 1, 8, 8, 4), (4, 1, 4, 4, 4),
-         (4, 1, 4, 16, 4), (4, 1, 4, 8, 2), (4, 1, 4, 8, 8), (4, 1, 4, 16, 8), (4, 1, 4, 32, 8), (2, 1, 2, 8, 4)]
+# [queries per op, fwd warps, bwd warps, fused reduce, reload query]
+SWEEP = [(4, 1, 4, 1, 1), (4, 1, 2, 1, 1), (4, 1, 8, 1, 1), (4, 1, 4, 0, 1), (4, 1, 4, 1, 0), (2, 1, 2, 1, 1),
+         (2, 1, 4, 1, 1)]
 
 
 def sweep(args, leaves, query, grads) -> list[dict]:
-    """Kernel time of the two-phase schedule per prefix launch (``PrefixLaunch``: queries per backward,
-    forward warps, row-sum warps, gradient tile rows and warps); the per-sublayer merges keep their defaults."""
+    """Kernel time of the two-phase schedule per prefix launch (``PrefixLaunch``: queries per op, forward
+    warps, backward warps, fused reduction, queries reloaded); the per-sublayer merges keep their defaults."""
     rows = []
     saved = os.environ.get("ROUTEKIT_DAR_PREFIX")
 
@@ -204,8 +204,8 @@ def markdown(report: dict) -> str:
               + "; ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in report["agreement"].items()), ""]
     if report.get("sweep"):
-        lines += ["Two-phase schedule per prefix launch [queries per backward, fwd warps, row-sum warps, "
-                  "gradient tile rows, gradient warps], "
+        lines += ["Two-phase schedule per prefix launch [queries per op, fwd warps, bwd warps, fused reduce, "
+                  "reload query], "
                   "GPU kernel time in ms (best marked *):", "", "| prefix launch | fwd | bwd | fwd+bwd |",
                   "|---|---:|---:|---:|"]
         ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]

@@ -19,12 +19,12 @@ chunks' summaries), so ``dar_prefix_fused`` mixes those once per query and leave
 partial mix and its log-sum-exp; each sublayer then merges its partial with its own chunk's
 outputs (``dar_fused`` with a prefix: the partial enters the online softmax as its initial
 state). The prefix forward runs one program per (row block, query), the K programs of a row
-block side by side so the shared sources come from DRAM once and from L2 K-1 times. Its
-backward takes two passes: the row sums (per source and query: weight, logit gradient) over
-whole rows, then every source's gradient from all K queries, elementwise in (rows, 128-column)
-tiles: no program carries K whole-row states (that single-pass form, K x 2048 padded fp32 lanes
-per row, ran at a third of the bandwidth). The two are a pair in backward: the merge hands the prefix
-p_A g (the gradient of the partial mix, p_A its share of the softmax) and, in place of the
+block side by side so the shared sources come from DRAM once and from L2 K-1 times (26 -> 22 ms
+a step on DiT-XL/2 over K queries per program); its backward walks the sources once for all K
+queries. (A backward in two passes, whole-row sums then 128-column gradient tiles, measured
+1.5-3x slower: benchmarks/results/dar_schedule_51bce40.md.) Prefix and merge are a pair in
+backward: the merge hands the prefix p_A g (the gradient of the partial mix, p_A its share of
+the softmax) and, in place of the
 gradient of the partial's log-sum-exp, the row factor -p_A (g . o); with these the prefix's
 logit gradients are p(g . v - g . o) without the partial mix itself, so it is never kept for
 backward. A prefix is only correct under a merge of the same kernel (the graph rewrite
@@ -86,28 +86,27 @@ def _load_tile(table_ptr, s0, S, like_ptr, offs, mask, BLOCK_S: tl.constexpr, AL
 def _row_block(block, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row block ``block`` of the flattened (B*N, D) problem: indices, row and element masks, and
     element offsets into a contiguous (B, N, D) tensor (int64: B*N*D may pass 2**31)."""
-    return _sample_rows(0, block * BLOCK_R, R, D, 0, BLOCK_R, BLOCK_D)
+    return _sample_rows(0, block * BLOCK_R, R, D, BLOCK_R, BLOCK_D)
 
 
 @triton.jit
-def _sample_rows(b, n0, N, D, c0, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows n0 .. n0+BLOCK_R-1 of sample b (masked past N), columns c0 .. c0+BLOCK_D-1 (masked past D),
-    as ``_row_block`` gives them."""
+def _sample_rows(b, n0, N, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows n0 .. n0+BLOCK_R-1 of sample b (masked past N), as ``_row_block`` gives them."""
     ns = n0 + tl.arange(0, BLOCK_R)
     row_ok = ns < N
     rows = b * N + ns
-    cols = c0 + tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (cols < D)[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     return rows, row_ok, mask, offs
 
 
 @triton.jit
-def _load_queries(ptr, ks, k_ok, rows, mask, N, c0, stride_k, stride_b, stride_n, stride_d, BLOCK_D: tl.constexpr):
-    """K queries for these rows and columns c0.., (BLOCK_K, BLOCK_R, BLOCK_D) fp32, from a strided (K, B, N, D) view."""
+def _load_queries(ptr, ks, k_ok, rows, mask, N, stride_k, stride_b, stride_n, stride_d, BLOCK_D: tl.constexpr):
+    """K queries for these rows, (BLOCK_K, BLOCK_R, BLOCK_D) fp32, from a strided (K, B, N, D) view."""
     rows64 = rows.to(tl.int64)
     row_offs = (rows64 // N) * stride_b + (rows64 % N) * stride_n
-    cols = c0 + tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_D)
     offs = ks.to(tl.int64)[:, None, None] * stride_k + row_offs[None, :, None] + cols[None, None, :] * stride_d
     return tl.load(ptr + offs, mask=k_ok[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
 
@@ -185,7 +184,7 @@ def _dar_bwd_kernel(
     b, split = pid // SPLITS, pid % SPLITS
     dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for it in range(ITERS):
-        rows, row_ok, mask, offs = _sample_rows(b, (split * ITERS + it) * BLOCK_R, N, D, 0, BLOCK_R, BLOCK_D)
+        rows, row_ok, mask, offs = _sample_rows(b, (split * ITERS + it) * BLOCK_R, N, D, BLOCK_R, BLOCK_D)
         q = _load_rows(q_ptr, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
         g = _load_rows(g_ptr, rows, mask, N, stride_gb, stride_gn, stride_gd, BLOCK_D)
         o = tl.load(o_ptr + offs, mask=mask, other=0.0)
@@ -247,76 +246,47 @@ def _dar_prefix_fwd_kernel(
 
 
 @triton.jit
-def _dar_prefix_dots_kernel(
-    table_ptr, like_ptr, q_ptr, dmix_table_ptr, y_ptr, lse_ptr, w_ptr, c_ptr, a_ptr,
-    S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale,
+def _dar_prefix_bwd_kernel(
+    table_ptr, grad_table_ptr, like_ptr, q_ptr, dmix_table_ptr, y_ptr, lse_ptr, dq_ptr,
+    S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale, SPLITS, ITERS,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    DQ_PER_ROW: tl.constexpr, FUSED_REDUCE: tl.constexpr, RELOAD_Q: tl.constexpr,
 ):  # fmt: skip
-    """Backward, pass one: the row sums. Per source s and query k: the weight w, the logit
-    gradient c (scaled by dlogit/d(q . v)) and per source the row factor a of v in dv; (S, K, R)
-    and (S, R), so the source gradients can be written by ``_dar_prefix_grad_kernel`` in tiles."""
-    rows, row_ok, mask, offs = _row_block(tl.program_id(0), R, D, BLOCK_R, BLOCK_D)
-    ks = tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    live = k_ok[:, None] & row_ok[None, :]
-    kr = ks[:, None].to(tl.int64) * R + rows[None, :]
-    y = tl.load(y_ptr + kr, mask=live, other=0.0)
-    lse = tl.load(lse_ptr + kr, mask=live, other=0.0)
-    dmix = _load_tile(dmix_table_ptr, 0, K, like_ptr, offs, mask, BLOCK_K, ALIGNED).to(tl.float32)
-    v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, 1, ALIGNED)
-    for s in range(0, S):
-        v = v_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D)
-        v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
-        # the queries come from cache at every source (a static query is the same for every row)
-        q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, 0, stride_qk, stride_qb, stride_qn, stride_qd, BLOCK_D)
-        if FUSED_REDUCE:  # one cross-thread reduction for the three row sums
-            ss, qv, hv = tl.reduce((tl.broadcast_to(v * v, (BLOCK_K, BLOCK_R, BLOCK_D)), q * v, dmix * v), 2, _add3)
-        else:
-            ss, qv, hv = tl.sum(v * v, 2), tl.sum(q * v, 2), tl.sum(dmix * v, 2)
-        r = tl.rsqrt(ss / D + eps)  # (1 or BLOCK_K, BLOCK_R); qv, hv: (BLOCK_K, BLOCK_R)
-        w = tl.where(live, tl.exp(qv * r * scale - lse), 0.0)
-        c = tl.where(live, w * (hv + y) * scale * r, 0.0)
-        rr = tl.max(r, 0)  # (BLOCK_R,): the same in every row of r
-        skr = s * K * R + kr  # S * K * R < 2**31 (checked at launch)
-        tl.store(w_ptr + skr, w, mask=live)
-        tl.store(c_ptr + skr, c, mask=live)
-        tl.store(a_ptr + s * R + rows, tl.sum(c * qv, 0) * rr * rr / D, mask=row_ok)
-
-
-@triton.jit
-def _dar_prefix_grad_kernel(
-    table_ptr, grad_table_ptr, like_ptr, q_ptr, dmix_table_ptr, w_ptr, c_ptr, a_ptr, dq_ptr,
-    S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, SPLITS, ITERS,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    DQ_PER_ROW: tl.constexpr,
-):  # fmt: skip
-    """Backward, pass two, one (rows, BLOCK_D columns) tile each: every source's gradient from all
-    K queries, dv = sum_k (w_k dmix_k + c_k q_k) - a v, written once; elementwise, so no row needs
-    to fit in one program. Walks ITERS row tiles of sample b, summing a shared query's gradient."""
+    """Each source's gradient from all K queries at once, written once."""
     pid = tl.program_id(0)
-    c0 = tl.program_id(1) * BLOCK_D
     b, split = pid // SPLITS, pid % SPLITS
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < K
     dq = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
     for it in range(ITERS):
-        rows, row_ok, mask, offs = _sample_rows(b, (split * ITERS + it) * BLOCK_R, N, D, c0, BLOCK_R, BLOCK_D)
-        live = k_ok[:, None] & row_ok[None, :]
-        kr = ks[:, None].to(tl.int64) * R + rows[None, :]
-        q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, c0, stride_qk, stride_qb, stride_qn, stride_qd, BLOCK_D)
+        rows, row_ok, mask, offs = _sample_rows(b, (split * ITERS + it) * BLOCK_R, N, D, BLOCK_R, BLOCK_D)
+        q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd, BLOCK_D)
         dmix = _load_tile(dmix_table_ptr, 0, K, like_ptr, offs, mask, BLOCK_K, ALIGNED).to(tl.float32)
+        kr = ks[:, None].to(tl.int64) * R + rows[None, :]
+        live = k_ok[:, None] & row_ok[None, :]
+        y = tl.load(y_ptr + kr, mask=live, other=0.0)
+        lse = tl.load(lse_ptr + kr, mask=live, other=0.0)
         if DQ_PER_ROW:
             dq = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
+
         v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, 1, ALIGNED)
         for s in range(0, S):
             v = v_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D)
             v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
-            skr = s * K * R + kr
-            w = tl.load(w_ptr + skr, mask=live, other=0.0)
-            c = tl.load(c_ptr + skr, mask=live, other=0.0)
-            a = tl.load(a_ptr + s * R + rows, mask=row_ok, other=0.0)
-            dv = tl.sum(w[:, :, None] * dmix + c[:, :, None] * q, 0)[None, :, :] - a[None, :, None] * v
+            if RELOAD_Q:
+                q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd,
+                                  BLOCK_D)
+            if FUSED_REDUCE:  # one cross-thread reduction for the three row sums
+                ss, qv, hv = tl.reduce((tl.broadcast_to(v * v, (BLOCK_K, BLOCK_R, BLOCK_D)), q * v, dmix * v), 2,
+                                       _add3)
+            else:
+                ss, qv, hv = tl.sum(v * v, 2), tl.sum(q * v, 2), tl.sum(dmix * v, 2)
+            r = tl.rsqrt(ss / D + eps)  # (1 or BLOCK_K, BLOCK_R); qv, hv: (BLOCK_K, BLOCK_R)
+            p = tl.where(live, tl.exp(qv * r * scale - lse), 0.0)
+            c = tl.where(live, p * (hv + y) * scale * r, 0.0)
+            rr = tl.max(r, 0)  # (BLOCK_R,): the same in every row of r
+            dv = tl.sum(p[:, :, None] * dmix + c[:, :, None] * q, 0)[None, :, :] \
+                - (tl.sum(c * qv, 0) * rr * rr / D)[None, :, None] * v
             dv_ptrs, ok = _tile_ptrs(grad_table_ptr, s, S, like_ptr, offs, mask, 1, ALIGNED)
             tl.store(dv_ptrs, dv.to(like_ptr.dtype.element_ty), mask=ok)
             dq += c[:, :, None] * v
@@ -324,7 +294,7 @@ def _dar_prefix_grad_kernel(
             tl.store(dq_ptr + ks[:, None, None].to(tl.int64) * R * D + offs[None, :, :], dq,
                      mask=k_ok[:, None, None] & mask[None, :, :])
     if not DQ_PER_ROW:
-        cols = c0 + tl.arange(0, BLOCK_D)
+        cols = tl.arange(0, BLOCK_D)
         programs = tl.num_programs(0)
         tl.store(dq_ptr + (ks[:, None].to(tl.int64) * programs + pid) * D + cols[None, :], tl.sum(dq, 1),
                  mask=k_ok[:, None] & (cols < D)[None, :])
@@ -460,47 +430,52 @@ def _sample_split(b: int, n: int, block_r: int, sources: int = 1, programs: int 
 
 @dataclass(frozen=True)
 class PrefixLaunch:
-    """How a chunk's shared part runs: at most ``queries`` queries per backward (a chunk of more is
-    split into groups, each reading the shared sources once more), warps per program of the
-    forward and of the backward's row-sum pass, and the row tile (rows x ``GRAD_COLUMNS``) and
-    warps of the backward's gradient pass."""
+    """How a chunk's shared part runs: at most ``queries`` queries per op (a chunk of more is split
+    into groups, each reading the shared sources once more), warps per program for each direction,
+    and, in backward, whether the row sums share one tl.reduce and whether the queries are reloaded
+    (from cache) at every source rather than held in registers."""
 
     queries: int
     fwd_warps: int
-    dots_warps: int
-    grad_rows: int
-    grad_warps: int
+    bwd_warps: int
+    fused_reduce: bool
+    reload_query: bool = False
 
     def as_list(self) -> list[int]:
         """The form the custom ops take, as ``Launch.as_list``."""
-        return [self.queries, self.fwd_warps, self.dots_warps, self.grad_rows, self.grad_warps]
+        return [self.queries, self.fwd_warps, self.bwd_warps, int(self.fused_reduce), int(self.reload_query)]
 
     @classmethod
     def from_list(cls, values: list[int]) -> PrefixLaunch:
-        return cls(*values[:5])
+        return cls(*values[:3], bool(values[3]), bool(values[4]))
 
     def __post_init__(self) -> None:
         if self.queries < 1:
             raise DarInputError(f"prefix launch queries must be at least 1, got {self.queries}")
-        for name in ("fwd_warps", "dots_warps", "grad_rows", "grad_warps"):
+        for name in ("fwd_warps", "bwd_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise DarInputError(f"prefix launch {name} must be a power of two, got {value}")
 
 
 def prefix_launch_config(d: int) -> PrefixLaunch:
-    """Defaults for the prefix kernels; ROUTEKIT_DAR_PREFIX="queries,fwd_warps,dots_warps,grad_rows,
-    grad_warps" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
+    """Defaults for the prefix kernels; ROUTEKIT_DAR_PREFIX="queries,fwd_warps,bwd_warps,fused_reduce,
+    reload_query" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
     override = _from_env("ROUTEKIT_DAR_PREFIX", PrefixLaunch.from_list, 5,
-                         "queries,fwd_warps,dots_warps,grad_rows,grad_warps (queries >= 1, the others powers of two), "
-                         "e.g. 4,1,4,8,4")
-    return override or PrefixLaunch(*PREFIX_DEFAULT)
+                         "queries,fwd_warps,bwd_warps,fused_reduce,reload_query (queries >= 1, warps powers of two), "
+                         "e.g. 4,4,8,1,1")
+    if override:
+        return override
+    fused = FUSED_REDUCE and triton.next_power_of_2(d) == 2048
+    return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY)
 
 
-# Untuned first guess, to be replaced by the H200 sweep of benchmarks/dar_schedule.py --sweep
-PREFIX_DEFAULT = (4, 1, 4, 8, 4)
-GRAD_COLUMNS = 128
-"""Columns per tile of the prefix backward's gradient pass (D=1152 is nine such tiles, no padding)."""
+# From the H200 sweeps of benchmarks/results/dar_schedule.md (DiT-XL/2's 14 chunks of 4, batch 256): a
+# chunk's 4 queries in one backward kernel on 4 warps, queries reloaded from cache at each source
+# rather than held in registers (more warps per row cost more in cross-warp reductions than they
+# gain; 8/16 warps with the queries in registers took 2.1x the kernel time); forward programs of one
+# warp, as the per-aggregation forward (2 and 4 warps: +7% and +14%, dar_schedule_51bce40.md)
+PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY = 4, 1, 4, True
 
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
@@ -642,40 +617,29 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
                               lse: Tensor, eps: float, launch: list[int], prefix_launch: list[int],
                               ) -> tuple[list[Tensor], Tensor]:
     """(gradient of each source; gradient of the queries, fp32, in their shape), from the merges'
-    p_A g (``grad_mixes``) and -p_A (g . o) (``y``): the row sums first, then the gradients in tiles."""
+    p_A g (``grad_mixes``) and -p_A (g . o) (``y``)."""
     sources = _contiguous(sources)
     like = sources[0]
     b, n, d = like.shape
-    k, s, rows = queries.shape[0], len(sources), b * n
-    if s * k * rows >= 2**31:
-        raise DarInputError(f"{s} sources x {k} queries x {rows} rows reach 2**31 row sums: split the batch")
+    k = queries.shape[0]
     cfg, pcfg = Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
     q = torch.broadcast_to(queries, (k, b, n, d))
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     grad_mixes = [g.to(like.dtype).contiguous() for g in grad_mixes]
-    columns = min(GRAD_COLUMNS, triton.next_power_of_2(d))
-    tiles = triton.cdiv(d, columns)
-    splits, iters = _sample_split(b, n, pcfg.grad_rows, programs=max(1, BWD_PROGRAMS // tiles))
+    splits, iters = _sample_split(b, n, cfg.block_rows)
     per_row = n > 1 and q.stride(2) != 0
-    dq = torch.empty((k, rows, d) if per_row else (k, b * splits, d), dtype=torch.float32, device=like.device)
-    if rows:
+    dq = torch.empty((k, b * n, d) if per_row else (k, b * splits, d), dtype=torch.float32, device=like.device)
+    if b * n:
         table, aligned = _pointer_table(sources)
         grad_table, grad_aligned = _pointer_table(grads)
         dmix_table, dmix_aligned = _pointer_table(grad_mixes)
-        aligned = aligned and grad_aligned and dmix_aligned
-        w, c = (torch.empty((s, k, rows), dtype=torch.float32, device=like.device) for _ in range(2))
-        a = torch.empty((s, rows), dtype=torch.float32, device=like.device)
-        block_k = triton.next_power_of_2(k)
-        _dar_prefix_dots_kernel[(triton.cdiv(rows, cfg.block_rows),)](
-            table, like, q, dmix_table, y.contiguous(), lse.contiguous(), w, c, a,
-            s, k, rows, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
-            BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned,
-            FUSED_REDUCE=cfg.fused_reduce, num_warps=pcfg.dots_warps,
-        )  # fmt: skip
-        _dar_prefix_grad_kernel[(b * splits, tiles)](
-            table, grad_table, like, q, dmix_table, w, c, a, dq, s, k, rows, n, d, *q.stride(), splits, iters,
-            BLOCK_K=block_k, BLOCK_R=pcfg.grad_rows, BLOCK_D=columns, ALIGNED=aligned, DQ_PER_ROW=per_row,
-            num_warps=pcfg.grad_warps,
+        block_k, block_d = triton.next_power_of_2(k), triton.next_power_of_2(d)
+        _dar_prefix_bwd_kernel[(b * splits,)](
+            table, grad_table, like, q, dmix_table, y.contiguous(), lse.contiguous(), dq,
+            len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
+            BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d,
+            ALIGNED=aligned and grad_aligned and dmix_aligned, DQ_PER_ROW=per_row,
+            FUSED_REDUCE=pcfg.fused_reduce, RELOAD_Q=pcfg.reload_query, num_warps=pcfg.bwd_warps,
         )  # fmt: skip
     else:
         dq.zero_()
