@@ -68,9 +68,9 @@ def dar_step(v0, outputs, query, chunk: int, two_phase: bool, kernel: str) -> li
         if two_phase and shared is not None:
             own = closed[-1:] if not current else current
             prefix = (shared[0][point - first], shared[1][point - first])
-            mixes.append(dar_aggregate(own, query[point], kernel=kernel, out_dtype=torch.float32, prefix=prefix))
+            mixes.append(dar_aggregate(own, query[point], kernel=kernel, prefix=prefix))
         else:
-            mixes.append(dar_aggregate(closed + current, query[point], kernel=kernel, out_dtype=torch.float32))
+            mixes.append(dar_aggregate(closed + current, query[point], kernel=kernel))
     return mixes
 
 
@@ -80,7 +80,7 @@ def make_inputs(args, device: str, dtype: torch.dtype):
     leaves = [torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_()
               for _ in range(args.sublayers + 1)]
     query = (torch.randn(args.sublayers, args.dim, generator=gen, device=device)).requires_grad_()
-    grads = [torch.randn(shape, generator=gen, device=device) for _ in range(args.sublayers)]
+    grads = [torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(args.sublayers)]
     return leaves, query, grads
 
 
@@ -183,7 +183,7 @@ def markdown(report: dict) -> str:
         "# DAR aggregations of one train step: per sublayer vs two-phase chunks", "",
         header(report["machine"]),
         f"{a['sublayers']} sublayers, chunk {a['chunk']}, batch {a['batch']}, {a['tokens']} tokens, D={a['dim']}, "
-        "bf16 sources, fp32 outputs (the residual stream); independent random sublayer outputs. "
+        "bf16 sources and mixes (as routekit makes them); independent random sublayer outputs. "
         f"Source reads per forward: {report['reads']['per_sublayer']} per sublayer, "
         f"{report['reads']['two_phase']} two-phase (plus the partial mixes, one write and one read each).", "",
         "| schedule | fwd ms | bwd ms | fwd+bwd ms | GPU fwd | GPU bwd | GPU fwd+bwd | fwd+bwd peak GiB |",

@@ -46,6 +46,11 @@ if DEVICE == "cpu" and type(dar_triton._dar_fwd_kernel).__name__ != "Interpreted
 # fp32 runs the same fp32 math in another order; bf16 outputs and gradients may also round to
 # the neighbouring bf16 value (one ulp is 2**-8 of the magnitude), so allow about two ulps.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# A bf16 mix's backward reads g . o from the bf16 output itself (as routekit's models run: the mix is
+# bf16 and no fp32 copy is kept), one rounding the reference does not make: source gradients move by
+# up to two bf16 steps, and the query gradient, a sum over rows and sources of w (g . v - g . o) v
+# whose terms cancel, by up to ~2% of its largest value.
+GRAD_BF16 = {"grad sources": 2e-2, "grad query": 3e-2}
 FAST = settings(max_examples=25, deadline=None)
 ELEMENT_BUDGET = 24_000  # S * B * N * D per example, to keep the interpreter quick
 
@@ -129,7 +134,8 @@ def test_triton_forward_and_gradients_equal_the_reference(case: Case):
     fused = run(triton_kernel, sources, query, grad, case.as_list)
     expected = run(dar_aggregate_reference, sources, query, grad, case.as_list)
     for name, got, want in zip(("output", "grad sources", "grad query"), fused, expected):
-        assert_close(got, want, TOLERANCE[case.dtype], f"{name} of {case}")
+        rel = GRAD_BF16.get(name, TOLERANCE[case.dtype]) if case.dtype == torch.bfloat16 else TOLERANCE[case.dtype]
+        assert_close(got, want, rel, f"{name} of {case}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

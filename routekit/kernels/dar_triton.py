@@ -696,7 +696,9 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     mix, lse = prefix if prefix is not None else (None, None)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources)
                                               or (mix is not None and (mix.requires_grad or lse.requires_grad)))
-    keep_o32 = needs_grad and out_dtype != torch.float32  # backward reads g . o in fp32, not a rounded copy
+    # backward reads g . o from the output, or from an fp32 copy when the output is rounded below the
+    # sources' precision (an output in the sources' dtype carries a rounding of their own size)
+    keep_o32 = needs_grad and out_dtype.itemsize < sources[0].dtype.itemsize
     out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse)
     return out
 
