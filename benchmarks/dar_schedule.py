@@ -113,14 +113,14 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     return result
 
 
-# [queries per op, fwd warps, bwd warps, fused reduce, reload query, sources in flight]
-SWEEP = [(4, 1, 4, 1, 0, 1), (4, 1, 4, 1, 0, 2), (4, 1, 4, 1, 1, 2), (4, 1, 4, 1, 1, 1), (4, 1, 8, 1, 0, 1),
-         (4, 1, 8, 1, 0, 2), (4, 1, 4, 0, 0, 2), (2, 1, 4, 1, 0, 2)]
+# [queries per op, fwd warps, bwd warps, fused reduce, reload query]
+SWEEP = [(4, 1, 4, 1, 0), (4, 1, 4, 1, 1), (4, 1, 2, 1, 0), (4, 1, 8, 1, 0), (4, 1, 4, 0, 0), (4, 2, 4, 1, 0),
+         (2, 1, 4, 1, 0)]
 
 
 def sweep(args, leaves, query, grads) -> list[dict]:
     """Kernel time of the two-phase schedule per prefix launch (``PrefixLaunch``: queries per op, forward
-    warps, backward warps, fused reduction, queries reloaded, sources in flight); the merges keep their defaults."""
+    warps, backward warps, fused reduction, queries reloaded); the per-sublayer merges keep their defaults."""
     rows = []
     saved = os.environ.get("ROUTEKIT_DAR_PREFIX")
 
@@ -205,7 +205,7 @@ def markdown(report: dict) -> str:
                           for k, v in report["agreement"].items()), ""]
     if report.get("sweep"):
         lines += ["Two-phase schedule per prefix launch [queries per op, fwd warps, bwd warps, fused reduce, "
-                  "reload query, sources in flight], "
+                  "reload query], "
                   "GPU kernel time in ms (best marked *):", "", "| prefix launch | fwd | bwd | fwd+bwd |",
                   "|---|---:|---:|---:|"]
         ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]

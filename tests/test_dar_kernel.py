@@ -407,9 +407,8 @@ def test_prefix_queries_must_be_k_by_d_or_four_d():
 @pytest.mark.parametrize("query_shape", ["kd", "kbnd"])
 def test_prefix_query_groups_and_the_fused_reduction_equal_the_reference(query_shape, monkeypatch):
     """A chunk of 3 queries split into kernels of at most 2 (a padded group of 1), row sums through one
-    multi-operand tl.reduce (on the GPU used only for 2048-lane rows), queries reloaded at each source,
-    one or two sources in flight."""
-    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", f"2,1,1,1,{int(query_shape == 'kd')},{1 + (query_shape == 'kd')}")
+    multi-operand tl.reduce (on the GPU used only for 2048-lane rows), queries reloaded at each source."""
+    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", f"2,1,1,1,{int(query_shape == 'kd')}")
     case = ChunkCase(shared=4, own=(1, 2, 1), b=2, n=3, d=10, dtype=torch.float32, query_shape=query_shape, seed=8)
     for name, g, w in zip(("outputs", "grad shared", "grad own", "grad queries"), chunk_outputs(case, "triton"),
                           chunk_outputs(case, None)):
@@ -417,9 +416,9 @@ def test_prefix_query_groups_and_the_fused_reduction_equal_the_reference(query_s
 
 
 def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monkeypatch):
-    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", "2,4,8,0,1,2")
-    assert dar_triton.prefix_launch_config(1152) == dar_triton.PrefixLaunch(2, 4, 8, False, True, 2)
-    for bad in ("1,2,4,1,1", "0,4,8,1,0,1", "2,3,8,1,0,1", "2,4,8,1,0,3", "a,b,c,d,e,f"):
+    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", "2,4,8,0,1")
+    assert dar_triton.prefix_launch_config(1152) == dar_triton.PrefixLaunch(2, 4, 8, False, True)
+    for bad in ("1,2,4,1", "0,4,8,1,0", "2,3,8,1,0", "a,b,c,d,e"):
         monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", bad)
-        with pytest.raises(DarInputError, match="expected six integers"):
+        with pytest.raises(DarInputError, match="expected five integers"):
             dar_triton.prefix_launch_config(1152)

@@ -122,20 +122,14 @@ def _load_rows(ptr, rows, mask, N, stride_b, stride_n, stride_d, BLOCK_D: tl.con
 
 @triton.jit
 def _online_mix(table_ptr, like_ptr, S, q, m, denom, acc, offs, mask, D, eps, scale,
-                BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr, FUSED_REDUCE: tl.constexpr, AHEAD: tl.constexpr):
+                BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr, FUSED_REDUCE: tl.constexpr):
     """Carry an online softmax (running max ``m``, sum ``denom``, unnormalised mix ``acc``) over S
-    sources. They go BLOCK_S at a time (one reduction serves them all) and the next AHEAD (1 or 2)
-    tiles are in flight while this one is reduced, to hide memory latency."""
+    sources. They go BLOCK_S at a time (one reduction serves them all) and the next tile is in
+    flight while this one is reduced, to hide memory latency."""
     v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-    if AHEAD == 2:
-        v_after = _load_tile(table_ptr, BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
     for s0 in range(0, S, BLOCK_S):
         v = v_next.to(tl.float32)
-        if AHEAD == 2:
-            v_next = v_after
-            v_after = _load_tile(table_ptr, s0 + 2 * BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
-        else:
-            v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
+        v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
         if FUSED_REDUCE:
             ss, qv = tl.reduce((v * v, q[None, :, :] * v), 2, _add2)
         else:
@@ -169,7 +163,7 @@ def _dar_fwd_kernel(
         denom = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     m, denom, acc = _online_mix(table_ptr, like_ptr, S, q, m, denom, acc, offs, mask, D, eps, scale,
-                                BLOCK_S, ALIGNED, FUSED_REDUCE, 1)
+                                BLOCK_S, ALIGNED, FUSED_REDUCE)
     out = acc / denom[:, None]
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     if STORE_O32:
@@ -233,7 +227,7 @@ def _dar_prefix_fwd_kernel(
     table_ptr, like_ptr, q_ptr, mix_table_ptr, lse_ptr,
     S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, AHEAD: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
 ):  # fmt: skip
     """One aggregation per program, as ``_dar_fwd_kernel``; the K programs of a row block are
     neighbours in the launch, so they run side by side and K-1 of them find its sources in L2."""
@@ -243,7 +237,7 @@ def _dar_prefix_fwd_kernel(
     q = _load_rows(q_ptr + k.to(tl.int64) * stride_qk, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
     m, denom, acc = _online_mix(table_ptr, like_ptr, S, q, tl.full([BLOCK_R], float("-inf"), tl.float32),
                                 tl.zeros([BLOCK_R], tl.float32), tl.zeros([BLOCK_R, BLOCK_D], tl.float32),
-                                offs, mask, D, eps, scale, BLOCK_S, ALIGNED, FUSED_REDUCE, AHEAD)
+                                offs, mask, D, eps, scale, BLOCK_S, ALIGNED, FUSED_REDUCE)
     mix_ptr = tl.load(mix_table_ptr + k).to(tl.pointer_type(like_ptr.dtype.element_ty))
     if ALIGNED:
         mix_ptr = tl.multiple_of(mix_ptr, 16)
@@ -256,9 +250,9 @@ def _dar_prefix_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, dmix_table_ptr, y_ptr, lse_ptr, dq_ptr,
     S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale, SPLITS, ITERS,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    DQ_PER_ROW: tl.constexpr, FUSED_REDUCE: tl.constexpr, RELOAD_Q: tl.constexpr, AHEAD: tl.constexpr,
+    DQ_PER_ROW: tl.constexpr, FUSED_REDUCE: tl.constexpr, RELOAD_Q: tl.constexpr,
 ):  # fmt: skip
-    """Each source's gradient from all K queries at once, written once; AHEAD (1 or 2) sources in flight."""
+    """Each source's gradient from all K queries at once, written once."""
     pid = tl.program_id(0)
     b, split = pid // SPLITS, pid % SPLITS
     ks = tl.arange(0, BLOCK_K)
@@ -267,8 +261,7 @@ def _dar_prefix_bwd_kernel(
     for it in range(ITERS):
         rows, row_ok, mask, offs = _sample_rows(b, (split * ITERS + it) * BLOCK_R, N, D, BLOCK_R, BLOCK_D)
         q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd, BLOCK_D)
-        # held in the sources' dtype (half the registers of fp32 for bf16), widened at each use
-        dmix_raw = _load_tile(dmix_table_ptr, 0, K, like_ptr, offs, mask, BLOCK_K, ALIGNED)
+        dmix = _load_tile(dmix_table_ptr, 0, K, like_ptr, offs, mask, BLOCK_K, ALIGNED).to(tl.float32)
         kr = ks[:, None].to(tl.int64) * R + rows[None, :]
         live = k_ok[:, None] & row_ok[None, :]
         y = tl.load(y_ptr + kr, mask=live, other=0.0)
@@ -277,19 +270,12 @@ def _dar_prefix_bwd_kernel(
             dq = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
 
         v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, 1, ALIGNED)
-        if AHEAD == 2:
-            v_after = _load_tile(table_ptr, 1, S, like_ptr, offs, mask, 1, ALIGNED)
         for s in range(0, S):
             v = v_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D)
-            if AHEAD == 2:
-                v_next = v_after
-                v_after = _load_tile(table_ptr, s + 2, S, like_ptr, offs, mask, 1, ALIGNED)
-            else:
-                v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
+            v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
             if RELOAD_Q:
                 q = _load_queries(q_ptr, ks, k_ok, rows, mask, N, stride_qk, stride_qb, stride_qn, stride_qd,
                                   BLOCK_D)
-            dmix = dmix_raw.to(tl.float32)
             if FUSED_REDUCE:  # one cross-thread reduction for the three row sums
                 ss, qv, hv = tl.reduce((tl.broadcast_to(v * v, (BLOCK_K, BLOCK_R, BLOCK_D)), q * v, dmix * v), 2,
                                        _add3)
@@ -447,30 +433,25 @@ class PrefixLaunch:
     """How a chunk's shared part runs: at most ``queries`` queries per op (a chunk of more is split
     into groups, each reading the shared sources once more), warps per program for each direction,
     and, in backward, whether the row sums share one tl.reduce and whether the queries are reloaded
-    (from cache) at every source rather than held in registers; ``ahead``: sources in flight while
-    one is reduced (1 or 2, both directions)."""
+    (from cache) at every source rather than held in registers."""
 
     queries: int
     fwd_warps: int
     bwd_warps: int
     fused_reduce: bool
     reload_query: bool = False
-    ahead: int = 1
 
     def as_list(self) -> list[int]:
         """The form the custom ops take, as ``Launch.as_list``."""
-        return [self.queries, self.fwd_warps, self.bwd_warps, int(self.fused_reduce), int(self.reload_query),
-                self.ahead]
+        return [self.queries, self.fwd_warps, self.bwd_warps, int(self.fused_reduce), int(self.reload_query)]
 
     @classmethod
     def from_list(cls, values: list[int]) -> PrefixLaunch:
-        return cls(*values[:3], bool(values[3]), bool(values[4]), values[5])
+        return cls(*values[:3], bool(values[3]), bool(values[4]))
 
     def __post_init__(self) -> None:
         if self.queries < 1:
             raise DarInputError(f"prefix launch queries must be at least 1, got {self.queries}")
-        if self.ahead not in (1, 2):
-            raise DarInputError(f"prefix launch ahead (sources in flight) must be 1 or 2, got {self.ahead}")
         for name in ("fwd_warps", "bwd_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
@@ -479,22 +460,23 @@ class PrefixLaunch:
 
 def prefix_launch_config(d: int) -> PrefixLaunch:
     """Defaults for the prefix kernels; ROUTEKIT_DAR_PREFIX="queries,fwd_warps,bwd_warps,fused_reduce,
-    reload_query,ahead" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
-    override = _from_env("ROUTEKIT_DAR_PREFIX", PrefixLaunch.from_list, 6,
-                         "queries,fwd_warps,bwd_warps,fused_reduce,reload_query,ahead (queries >= 1, warps powers of "
-                         "two, ahead 1 or 2), e.g. 4,1,4,1,1,2")
+    reload_query" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
+    override = _from_env("ROUTEKIT_DAR_PREFIX", PrefixLaunch.from_list, 5,
+                         "queries,fwd_warps,bwd_warps,fused_reduce,reload_query (queries >= 1, warps powers of two), "
+                         "e.g. 4,4,8,1,1")
     if override:
         return override
     fused = FUSED_REDUCE and triton.next_power_of_2(d) == 2048
-    return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY, PREFIX_AHEAD)
+    return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY)
 
 
-# From the H200 sweeps of benchmarks/results/dar_schedule.md (DiT-XL/2's 14 chunks of 4, batch 256): a
-# chunk's 4 queries in one backward kernel on 4 warps, queries reloaded from cache at each source
-# rather than held in registers (more warps per row cost more in cross-warp reductions than they
-# gain; 8/16 warps with the queries in registers took 2.1x the kernel time); forward programs of one
-# warp, as the per-aggregation forward (2 and 4 warps: +7% and +14%, dar_schedule_51bce40.md)
-PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY, PREFIX_AHEAD = 4, 1, 4, True, 1
+# From the H200 sweeps of benchmarks/results/dar_schedule*.md (DiT-XL/2's 14 chunks of 4, batch 256): a
+# chunk's 4 queries in one backward kernel on 4 warps with the queries in registers (reloading them from
+# cache at each source: bwd +6 ms; 2 or 8 warps: +69 and +20 ms, dar_schedule_f088e76.md, dar_schedule.md); forward
+# programs of one warp, as the per-aggregation forward (2 and 4 warps: +7% and +14%,
+# dar_schedule_51bce40.md). Measured and dropped (dar_schedule.md, 57c68d6): two sources in flight
+# instead of one (fwd +6.5 ms, bwd +4 ms) and the mixes' gradients held in bf16 (no change).
+PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY = 4, 1, 4, False
 
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
@@ -619,7 +601,7 @@ def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch:
         _dar_prefix_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows) * k,)](
             table, like, q, mix_table, lse, len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
             BLOCK_R=cfg.block_rows, BLOCK_S=cfg.fwd_sources, BLOCK_D=triton.next_power_of_2(d),
-            ALIGNED=aligned and mix_aligned, FUSED_REDUCE=cfg.fused_reduce, AHEAD=pcfg.ahead, num_warps=pcfg.fwd_warps,
+            ALIGNED=aligned and mix_aligned, FUSED_REDUCE=cfg.fused_reduce, num_warps=pcfg.fwd_warps,
         )  # fmt: skip
     return mixes, lse
 
@@ -658,8 +640,7 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
             len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
             BLOCK_K=block_k, BLOCK_R=cfg.block_rows, BLOCK_D=block_d,
             ALIGNED=aligned and grad_aligned and dmix_aligned, DQ_PER_ROW=per_row,
-            FUSED_REDUCE=pcfg.fused_reduce, RELOAD_Q=pcfg.reload_query, AHEAD=pcfg.ahead,
-            num_warps=pcfg.bwd_warps,
+            FUSED_REDUCE=pcfg.fused_reduce, RELOAD_Q=pcfg.reload_query, num_warps=pcfg.bwd_warps,
         )  # fmt: skip
     else:
         dq.zero_()
