@@ -113,14 +113,13 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     return result
 
 
-# [queries per op, fwd warps, bwd warps, fused reduce, reload query]
-SWEEP = [(4, 1, 4, 1, 0), (4, 1, 4, 1, 1), (4, 1, 2, 1, 0), (4, 1, 8, 1, 0), (4, 1, 4, 0, 0), (4, 2, 4, 1, 0),
-         (2, 1, 4, 1, 0)]
+# [queries per op, fwd warps, bwd warps, fused reduce, reload query, rows split into head and tail]
+SWEEP = [(4, 1, 4, 1, 0, 0), (4, 1, 4, 1, 0, 1)]
 
 
 def sweep(args, leaves, query, grads) -> list[dict]:
     """Kernel time of the two-phase schedule per prefix launch (``PrefixLaunch``: queries per op, forward
-    warps, backward warps, fused reduction, queries reloaded); the per-sublayer merges keep their defaults."""
+    warps, backward warps, fused reduction, queries reloaded, split rows); the per-sublayer merges keep their defaults."""
     rows = []
     saved = os.environ.get("ROUTEKIT_DAR_PREFIX")
 
@@ -205,7 +204,7 @@ def markdown(report: dict) -> str:
                           for k, v in report["agreement"].items()), ""]
     if report.get("sweep"):
         lines += ["Two-phase schedule per prefix launch [queries per op, fwd warps, bwd warps, fused reduce, "
-                  "reload query], "
+                  "reload query, split rows], "
                   "GPU kernel time in ms (best marked *):", "", "| prefix launch | fwd | bwd | fwd+bwd |",
                   "|---|---:|---:|---:|"]
         ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]

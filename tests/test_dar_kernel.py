@@ -407,18 +407,25 @@ def test_prefix_queries_must_be_k_by_d_or_four_d():
 @pytest.mark.parametrize("query_shape", ["kd", "kbnd"])
 def test_prefix_query_groups_and_the_fused_reduction_equal_the_reference(query_shape, monkeypatch):
     """A chunk of 3 queries split into kernels of at most 2 (a padded group of 1), row sums through one
-    multi-operand tl.reduce (on the GPU used only for 2048-lane rows), queries reloaded at each source."""
-    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", f"2,1,1,1,{int(query_shape == 'kd')}")
+    multi-operand tl.reduce (on the GPU used only for 2048-lane rows), queries reloaded at each source, rows
+    as a head and tail (D=10: 8 + 2 lanes)."""
+    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", f"2,1,1,1,{int(query_shape == 'kd')},1")
     case = ChunkCase(shared=4, own=(1, 2, 1), b=2, n=3, d=10, dtype=torch.float32, query_shape=query_shape, seed=8)
     for name, g, w in zip(("outputs", "grad shared", "grad own", "grad queries"), chunk_outputs(case, "triton"),
                           chunk_outputs(case, None)):
         assert_close(g, w, CHUNK_TOLERANCE[torch.float32], f"{name} ({query_shape})")
 
 
+@pytest.mark.parametrize(("d", "expected"), [(1152, (1024, 128)), (24, (16, 8)), (70, (64, 8)), (1024, (1024, 0)),
+                                             (3, (2, 1)), (1, (1, 0)), (96, (64, 32)), (112, (128, 0))])
+def test_rows_split_into_a_head_and_tail_only_where_lanes_are_saved(d, expected):
+    assert dar_triton._head_tail(d) == expected
+
+
 def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monkeypatch):
-    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", "2,4,8,0,1")
-    assert dar_triton.prefix_launch_config(1152) == dar_triton.PrefixLaunch(2, 4, 8, False, True)
-    for bad in ("1,2,4,1", "0,4,8,1,0", "2,3,8,1,0", "a,b,c,d,e"):
+    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", "2,4,8,0,1,1")
+    assert dar_triton.prefix_launch_config(1152) == dar_triton.PrefixLaunch(2, 4, 8, False, True, True)
+    for bad in ("1,2,4,1,1", "0,4,8,1,0,0", "2,3,8,1,0,0", "a,b,c,d,e,f"):
         monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", bad)
-        with pytest.raises(DarInputError, match="expected five integers"):
+        with pytest.raises(DarInputError, match="expected six integers"):
             dar_triton.prefix_launch_config(1152)

@@ -223,24 +223,63 @@ def _dar_bwd_kernel(
 
 
 @triton.jit
+def _online_mix_split(table_ptr, like_ptr, S, q, q_t, offs, mask, offs_t, mask_t, D, eps, scale,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, ALIGNED: tl.constexpr):
+    """``_online_mix`` from scratch, one source at a time, for rows held as a power-of-two head
+    (BLOCK_D lanes) and tail (BLOCK_T): 1024 + 128 lanes at D=1152 instead of 2048 padded ones."""
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    acc_t = tl.zeros([BLOCK_R, BLOCK_T], tl.float32)
+    v_next = _load_tile(table_ptr, 0, S, like_ptr, offs, mask, 1, ALIGNED)
+    t_next = _load_tile(table_ptr, 0, S, like_ptr, offs_t, mask_t, 1, ALIGNED)
+    for s in range(0, S):
+        v, t = v_next.to(tl.float32), t_next.to(tl.float32)  # (1, BLOCK_R, BLOCK_D or BLOCK_T)
+        v_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs, mask, 1, ALIGNED)
+        t_next = _load_tile(table_ptr, s + 1, S, like_ptr, offs_t, mask_t, 1, ALIGNED)
+        ss = tl.sum(v * v, 2) + tl.sum(t * t, 2)
+        qv = tl.sum(q[None, :, :] * v, 2) + tl.sum(q_t[None, :, :] * t, 2)
+        logit = qv * tl.rsqrt(ss / D + eps) * scale  # (1, BLOCK_R)
+        m_new = tl.maximum(m, tl.max(logit, 0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(logit - m_new[None, :])
+        denom = denom * alpha + tl.sum(p, 0)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, 0)
+        acc_t = acc_t * alpha[:, None] + tl.sum(p[:, :, None] * t, 0)
+        m = m_new
+    return m, denom, acc, acc_t
+
+
+@triton.jit
 def _dar_prefix_fwd_kernel(
     table_ptr, like_ptr, q_ptr, mix_table_ptr, lse_ptr,
     S, K, R, N, D, stride_qk, stride_qb, stride_qn, stride_qd, eps, scale,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """One aggregation per program, as ``_dar_fwd_kernel``; the K programs of a row block are
-    neighbours in the launch, so they run side by side and K-1 of them find its sources in L2."""
+    neighbours in the launch, so they run side by side and K-1 of them find its sources in L2.
+    BLOCK_T > 0: rows as a head of BLOCK_D lanes and a tail of BLOCK_T (``_online_mix_split``)."""
     pid = tl.program_id(0)
     k = pid % K
     rows, row_ok, mask, offs = _row_block(pid // K, R, D, BLOCK_R, BLOCK_D)
-    q = _load_rows(q_ptr + k.to(tl.int64) * stride_qk, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
-    m, denom, acc = _online_mix(table_ptr, like_ptr, S, q, tl.full([BLOCK_R], float("-inf"), tl.float32),
-                                tl.zeros([BLOCK_R], tl.float32), tl.zeros([BLOCK_R, BLOCK_D], tl.float32),
-                                offs, mask, D, eps, scale, BLOCK_S, ALIGNED, FUSED_REDUCE)
+    q_row = q_ptr + k.to(tl.int64) * stride_qk
+    q = _load_rows(q_row, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
     mix_ptr = tl.load(mix_table_ptr + k).to(tl.pointer_type(like_ptr.dtype.element_ty))
     if ALIGNED:
         mix_ptr = tl.multiple_of(mix_ptr, 16)
+    if BLOCK_T == 0:
+        m, denom, acc = _online_mix(table_ptr, like_ptr, S, q, tl.full([BLOCK_R], float("-inf"), tl.float32),
+                                    tl.zeros([BLOCK_R], tl.float32), tl.zeros([BLOCK_R, BLOCK_D], tl.float32),
+                                    offs, mask, D, eps, scale, BLOCK_S, ALIGNED, FUSED_REDUCE)
+    else:
+        tail = BLOCK_D + tl.arange(0, BLOCK_T)
+        mask_t = row_ok[:, None] & (tail < D)[None, :]
+        offs_t = rows.to(tl.int64)[:, None] * D + tail[None, :]
+        q_t = _load_rows(q_row + BLOCK_D * stride_qd, rows, mask_t, N, stride_qb, stride_qn, stride_qd, BLOCK_T)
+        m, denom, acc, acc_t = _online_mix_split(table_ptr, like_ptr, S, q, q_t, offs, mask, offs_t, mask_t, D, eps,
+                                                 scale, BLOCK_R, BLOCK_D, BLOCK_T, ALIGNED)
+        tl.store(mix_ptr + offs_t, (acc_t / denom[:, None]).to(like_ptr.dtype.element_ty), mask=mask_t)
     tl.store(mix_ptr + offs, (acc / denom[:, None]).to(like_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + k.to(tl.int64) * R + rows, m + tl.log(denom), mask=row_ok)
 
@@ -433,21 +472,24 @@ class PrefixLaunch:
     """How a chunk's shared part runs: at most ``queries`` queries per op (a chunk of more is split
     into groups, each reading the shared sources once more), warps per program for each direction,
     and, in backward, whether the row sums share one tl.reduce and whether the queries are reloaded
-    (from cache) at every source rather than held in registers."""
+    (from cache) at every source rather than held in registers; in forward, whether a row is held as
+    a power-of-two head and tail rather than padded (``_head_tail``)."""
 
     queries: int
     fwd_warps: int
     bwd_warps: int
     fused_reduce: bool
     reload_query: bool = False
+    split_rows: bool = False
 
     def as_list(self) -> list[int]:
         """The form the custom ops take, as ``Launch.as_list``."""
-        return [self.queries, self.fwd_warps, self.bwd_warps, int(self.fused_reduce), int(self.reload_query)]
+        return [self.queries, self.fwd_warps, self.bwd_warps, int(self.fused_reduce), int(self.reload_query),
+                int(self.split_rows)]
 
     @classmethod
     def from_list(cls, values: list[int]) -> PrefixLaunch:
-        return cls(*values[:3], bool(values[3]), bool(values[4]))
+        return cls(*values[:3], bool(values[3]), bool(values[4]), bool(values[5]))
 
     def __post_init__(self) -> None:
         if self.queries < 1:
@@ -460,14 +502,14 @@ class PrefixLaunch:
 
 def prefix_launch_config(d: int) -> PrefixLaunch:
     """Defaults for the prefix kernels; ROUTEKIT_DAR_PREFIX="queries,fwd_warps,bwd_warps,fused_reduce,
-    reload_query" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
-    override = _from_env("ROUTEKIT_DAR_PREFIX", PrefixLaunch.from_list, 5,
-                         "queries,fwd_warps,bwd_warps,fused_reduce,reload_query (queries >= 1, warps powers of two), "
-                         "e.g. 4,4,8,1,1")
+    reload_query,split_rows" overrides them (benchmarks/dar_schedule.py --sweep measures the choices)."""
+    override = _from_env("ROUTEKIT_DAR_PREFIX", PrefixLaunch.from_list, 6,
+                         "queries,fwd_warps,bwd_warps,fused_reduce,reload_query,split_rows (queries >= 1, warps "
+                         "powers of two), e.g. 4,1,4,1,0,1")
     if override:
         return override
     fused = FUSED_REDUCE and triton.next_power_of_2(d) == 2048
-    return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY)
+    return PrefixLaunch(PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, fused, PREFIX_RELOAD_QUERY, PREFIX_SPLIT_ROWS)
 
 
 # From the H200 sweeps of benchmarks/results/dar_schedule*.md (DiT-XL/2's 14 chunks of 4, batch 256): a
@@ -476,7 +518,7 @@ def prefix_launch_config(d: int) -> PrefixLaunch:
 # programs of one warp, as the per-aggregation forward (2 and 4 warps: +7% and +14%,
 # dar_schedule_51bce40.md). Measured and dropped (dar_schedule.md, 57c68d6): two sources in flight
 # instead of one (fwd +6.5 ms, bwd +4 ms) and the mixes' gradients held in bf16 (no change).
-PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY = 4, 1, 4, False
+PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY, PREFIX_SPLIT_ROWS = 4, 1, 4, False, False
 
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
@@ -583,6 +625,14 @@ def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
 dar_fused.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _head_tail(d: int) -> tuple[int, int]:
+    """A row of d lanes as a power-of-two head and tail ((1024, 128) for 1152), or (padded d, 0)
+    where that saves no lanes (d a power of two, or a tail as long as the head)."""
+    head = 1 << (d.bit_length() - 1)
+    tail = triton.next_power_of_2(d - head) if d > head else 0
+    return (head, tail) if tail and head + tail < triton.next_power_of_2(d) else (triton.next_power_of_2(d), 0)
+
+
 @torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=())
 def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch: list[int],
                      prefix_launch: list[int]) -> tuple[list[Tensor], Tensor]:
@@ -598,10 +648,11 @@ def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch:
     if b * n:
         table, aligned = _pointer_table(sources)
         mix_table, mix_aligned = _pointer_table(mixes)
+        head, tail = _head_tail(d) if pcfg.split_rows else (triton.next_power_of_2(d), 0)
         _dar_prefix_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows) * k,)](
             table, like, q, mix_table, lse, len(sources), k, b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
-            BLOCK_R=cfg.block_rows, BLOCK_S=cfg.fwd_sources, BLOCK_D=triton.next_power_of_2(d),
-            ALIGNED=aligned and mix_aligned, FUSED_REDUCE=cfg.fused_reduce, num_warps=pcfg.fwd_warps,
+            BLOCK_R=cfg.block_rows, BLOCK_S=cfg.fwd_sources, BLOCK_D=head, ALIGNED=aligned and mix_aligned,
+            FUSED_REDUCE=cfg.fused_reduce, BLOCK_T=tail, num_warps=pcfg.fwd_warps,
         )  # fmt: skip
     return mixes, lse
 
