@@ -407,9 +407,9 @@ def test_prefix_queries_must_be_k_by_d_or_four_d():
 @pytest.mark.parametrize("query_shape", ["kd", "kbnd"])
 def test_prefix_query_groups_and_the_fused_reduction_equal_the_reference(query_shape, monkeypatch):
     """A chunk of 3 queries split into kernels of at most 2 (a padded group of 1), row sums through one
-    multi-operand tl.reduce (on the GPU used only for 2048-lane rows), queries reloaded at each source, rows
-    as a head and tail (D=10: 8 + 2 lanes)."""
-    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", f"2,1,1,1,{int(query_shape == 'kd')},1")
+    multi-operand tl.reduce (on the GPU used only for 2048-lane rows); with (K, D) queries, queries reloaded
+    at each source and rows as a head and tail (D=10: 8 + 2 lanes), with (K, B, N, D) rows padded to 16 lanes."""
+    monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", f"2,1,1,1,{int(query_shape == 'kd')},{int(query_shape == 'kd')}")
     case = ChunkCase(shared=4, own=(1, 2, 1), b=2, n=3, d=10, dtype=torch.float32, query_shape=query_shape, seed=8)
     for name, g, w in zip(("outputs", "grad shared", "grad own", "grad queries"), chunk_outputs(case, "triton"),
                           chunk_outputs(case, None)):

@@ -514,11 +514,13 @@ def prefix_launch_config(d: int) -> PrefixLaunch:
 
 # From the H200 sweeps of benchmarks/results/dar_schedule*.md (DiT-XL/2's 14 chunks of 4, batch 256): a
 # chunk's 4 queries in one backward kernel on 4 warps with the queries in registers (reloading them from
-# cache at each source: bwd +6 ms; 2 or 8 warps: +69 and +20 ms, dar_schedule_f088e76.md, dar_schedule.md); forward
+# cache at each source: bwd +6 ms; 2 or 8 warps: +69 and +20 ms, dar_schedule_f088e76.md, dar_schedule_57c68d6.md); forward
 # programs of one warp, as the per-aggregation forward (2 and 4 warps: +7% and +14%,
-# dar_schedule_51bce40.md). Measured and dropped (dar_schedule.md, 57c68d6): two sources in flight
-# instead of one (fwd +6.5 ms, bwd +4 ms) and the mixes' gradients held in bf16 (no change).
-PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY, PREFIX_SPLIT_ROWS = 4, 1, 4, False, False
+# dar_schedule_51bce40.md), rows held as 1024 + 128 lanes rather than 2048 padded ones (the forward is
+# issue-bound, ncu_prefix_858fd6a.txt: -3.6 ms in dar_schedule.md, prefix forward 24.1 -> 19.7 ms in the
+# step). Measured and dropped (dar_schedule_57c68d6.md): two sources in flight instead of one (fwd +6.5 ms,
+# bwd +4 ms) and the mixes' gradients held in bf16 (no change).
+PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY, PREFIX_SPLIT_ROWS = 4, 1, 4, False, True
 
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
