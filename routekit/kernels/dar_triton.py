@@ -10,9 +10,9 @@ the sources.
 Sources are addressed through an int64 table of data pointers, so a list of tensors is
 read in place (no ``torch.stack`` copy). The kernels sit behind ``torch.library`` custom
 ops, so ``torch.compile`` keeps them in its graph (one opaque call) instead of breaking
-around them. (A variant that split each row into a power-of-two head and tail instead of
-padding D=1152 to 2048 lanes measured slower on the H200, in both directions:
-benchmarks/results/dar_kernel_headtail.md.)
+around them. (Holding each row as a power-of-two head and tail instead of padding D=1152 to 2048
+lanes made these bandwidth-bound kernels slower on the H200, in both directions:
+benchmarks/results/dar_kernel_headtail.md; the issue-bound prefix forward below uses it.)
 
 Two-phase chunks. The K sublayers of a chunk share the sources before it (v_0 and earlier
 chunks' summaries), so ``dar_prefix_fused`` mixes those once per query and leaves, per query, a
@@ -458,7 +458,7 @@ def _sample_split(b: int, n: int, block_r: int, sources: int = 1, programs: int 
     Walking several row tiles per program saves the query-gradient bytes (one fp32 row per row tile
     otherwise) but leaves fewer programs to hide latency: worth it for a few sources (a chunk's
     merges, the prefix), not for many, where those bytes are a few percent of the sources' (57
-    sources, batch 256: 7% slower with the loop, dar_kernel_rowloop.md vs dar_kernel.md)."""
+    sources, batch 256: 7% slower with the loop, dar_kernel_rowloop.md vs dar_kernel_ffad90b.md)."""
     tiles = triton.cdiv(n, block_r)
     if sources > ROW_LOOP_MAX_SOURCES:
         return tiles, 1
