@@ -561,6 +561,33 @@ def test_every_aggregation_reads_contiguous_sources(monkeypatch):
     assert len(layouts) == 4 and all(all(found) for found in layouts), layouts
 
 
+@pytest.mark.parametrize("chunk", [None, 2])  # one aggregation per sublayer; two-phase chunks
+def test_mixes_come_out_in_the_sublayers_dtype_under_autocast(monkeypatch, chunk):
+    """Under bf16 autocast the sublayers give bf16 and so does every mix, though DiT's stream (patch
+    embedding plus fp32 positions) is fp32: a mix is made afresh from the sources, not accumulated
+    (routekit/dar.py). The train step still runs forward and backward to finite gradients."""
+    import routekit.dar
+
+    model = tiny_dit()
+    x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(2))
+    routed = dar(model, (x, t, y), query="static", chunk=chunk)
+    dtypes, mix = [], routekit.dar.dar_aggregate
+
+    def recording(sources, *args, **kwargs):
+        out = mix(sources, *args, **kwargs)
+        dtypes.append((sources[0].dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(routekit.dar, "dar_aggregate", recording)
+    routed.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = routed(x, t, y)
+    out.float().square().mean().backward()
+    assert dtypes and all(pair == (torch.bfloat16, torch.bfloat16) for pair in dtypes), dtypes
+    grads = [p.grad for p in routed.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("units", ["blocks", "leaf layers", "whole model"])
 def test_fsdp_units_dar_cannot_reach_are_refused_with_what_to_do(tmp_path, units):
     """DAR inlines the blocks, so FSDP units around blocks would never gather their parameters: a
