@@ -31,6 +31,15 @@ def commit(mark_dirty: bool = False) -> str:
     return head + (" (dirty)" if mark_dirty and git("status", "--porcelain") else "")
 
 
+def device_or_exit(quick: bool) -> str:
+    """"cuda" when there is a GPU; "cpu" only for a --quick smoke run, else exit saying so."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if not quick:
+        sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
+    return "cpu"
+
+
 def machine() -> dict:
     """GPU, versions, commit and the exact command: every result file carries them."""
     info = {

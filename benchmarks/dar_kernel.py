@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import device_or_exit  # noqa: E402
 from routekit.kernels.dar_reference import dar_aggregate_reference  # noqa: E402
 
 VARIANTS = ("naive", "compiled", "fused")
@@ -416,9 +417,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     args = parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.quick:
-        sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
+    device = device_or_exit(args.quick)
     from routekit.kernels.dar_triton import launch_config
 
     args.out.mkdir(parents=True, exist_ok=True)

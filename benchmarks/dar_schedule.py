@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import header, machine, write  # noqa: E402
+from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
 from benchmarks.dar_kernel import device_kernels, device_ms, free_memory, synchronize, time_ms  # noqa: E402
 from routekit.dar import sum_sources  # noqa: E402
 from routekit.kernels import dar_aggregate, dar_prefix  # noqa: E402
@@ -96,10 +96,10 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     forward_backward()  # compile the kernels outside the timed region
     result = {"fwd_ms": time_ms(forward), "fwd_bwd_ms": time_ms(forward_backward)}
     result["bwd_ms"] = result["fwd_bwd_ms"] - result["fwd_ms"]
-    gpu_fwd, gpu_total = device_ms(forward, iters=5), device_ms(forward_backward, iters=5)
+    gpu_fwd, kernels = device_ms(forward, iters=5), device_kernels(forward_backward, iters=5)
     if gpu_fwd is not None:
+        gpu_total = sum(kernels.values())
         result.update(gpu_fwd_ms=gpu_fwd, gpu_fwd_bwd_ms=gpu_total, gpu_bwd_ms=gpu_total - gpu_fwd)
-        kernels = device_kernels(forward_backward, iters=3)
         result["kernels_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:8])
     if torch.cuda.is_available():
         free_memory()
@@ -246,9 +246,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     args = parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.quick:
-        sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
+    device = device_or_exit(args.quick)
     leaves, query, grads = make_inputs(args, device, torch.bfloat16)
     report = {"machine": machine(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "reads": reads(args), "agreement": agreement(args, leaves, query, grads), "schedules": {}}

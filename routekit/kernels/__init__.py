@@ -17,6 +17,7 @@ from routekit.kernels.dar_reference import (
     check_dar_inputs,
     dar_aggregate_reference,
     dar_prefix_reference,
+    prefix_queries,
 )
 
 __all__ = ["DarInputError", "UnknownKernelError", "dar_aggregate", "dar_aggregate_reference", "dar_prefix",
@@ -78,9 +79,7 @@ def dar_prefix(sources: Sources, queries: Tensor, eps: float = 1e-6, kernel: str
     (K, B, N); aggregation k is then ``dar_aggregate(own_sources, queries[k], kernel=kernel,
     prefix=(mixes[k], lse[k]))``. Both must use the same kernel: the Triton pair passes each
     other a backward shortcut that the reference does not (dar_triton's docstring)."""
-    if queries.dim() not in (2, 4) or queries.shape[0] < 1:
-        raise DarInputError(f"queries must be (K, D) or (K, B, N, D) with K >= 1, got {tuple(queries.shape)}")
-    d = check_dar_inputs(sources, queries[0])[3]
+    d = check_dar_inputs(sources, prefix_queries(queries)[0])[3]
     if _use_triton(sources, queries[0], d, kernel):
         return _triton().dar_prefix_triton(sources, queries, eps)
     return dar_prefix_reference(sources, queries, eps)

@@ -98,14 +98,21 @@ def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6, 
     return (weights.unsqueeze(-1) * values).sum(0).to(out_dtype or stacked.dtype)
 
 
+def prefix_queries(queries: Tensor) -> Tensor:
+    """A chunk's K queries as (K, B, N, D) or broadcasting to it: (K, D) gains two unit axes; any
+    other shape but 4-D is refused, as is K = 0."""
+    if not isinstance(queries, Tensor) or queries.dim() not in (2, 4) or queries.shape[0] < 1:
+        got = tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__
+        raise DarInputError(f"queries must be (K, D) or (K, B, N, D) with K >= 1, got {got}")
+    return queries[:, None, None, :] if queries.dim() == 2 else queries
+
+
 def dar_prefix_reference(sources: Sources, queries: Tensor, eps: float = 1e-6) -> tuple[list[Tensor], Tensor]:
     """The part of K aggregations that their shared ``sources`` make: per query the mix over those
     sources (in their dtype) and its log-sum-exp (K, B, N); ``queries`` (K, D) or broadcasting to
     (K, B, N, D). Merged by ``dar_aggregate_reference(..., prefix=(mixes[k], lse[k]))``, the result
     equals the aggregation over all sources at once."""
-    queries = queries[:, None, None, :] if queries.dim() == 2 else queries
-    if queries.dim() != 4 or queries.shape[0] < 1:
-        raise DarInputError(f"queries must be (K, D) or (K, B, N, D) with K >= 1, got {tuple(queries.shape)}")
+    queries = prefix_queries(queries)
     check_dar_inputs(sources, queries[0])
     stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
     values = stacked.float()

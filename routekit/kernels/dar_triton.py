@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routekit.kernels.dar_reference import DarInputError, Sources, check_dar_inputs
+from routekit.kernels.dar_reference import DarInputError, Sources, check_dar_inputs, prefix_queries
 
 MAX_D = 2048
 """Largest feature size: a whole row of a source lives in registers."""
@@ -635,16 +635,22 @@ def _head_tail(d: int) -> tuple[int, int]:
     return (head, tail) if tail and head + tail < triton.next_power_of_2(d) else (triton.next_power_of_2(d), 0)
 
 
+def _prefix_operands(sources: list[Tensor], queries: Tensor, launch: list[int], prefix_launch: list[int],
+                     ) -> tuple[list[Tensor], Tensor, Launch, PrefixLaunch]:
+    """What both prefix ops start from: contiguous sources, the queries broadcast to (K, B, N, D),
+    and the two launches decoded from their list form."""
+    sources = _contiguous(sources)
+    q = torch.broadcast_to(queries, (queries.shape[0], *sources[0].shape))
+    return sources, q, Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
+
+
 @torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=())
 def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch: list[int],
                      prefix_launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """K partial mixes (one per query, in the sources' dtype) and their log-sum-exps (K, B, N)."""
-    sources = _contiguous(sources)
+    sources, q, cfg, pcfg = _prefix_operands(sources, queries, launch, prefix_launch)
     like = sources[0]
-    b, n, d = like.shape
-    k = queries.shape[0]
-    cfg, pcfg = Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
-    q = torch.broadcast_to(queries, (k, b, n, d))
+    k, b, n, d = q.shape
     mixes = [torch.empty_like(like) for _ in range(k)]
     lse = torch.empty((k, b, n), dtype=torch.float32, device=like.device)
     if b * n:
@@ -672,12 +678,9 @@ def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes
                               ) -> tuple[list[Tensor], Tensor]:
     """(gradient of each source; gradient of the queries, fp32, in their shape), from the merges'
     p_A g (``grad_mixes``) and -p_A (g . o) (``y``)."""
-    sources = _contiguous(sources)
+    sources, q, cfg, pcfg = _prefix_operands(sources, queries, launch, prefix_launch)
     like = sources[0]
-    b, n, d = like.shape
-    k = queries.shape[0]
-    cfg, pcfg = Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
-    q = torch.broadcast_to(queries, (k, b, n, d))
+    k, b, n, d = q.shape
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     grad_mixes = [g.to(like.dtype).contiguous() for g in grad_mixes]
     splits, iters = _sample_split(b, n, cfg.block_rows)
@@ -762,7 +765,7 @@ def dar_prefix_triton(sources: Sources, queries: Tensor, eps: float = 1e-6, *, l
     """The shared part of K aggregations over the same ``sources``: K (mix, lse) pairs, as lists
     (mixes) and a (K, B, N) tensor, for ``dar_aggregate_triton(..., prefix=(mixes[k], lse[k]))``.
     ``queries``: (K, D) or broadcasting to (K, B, N, D)."""
-    queries = queries[:, None, None, :] if queries.dim() == 2 else queries
+    queries = prefix_queries(queries)
     sources, _, rows = _checked(sources, queries[0], None)
     d = sources[0].shape[-1]
     launch = launch or launch_config(d, rows)
