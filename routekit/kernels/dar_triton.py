@@ -19,9 +19,9 @@ chunks' summaries), so ``dar_prefix_fused`` mixes those once per query and leave
 partial mix and its log-sum-exp; each sublayer then merges its partial with its own chunk's
 outputs (``dar_fused`` with a prefix: the partial enters the online softmax as its initial
 state). The prefix forward runs one program per (row block, query), the K programs of a row
-block side by side so the shared sources come from DRAM once and from L2 K-1 times (26 -> 22 ms
-a step on DiT-XL/2 over K queries per program); its backward walks the sources once for all K
-queries. (A backward in two passes, whole-row sums then 128-column gradient tiles, measured
+block side by side so the shared sources come from DRAM once and from L2 K-1 times (DiT-XL/2 b256
+step: 26.0 ms with K queries per program at 939003a, 23.4 ms at f088e76); its backward walks the
+sources once for all K queries. (A backward in two passes, whole-row sums then 128-column gradient tiles, measured
 1.5-3x slower: benchmarks/results/dar_schedule_51bce40.md.) Prefix and merge are a pair in
 backward: the merge hands the prefix p_A g (the gradient of the partial mix, p_A its share of
 the softmax) and, in place of the
