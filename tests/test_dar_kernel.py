@@ -182,6 +182,20 @@ def test_triton_gradients_flow_to_whichever_inputs_need_them():
     assert_close(torch.stack(fused), torch.stack(expected), TOLERANCE[torch.float32], "grad sources")
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["one allocation", "one each"])
+def test_source_gradients_are_right_in_one_allocation_or_one_each(shared, monkeypatch):
+    """Small sources get their gradients as views of one allocation (less host work per backward),
+    large ones a tensor each (each freed as soon as it is consumed)."""
+    monkeypatch.setattr(dar_triton, "SHARED_GRAD_MAX_BYTES", 1 << 30 if shared else 0)
+    sources, query, grad = Case(5, 2, 3, 24, torch.bfloat16, "d", True, 2.0, seed=13).tensors()
+    leaves = [v.clone().requires_grad_() for v in sources]
+    fused = torch.autograd.grad(triton_kernel(leaves, query), leaves, grad)
+    expected = torch.autograd.grad(dar_aggregate_reference(leaves, query), leaves, grad)
+    assert_close(torch.stack(fused), torch.stack(expected), GRAD_BF16["grad sources"], "grad sources")
+    storages = {g.untyped_storage().data_ptr() for g in fused}
+    assert len(storages) == (1 if shared else len(fused))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_without_autograd_gives_the_same_output(dtype):
     """Under no_grad nothing is saved for backward and bf16 skips the fp32 output copy."""
@@ -278,11 +292,13 @@ def test_bf16_sources_mix_into_the_requested_dtype(out_dtype):
         assert_close(out.double(), want, TOLERANCE[torch.bfloat16], f"{kernel} output")
 
 
+@pytest.mark.parametrize("shared_grads", [True, False])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_custom_ops_pass_torch_library_opcheck(out_dtype):
+def test_custom_ops_pass_torch_library_opcheck(out_dtype, shared_grads, monkeypatch):
     """Schema, fake (meta) kernels and autograd registration agree with the real kernels, also for a
     source laid out column-major, as torch.compile may hand one over: a fake that copied its strides
     once promised a layout the kernel does not write."""
+    monkeypatch.setattr(dar_triton, "SHARED_GRAD_MAX_BYTES", 1 << 30 if shared_grads else 0)
     sources, query, grad = Case(3, 2, 5, 24, torch.bfloat16, "b1d", True, 2.0, seed=2).tensors()
     sources = [s.clone() for s in sources]
     sources[1] = sources[1].transpose(1, 2).contiguous().transpose(1, 2)  # strides (N*D, 1, N)

@@ -440,6 +440,30 @@ def _contiguous(tensors: list[Tensor]) -> list[Tensor]:
     return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
+# Sources up to this size get their gradients in one (S, B, N, D) allocation, unbound into views:
+# their kernels are short and S allocations are a large part of a backward's host work (batch 32,
+# 57 sources: 19 MB each). Larger ones get a tensor each, freed as soon as autograd has consumed it
+# (a view would hold the whole allocation until every other view is gone).
+SHARED_GRAD_MAX_BYTES = 32 << 20
+
+
+def _shared_grads(sources: list[Tensor]) -> bool:
+    return len(sources) > 1 and sources[0].numel() * sources[0].element_size() <= SHARED_GRAD_MAX_BYTES
+
+
+def _grad_buffers(sources: list[Tensor]) -> tuple[list[Tensor], Tensor, bool]:
+    """Gradient storage for ``sources`` as the backward op returns it (one stacked tensor or one
+    each, ``_shared_grads``), with its pointer table and whether all are 16-byte aligned."""
+    like = sources[0]
+    if not _shared_grads(sources):
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
+        return grads, *_pointer_table(grads)
+    stacked = torch.empty((len(sources), *like.shape), dtype=like.dtype, device=like.device)
+    step = stacked.stride(0) * stacked.element_size()
+    table = torch.arange(len(sources), dtype=torch.int64, device=like.device) * step + stacked.data_ptr()
+    return [stacked], table, stacked.data_ptr() % 16 == 0 and step % 16 == 0
+
+
 def _query_gradient(dq: Tensor, shape: torch.Size, b: int, n: int, splits: int, per_row: bool) -> Tensor:
     """A backward kernel's query gradient, (K, rows or programs, D) or without K, summed to the
     query's broadcast ``shape``: over the programs of each sample, and over samples where the query
@@ -562,11 +586,11 @@ def _(sources, query, eps, out_dtype, keep_o32, launch, prefix=None, prefix_lse=
 def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
                        eps: float, launch: list[int], prefix_lse: Tensor | None = None,
                        ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
-    """(gradient of each source, contiguous; gradient of the query, fp32, in the query's shape;
-    with a prefix: p_A g for the prefix mix and -p_A (g . o) for its log-sum-exp, else empty)."""
+    """(gradient of each source, contiguous, or all of them stacked in one tensor (``_shared_grads``);
+    gradient of the query, fp32, in the query's shape; with a prefix: p_A g for the prefix mix and
+    -p_A (g . o) for its log-sum-exp, else empty)."""
     sources = _contiguous(sources)
     like = sources[0]
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
     b, n, d = out.shape
     cfg = Launch.from_list(launch)
     q = torch.broadcast_to(query, (b, n, d))
@@ -576,9 +600,9 @@ def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, o
     splits, iters = _sample_split(b, n, cfg.block_rows, len(sources))
     per_row = n > 1 and q.stride(1) != 0
     dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
+    grads, grad_table, grad_aligned = _grad_buffers(sources)
     if b * n:
         table, aligned = _pointer_table(sources)
-        grad_table, grad_aligned = _pointer_table(grads)
         _dar_bwd_kernel[(b * splits,)](
             table, grad_table, like, q, grad_out, out.contiguous(), lse, dq,
             prefix_lse.contiguous() if has_prefix else lse, dprefix, y,
@@ -599,7 +623,9 @@ def _(sources, query, grad_out, out, lse, eps, launch, prefix_lse=None):
     b, n, d = out.shape
     like = sources[0]
     has_prefix = prefix_lse is not None
-    return ([t.new_empty(t.shape) for t in sources], query.new_empty(query.shape, dtype=torch.float32),
+    grads = [like.new_empty((len(sources), *like.shape))] if _shared_grads(sources) else \
+        [t.new_empty(t.shape) for t in sources]
+    return (grads, query.new_empty(query.shape, dtype=torch.float32),
             like.new_empty((b, n, d) if has_prefix else (0,)),
             like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32))
 
@@ -617,6 +643,8 @@ def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
     query, out, lse, prefix_lse, *sources = ctx.saved_tensors
     grads, dq, dprefix, y = dar_fused_backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch,
                                                prefix_lse if ctx.has_prefix else None)
+    if _shared_grads(sources):
+        grads = list(grads[0].unbind(0))
     grad_query = dq.to(query.dtype) if ctx.needs_input_grad[1] else None
     if not ctx.has_prefix:
         dprefix = y = None
