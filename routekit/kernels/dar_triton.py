@@ -547,12 +547,9 @@ def prefix_launch_config(d: int) -> PrefixLaunch:
 PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY, PREFIX_SPLIT_ROWS = 4, 1, 4, False, True
 
 
-@torch.library.custom_op("routekit::dar_fused", mutates_args=())
-def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
-              launch: list[int], prefix: Tensor | None = None, prefix_lse: Tensor | None = None,
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp).
-    With ``prefix``/``prefix_lse`` (from ``dar_prefix_fused``) the mix continues theirs."""
+def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
+         launch: list[int], prefix: Tensor | None, prefix_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward of ``dar_fused``, callable without the custom-op dispatch."""
     sources = _contiguous(sources)
     like = sources[0]
     b, n, d = like.shape
@@ -574,6 +571,15 @@ def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch
     return out, o32, lse
 
 
+@torch.library.custom_op("routekit::dar_fused", mutates_args=())
+def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
+              launch: list[int], prefix: Tensor | None = None, prefix_lse: Tensor | None = None,
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp).
+    With ``prefix``/``prefix_lse`` (from ``dar_prefix_fused``) the mix continues theirs."""
+    return _mix(sources, query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse)
+
+
 @dar_fused.register_fake
 def _(sources, query, eps, out_dtype, keep_o32, launch, prefix=None, prefix_lse=None):
     b, n, d = sources[0].shape
@@ -582,13 +588,9 @@ def _(sources, query, eps, out_dtype, keep_o32, launch, prefix=None, prefix_lse=
         new((b, n), dtype=torch.float32)
 
 
-@torch.library.custom_op("routekit::dar_fused_backward", mutates_args=())
-def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
-                       eps: float, launch: list[int], prefix_lse: Tensor | None = None,
-                       ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
-    """(gradient of each source, contiguous, or all of them stacked in one tensor (``_shared_grads``);
-    gradient of the query, fp32, in the query's shape; with a prefix: p_A g for the prefix mix and
-    -p_A (g . o) for its log-sum-exp, else empty)."""
+def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor, eps: float,
+                  launch: list[int], prefix_lse: Tensor | None) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """The body of ``dar_fused_backward``, callable without the custom-op dispatch."""
     sources = _contiguous(sources)
     like = sources[0]
     b, n, d = out.shape
@@ -616,6 +618,16 @@ def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, o
     return grads, _query_gradient(dq, query.shape, b, n, splits, per_row), dprefix, y
 
 
+@torch.library.custom_op("routekit::dar_fused_backward", mutates_args=())
+def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
+                       eps: float, launch: list[int], prefix_lse: Tensor | None = None,
+                       ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """(gradient of each source, contiguous, or all of them stacked in one tensor (``_shared_grads``);
+    gradient of the query, fp32, in the query's shape; with a prefix: p_A g for the prefix mix and
+    -p_A (g . o) for its log-sum-exp, else empty)."""
+    return _mix_backward(sources, query, grad_out, out, lse, eps, launch, prefix_lse)
+
+
 @dar_fused_backward.register_fake
 def _(sources, query, grad_out, out, lse, eps, launch, prefix_lse=None):
     # contiguous, like the real outputs: a fake that copied a source's strides would promise
@@ -630,29 +642,55 @@ def _(sources, query, grad_out, out, lse, eps, launch, prefix_lse=None):
             like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32))
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    sources, query, eps, _, _, launch, *prefix = inputs  # the prefix arguments are dropped when None
-    out, o32, lse = output
-    ctx.has_prefix = bool(prefix) and prefix[0] is not None
-    ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse, prefix[1] if ctx.has_prefix else lse,
+def _save(ctx, sources, query, eps, launch, out, o32, lse, prefix_lse) -> None:
+    ctx.has_prefix = prefix_lse is not None
+    ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse, prefix_lse if ctx.has_prefix else lse,
                           *sources)  # lse stands in for an absent prefix lse
     ctx.eps, ctx.launch = eps, launch
 
 
-def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
+def _gradients(ctx, grad_out: Tensor, backward) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor | None]:
+    """(source gradients, query gradient, prefix-mix and prefix-lse gradients or None) from ``backward``
+    (the op or its body) and what ``_save`` kept."""
     query, out, lse, prefix_lse, *sources = ctx.saved_tensors
-    grads, dq, dprefix, y = dar_fused_backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch,
-                                               prefix_lse if ctx.has_prefix else None)
+    grads, dq, dprefix, y = backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch,
+                                     prefix_lse if ctx.has_prefix else None)
     if _shared_grads(sources):
         grads = list(grads[0].unbind(0))
-    grad_query = dq.to(query.dtype) if ctx.needs_input_grad[1] else None
-    if not ctx.has_prefix:
-        dprefix = y = None
+    return grads, dq.to(query.dtype), *((dprefix, y) if ctx.has_prefix else (None, None))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    sources, query, eps, _, _, launch, *prefix = inputs  # the prefix arguments are dropped when None
+    _save(ctx, sources, query, eps, launch, *output, prefix[1] if prefix and prefix[0] is not None else None)
+
+
+def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
+    grads, dq, dprefix, y = _gradients(ctx, grad_out, dar_fused_backward)
+    grad_query = dq if ctx.needs_input_grad[1] else None
     # as many gradients as arguments were passed (None prefix arguments do not count)
     return (grads, grad_query, None, None, None, None, dprefix, y)[:len(ctx.needs_input_grad)]
 
 
 dar_fused.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerMix(torch.autograd.Function):
+    """``dar_fused`` and its autograd without the custom-op dispatch, for eager mode: there the
+    dispatch (argument flattening, alias checks, two redispatches per direction) was most of the
+    host work of a 57-source aggregation at batch 32, more than its kernels take. Under
+    torch.compile the custom op is used instead, so the graph holds one opaque call."""
+
+    @staticmethod
+    def forward(ctx, query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse, *sources):
+        out, o32, lse = _mix(list(sources), query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse)
+        _save(ctx, sources, query, eps, launch, out, o32, lse, prefix_lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads, dq, dprefix, y = _gradients(ctx, grad_out, _mix_backward)
+        return dq, None, None, None, None, dprefix, y, *grads
 
 
 def _head_tail(d: int) -> tuple[int, int]:
@@ -784,8 +822,9 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     # backward reads g . o from the output, or from an fp32 copy when the output is rounded below the
     # sources' precision (an output in the sources' dtype carries a rounding of their own size)
     keep_o32 = needs_grad and out_dtype.itemsize < sources[0].dtype.itemsize
-    out, _, _ = dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse)
-    return out
+    if torch.compiler.is_compiling():
+        return dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse)[0]
+    return _EagerMix.apply(query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse, *sources)
 
 
 def dar_prefix_triton(sources: Sources, queries: Tensor, eps: float = 1e-6, *, launch: Launch | None = None,
