@@ -149,14 +149,16 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     stats = {"step_ms": statistics.median(times), "min_ms": min(times), "peak_gib": peak, "first_step_s": first}
     if gpu_busy and cuda:
-        stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(lambda: train_step(runner, opt, x, t, y, cuda))
+        stats["gpu_busy_ms"], stats["top_kernels"], stats["all_kernels"] = gpu_busy_ms(
+            lambda: train_step(runner, opt, x, t, y, cuda))
     return stats
 
 
-def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]:
+def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict], list[dict]]:
     """Time the GPU spends in kernels per step (profiler): far below the step time means the step
     waits on the host (Python and kernel launches), not on the GPU. Also the `top` kernels and the
-    `top` operators (by the kernel time they launch) per step: where the step's GPU time goes."""
+    `top` operators (by the kernel time they launch) per step: where the step's GPU time goes; and
+    every kernel (JSON only), to tell two variants' steps apart kernel by kernel."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -168,11 +170,12 @@ def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     ops = [e for e in events if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
 
-    def rows(found: list, kind: str) -> list[dict]:
-        return [{"kind": kind, "kernel": e.key[:90], "ms": e.self_device_time_total / 1e3 / steps,
-                 "calls": e.count / steps} for e in found[:top]]
+    def rows(found: list, kind: str, width: int = 90) -> list[dict]:
+        return [{"kind": kind, "kernel": e.key[:width], "ms": e.self_device_time_total / 1e3 / steps,
+                 "calls": e.count / steps} for e in found]
 
-    return sum(e.self_device_time_total for e in kernels) / 1e3 / steps, rows(kernels, "kernel") + rows(ops, "op")
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    return busy, rows(kernels[:top], "kernel") + rows(ops[:top], "op"), rows(kernels, "kernel", 200)
 
 
 def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> int:
