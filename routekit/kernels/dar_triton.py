@@ -10,9 +10,11 @@ the sources.
 Sources are addressed through an int64 table of data pointers, so a list of tensors is
 read in place (no ``torch.stack`` copy). The kernels sit behind ``torch.library`` custom
 ops, so ``torch.compile`` keeps them in its graph (one opaque call) instead of breaking
-around them. (Holding each row as a power-of-two head and tail instead of padding D=1152 to 2048
-lanes made these bandwidth-bound kernels slower on the H200, in both directions:
-benchmarks/results/dar_kernel_headtail.md; the issue-bound prefix forward below uses it.)
+around them; in eager mode one aggregation runs the same bodies through a plain autograd.Function
+(``_EagerMix``), which spares the host the custom-op dispatch. (Holding each row as a
+power-of-two head and tail instead of padding D=1152 to 2048 lanes made these bandwidth-bound
+kernels slower on the H200, in both directions: benchmarks/results/dar_kernel_headtail.md; the
+issue-bound prefix forward below uses it.)
 
 Two-phase chunks. The K sublayers of a chunk share the sources before it (v_0 and earlier
 chunks' summaries), so ``dar_prefix_fused`` mixes those once per query and leaves, per query, a
