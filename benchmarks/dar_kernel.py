@@ -79,7 +79,8 @@ def time_ms(fn: Callable[[], object]) -> float:
 
 def device_ms(fn: Callable[[], object], iters: int = 20) -> float | None:
     """GPU kernel time per call (profiler): what the GPU does, without the host's launch work, which
-    dominates small batches (a 57-input custom op allocates and launches more than its kernel takes)."""
+    dominates small batches (issuing a 57-input aggregation through autograd takes the host longer
+    than its kernels take at batch 32: benchmarks/dar_host_probe.py)."""
     kernels = device_kernels(fn, iters)
     return None if kernels is None else sum(kernels.values())
 
