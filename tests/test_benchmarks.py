@@ -55,3 +55,11 @@ def test_dar_schedule_counts_the_reads_of_dit_xl_and_runs_on_cpu(tmp_path):
     assert set(report["schedules"]) == {"per_sublayer", "two_phase"}
     assert report["agreement"]["outputs"] < 1e-2 and report["agreement"]["worst source grad error"] < 2e-2
     assert (tmp_path / "dar_schedule.md").exists() and (tmp_path / "dar_schedule.png").exists()
+
+
+def test_stream_probe_kernels_match_torch_under_the_interpreter():
+    """The go/no-go probe for a streaming prefix times its kernels only if they are right."""
+    from benchmarks import dar_stream_probe
+
+    errors = dar_stream_probe.check("cpu")
+    assert set(errors) == {"mix", "lse", "dl", "dv"} and max(errors.values()) < 1e-5, errors

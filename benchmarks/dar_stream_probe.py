@@ -1,0 +1,216 @@
+"""How fast could a streaming prefix be? A go/no-go measurement for the next prefix design, not a
+routekit code path.
+
+Today's prefix kernels compute each shared source's logits (RMS and K dot products per row) inside
+the chunk's prefix and run issue-bound at 12.5% occupancy (ncu_prefix_858fd6a.txt). With static
+queries every source's logits for all later queries could come from one small GEMM per source, made
+once; each chunk's prefix would then be a weighted sum (forward) and, backward, K row dot products
+per source plus the weighted sum of the mixes' gradients. This script times exactly those pieces at
+DiT-XL/2 batch 256 (65536 rows, D=1152, K=4, 14 chunks sharing 1..14 sources) and checks the two
+Triton kernels against torch first:
+
+- ``wsum`` forward: mixes_k = sum_s softmax_s(l_ks) v_s and their log-sum-exp, from given logits;
+- ``wsum`` backward: dl_ks = p_ks (dmix_k . v_s + y_k) and dv_s = sum_k p_ks dmix_k (the logit path
+  of dv_s goes to the GEMM backward);
+- per source, the logit GEMM (rows x D) @ (D x F) with F = 4 x the later chunks, and its two backward
+  GEMMs, as bf16 torch.matmul stand-ins.
+
+    python benchmarks/dar_stream_probe.py            # H200: writes results/dar_stream_probe.{json,md}
+    python benchmarks/dar_stream_probe.py --quick    # tiny shapes, CPU (TRITON_INTERPRET=1): checks only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import device_or_exit, machine  # noqa: E402
+from routekit.kernels.dar_triton import _pointer_table  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@triton.jit
+def _probs(logit_ptr, row, S, K, R, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Softmax over sources of a row's (K, S) logits (stored (K, S, R)), and the log-sum-exp per query."""
+    ks = tl.arange(0, BLOCK_K)
+    ss = tl.arange(0, BLOCK_S)
+    ok = (ks < K)[:, None] & (ss < S)[None, :]
+    logit = tl.load(logit_ptr + (ks[:, None] * S + ss[None, :]).to(tl.int64) * R + row, mask=ok, other=float("-inf"))
+    m = tl.max(logit, 1)
+    m = tl.where(ks < K, m, 0.0)
+    p = tl.where(ok, tl.exp(logit - m[:, None]), 0.0)
+    denom = tl.sum(p, 1)
+    denom = tl.where(ks < K, denom, 1.0)
+    return p / denom[:, None], m + tl.log(denom), ks, ss
+
+
+@triton.jit
+def _row_ptr(table_ptr, i, like_ptr):
+    return tl.load(table_ptr + i).to(tl.pointer_type(like_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p, lse, ks, ss = _probs(logit_ptr, row, S, K, R, BLOCK_K, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    offs = row * D + cols
+    acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    for s in range(0, S):
+        v = tl.load(_row_ptr(table_ptr, s, like_ptr) + offs, mask=col_ok, other=0.0).to(tl.float32)
+        ps = tl.sum(tl.where(ss[None, :] == s, p, 0.0), 1)
+        acc += ps[:, None] * v[None, :]
+    k_ok = ks < K
+    mix = tl.load(mix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    tl.store(mix[:, None] + offs[None, :], acc.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+    tl.store(lse_ptr + ks * R + row, lse, mask=k_ok)
+
+
+@triton.jit
+def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_table_ptr, y_ptr, dl_ptr, S, K, R, D,
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p, _, ks, ss = _probs(logit_ptr, row, S, K, R, BLOCK_K, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    offs = row * D + cols
+    k_ok = ks < K
+    dmix_ptr = tl.load(dmix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    dmix = tl.load(dmix_ptr[:, None] + offs[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + ks * R + row, mask=k_ok, other=0.0)
+    for s in range(0, S):
+        v = tl.load(_row_ptr(table_ptr, s, like_ptr) + offs, mask=col_ok, other=0.0).to(tl.float32)
+        ps = tl.sum(tl.where(ss[None, :] == s, p, 0.0), 1)
+        hv = tl.sum(dmix * v[None, :], 1)
+        tl.store(dl_ptr + (ks * S + s) * R + row, ps * (hv + y), mask=k_ok)
+        dv = tl.sum(ps[:, None] * dmix, 0)
+        tl.store(_row_ptr(grad_table_ptr, s, like_ptr) + offs, dv.to(like_ptr.dtype.element_ty), mask=col_ok)
+
+
+def wsum_forward(sources, logits, warps):
+    k, s, r = logits.shape
+    d = sources[0].shape[-1]
+    mixes = [torch.empty_like(sources[0]) for _ in range(k)]
+    lse = torch.empty((k, r), dtype=torch.float32, device=logits.device)
+    _wsum_fwd_kernel[(r,)](_pointer_table(sources)[0], sources[0], logits, _pointer_table(mixes)[0], lse, s, k, r, d,
+                           BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s),
+                           BLOCK_D=triton.next_power_of_2(d), num_warps=warps)
+    return mixes, lse
+
+
+def wsum_backward(sources, logits, dmixes, y, warps):
+    k, s, r = logits.shape
+    d = sources[0].shape[-1]
+    grads = [torch.empty_like(t) for t in sources]
+    dl = torch.empty_like(logits)
+    _wsum_bwd_kernel[(r,)](_pointer_table(sources)[0], _pointer_table(grads)[0], sources[0], logits,
+                           _pointer_table(dmixes)[0], y, dl, s, k, r, d, BLOCK_K=triton.next_power_of_2(k),
+                           BLOCK_S=triton.next_power_of_2(s), BLOCK_D=triton.next_power_of_2(d), num_warps=warps)
+    return grads, dl
+
+
+def check(device: str) -> dict[str, float]:
+    """Both kernels against torch on small shapes; largest error relative to the largest value."""
+    gen = torch.Generator(device).manual_seed(0)
+    k, s, rows, d = 3, 5, 7, 40
+    sources = [torch.randn(rows, d, generator=gen, device=device) for _ in range(s)]
+    logits = torch.randn(k, s, rows, generator=gen, device=device) * 3
+    dmixes = [torch.randn(rows, d, generator=gen, device=device) for _ in range(k)]
+    y = torch.randn(k, rows, generator=gen, device=device)
+    v = torch.stack(sources)  # (S, R, D)
+    p = logits.softmax(1)  # (K, S, R)
+    mix_ref = torch.einsum("ksr,srd->krd", p, v)
+    dm = torch.stack(dmixes)
+    dl_ref = p * (torch.einsum("krd,srd->ksr", dm, v) + y[:, None, :])
+    dv_ref = torch.einsum("ksr,krd->srd", p, dm)
+    mixes, lse = wsum_forward(sources, logits, 4)
+    grads, dl = wsum_backward(sources, logits, dmixes, y, 4)
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    return {"mix": rel(torch.stack(mixes), mix_ref), "lse": rel(lse, logits.logsumexp(1)), "dl": rel(dl, dl_ref),
+            "dv": rel(torch.stack(grads), dv_ref)}
+
+
+def time_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def measure(chunks: int, k: int, rows: int, d: int, warps: int) -> dict[str, object]:
+    gen = torch.Generator("cuda").manual_seed(0)
+    pool = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(chunks + 1)]
+    dmixes = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+    fwd = bwd = 0.0
+    for c in range(chunks):
+        sources = pool[:c + 1]
+        logits = torch.randn(k, c + 1, rows, generator=gen, device="cuda") * 2
+        y = torch.randn(k, rows, generator=gen, device="cuda")
+        fwd += time_ms(lambda sources=sources, logits=logits: wsum_forward(sources, logits, warps))
+        bwd += time_ms(lambda sources=sources, logits=logits, y=y: wsum_backward(sources, logits, dmixes, y, warps))
+    gemm_fwd = gemm_bwd = 0.0
+    for i, v in enumerate(pool):  # v_0 is read by all chunks, chunk i-1's summary by the chunks after it
+        later = chunks - i if i else chunks
+        if later <= 0:
+            continue
+        f = k * later
+        q = torch.randn(f, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+        dl = torch.randn(rows, f, generator=gen, device="cuda", dtype=torch.bfloat16)
+        gemm_fwd += time_ms(lambda v=v, q=q: (v @ q.t(), v.float().pow(2).sum(-1)))
+        gemm_bwd += time_ms(lambda v=v, q=q, dl=dl: (dl @ q, dl.t() @ v))
+    unit = rows * d * 2 / 1e9
+    reads = chunks * (chunks + 1) // 2
+    return {"wsum_fwd_ms": fwd, "wsum_bwd_ms": bwd, "gemm_fwd_ms": gemm_fwd, "gemm_bwd_ms": gemm_bwd,
+            "wsum_fwd_gbps": (reads + chunks * k) * unit / fwd * 1e3,
+            "wsum_bwd_gbps": (2 * reads + chunks * k) * unit / bwd * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="correctness on tiny shapes only (CPU: TRITON_INTERPRET=1)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    device = device_or_exit(args.quick)
+    errors = check(device)
+    print(f"kernels vs torch (max error / max value): {errors}", flush=True)
+    if max(errors.values()) > 1e-4:
+        sys.exit(f"the probe's kernels disagree with torch ({errors}); not timing them")
+    if args.quick:
+        return
+    report = {"machine": machine(), "check": errors, "runs": []}
+    for warps in (4, 8):
+        row = {"warps": warps, **measure(14, 4, 256 * 256, 1152, warps)}
+        print(row, flush=True)
+        report["runs"].append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "dar_stream_probe.json").write_text(json.dumps(report, indent=1))
+    m = report["machine"]
+    lines = ["# Streaming prefix pieces at DiT-XL/2 b256 (go/no-go for the next prefix design)", "",
+             f"Machine: {m.get('gpu')}; commit `{m.get('commit')}`; {m.get('date')}", "",
+             f"Command: `{m.get('command')}`", "",
+             "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; all 14 chunks summed, ms "
+             "(do_bench medians). Compare the prefix kernels in a DiT-XL/2 b256 step today: forward 20.1, backward "
+             "37.2 ms (throughput_dit_dar_compile.md).", "",
+             "| warps | wsum fwd | wsum bwd | logit GEMMs fwd (stand-in) | logit GEMMs bwd (stand-in) | fwd GB/s | "
+             "bwd GB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['warps']} | {r['wsum_fwd_ms']:.2f} | {r['wsum_bwd_ms']:.2f} | {r['gemm_fwd_ms']:.2f} | "
+              f"{r['gemm_bwd_ms']:.2f} | {r['wsum_fwd_gbps']:.0f} | {r['wsum_bwd_gbps']:.0f} |" for r in report["runs"]]
+    lines += ["", f"Kernels vs torch on small shapes (max error / max value): {errors}"]
+    (args.out / "dar_stream_probe.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
