@@ -15,6 +15,8 @@ Triton kernels against torch first:
 - per source, the logit GEMM (rows x D) @ (D x F) with F = 4 x the later chunks, and its two backward
   GEMMs, as bf16 torch.matmul stand-ins.
 
+The weighted sums run over SWEEP's (warps, rows per program) settings.
+
     python benchmarks/dar_stream_probe.py            # H200: writes results/dar_stream_probe.{json,md}
     python benchmarks/dar_stream_probe.py --quick    # tiny shapes, CPU (TRITON_INTERPRET=1): checks only
 """
@@ -36,21 +38,24 @@ from benchmarks.common import device_or_exit, machine  # noqa: E402
 from routekit.kernels.dar_triton import _pointer_table  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SWEEP = [(4, 1), (8, 1), (4, 2), (8, 2), (8, 4)]  # (warps, rows per program); e2235da measured rows=1, warps 2/4/8
 
 
 @triton.jit
-def _probs(logit_ptr, row, S, K, R, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Softmax over sources of a row's (K, S) logits (stored (K, S, R)), and the log-sum-exp per query."""
+def _probs(logit_ptr, rows, row_ok, S, K, R, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Softmax over sources of the rows' (K, S) logits (stored (K, S, R)): (K, S, rows) weights and the
+    (K, rows) log-sum-exp."""
     ks = tl.arange(0, BLOCK_K)
     ss = tl.arange(0, BLOCK_S)
-    ok = (ks < K)[:, None] & (ss < S)[None, :]
-    logit = tl.load(logit_ptr + (ks[:, None] * S + ss[None, :]).to(tl.int64) * R + row, mask=ok, other=float("-inf"))
+    ok = (ks < K)[:, None, None] & (ss < S)[None, :, None] & row_ok[None, None, :]
+    at = (ks[:, None, None] * S + ss[None, :, None]).to(tl.int64) * R + rows[None, None, :]
+    logit = tl.load(logit_ptr + at, mask=ok, other=float("-inf"))
     m = tl.max(logit, 1)
-    m = tl.where(ks < K, m, 0.0)
-    p = tl.where(ok, tl.exp(logit - m[:, None]), 0.0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # padded queries or rows
+    p = tl.where(ok, tl.exp(logit - m[:, None, :]), 0.0)
     denom = tl.sum(p, 1)
-    denom = tl.where(ks < K, denom, 1.0)
-    return p / denom[:, None], m + tl.log(denom), ks, ss
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    return p / denom[:, None, :], m + tl.log(denom), ks, ss
 
 
 @triton.jit
@@ -59,68 +64,80 @@ def _row_ptr(table_ptr, i, like_ptr):
 
 
 @triton.jit
-def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
-                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    p, lse, ks, ss = _probs(logit_ptr, row, S, K, R, BLOCK_K, BLOCK_S)
+def _rows(R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
     cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    offs = row * D + cols
-    acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
-    v_next = tl.load(_row_ptr(table_ptr, 0, like_ptr) + offs, mask=col_ok, other=0.0)
-    for s in range(0, S):  # the next source's row is in flight while this one is summed (the last, twice: cached)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    return rows, row_ok, mask, rows[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, row_ok, mask, offs = _rows(R, D, BLOCK_R, BLOCK_D)
+    p, lse, ks, ss = _probs(logit_ptr, rows, row_ok, S, K, R, BLOCK_K, BLOCK_S)
+    acc = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
+    v_next = tl.load(_row_ptr(table_ptr, 0, like_ptr) + offs, mask=mask, other=0.0)
+    for s in range(0, S):  # the next source's rows are in flight while these are summed (the last, twice: cached)
         v = v_next.to(tl.float32)
-        v_next = tl.load(_row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr) + offs, mask=col_ok, other=0.0)
-        ps = tl.sum(tl.where(ss[None, :] == s, p, 0.0), 1)
-        acc += ps[:, None] * v[None, :]
+        v_next = tl.load(_row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr) + offs, mask=mask, other=0.0)
+        ps = tl.sum(tl.where(ss[None, :, None] == s, p, 0.0), 1)  # (K, rows)
+        acc += ps[:, :, None] * v[None, :, :]
     k_ok = ks < K
     mix = tl.load(mix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
-    tl.store(mix[:, None] + offs[None, :], acc.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
-    tl.store(lse_ptr + ks * R + row, lse, mask=k_ok)
+    tl.store(mix[:, None, None] + offs[None, :, :], acc.to(like_ptr.dtype.element_ty),
+             mask=k_ok[:, None, None] & mask[None, :, :])
+    tl.store(lse_ptr + ks[:, None] * R + rows[None, :], lse, mask=k_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
 def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_table_ptr, y_ptr, dl_ptr, S, K, R, D,
-                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    p, _, ks, ss = _probs(logit_ptr, row, S, K, R, BLOCK_K, BLOCK_S)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    offs = row * D + cols
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, row_ok, mask, offs = _rows(R, D, BLOCK_R, BLOCK_D)
+    p, _, ks, ss = _probs(logit_ptr, rows, row_ok, S, K, R, BLOCK_K, BLOCK_S)
     k_ok = ks < K
+    live = k_ok[:, None] & row_ok[None, :]
     dmix_ptr = tl.load(dmix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
-    dmix = tl.load(dmix_ptr[:, None] + offs[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + ks * R + row, mask=k_ok, other=0.0)
-    v_next = tl.load(_row_ptr(table_ptr, 0, like_ptr) + offs, mask=col_ok, other=0.0)
+    dmix = tl.load(dmix_ptr[:, None, None] + offs[None, :, :], mask=k_ok[:, None, None] & mask[None, :, :],
+                   other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + ks[:, None] * R + rows[None, :], mask=live, other=0.0)
+    v_next = tl.load(_row_ptr(table_ptr, 0, like_ptr) + offs, mask=mask, other=0.0)
     for s in range(0, S):
         v = v_next.to(tl.float32)
-        v_next = tl.load(_row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr) + offs, mask=col_ok, other=0.0)
-        ps = tl.sum(tl.where(ss[None, :] == s, p, 0.0), 1)
-        hv = tl.sum(dmix * v[None, :], 1)
-        tl.store(dl_ptr + (ks * S + s) * R + row, ps * (hv + y), mask=k_ok)
-        dv = tl.sum(ps[:, None] * dmix, 0)
-        tl.store(_row_ptr(grad_table_ptr, s, like_ptr) + offs, dv.to(like_ptr.dtype.element_ty), mask=col_ok)
+        v_next = tl.load(_row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr) + offs, mask=mask, other=0.0)
+        ps = tl.sum(tl.where(ss[None, :, None] == s, p, 0.0), 1)  # (K, rows)
+        hv = tl.sum(dmix * v[None, :, :], 2)
+        tl.store(dl_ptr + (ks[:, None] * S + s) * R + rows[None, :], ps * (hv + y), mask=live)
+        dv = tl.sum(ps[:, :, None] * dmix, 0)
+        tl.store(_row_ptr(grad_table_ptr, s, like_ptr) + offs, dv.to(like_ptr.dtype.element_ty), mask=mask)
 
 
-def wsum_forward(sources, logits, warps):
+def _blocks(logits, d, rows_per_program):
+    k, s, _ = logits.shape
+    return dict(BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), BLOCK_R=rows_per_program,
+                BLOCK_D=triton.next_power_of_2(d))
+
+
+def wsum_forward(sources, logits, warps, rows_per_program=1):
     k, s, r = logits.shape
     d = sources[0].shape[-1]
     mixes = [torch.empty_like(sources[0]) for _ in range(k)]
     lse = torch.empty((k, r), dtype=torch.float32, device=logits.device)
-    _wsum_fwd_kernel[(r,)](_pointer_table(sources)[0], sources[0], logits, _pointer_table(mixes)[0], lse, s, k, r, d,
-                           BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s),
-                           BLOCK_D=triton.next_power_of_2(d), num_warps=warps)
+    _wsum_fwd_kernel[(triton.cdiv(r, rows_per_program),)](
+        _pointer_table(sources)[0], sources[0], logits, _pointer_table(mixes)[0], lse, s, k, r, d,
+        **_blocks(logits, d, rows_per_program), num_warps=warps)
     return mixes, lse
 
 
-def wsum_backward(sources, logits, dmixes, y, warps):
+def wsum_backward(sources, logits, dmixes, y, warps, rows_per_program=1):
     k, s, r = logits.shape
     d = sources[0].shape[-1]
     grads = [torch.empty_like(t) for t in sources]
     dl = torch.empty_like(logits)
-    _wsum_bwd_kernel[(r,)](_pointer_table(sources)[0], _pointer_table(grads)[0], sources[0], logits,
-                           _pointer_table(dmixes)[0], y, dl, s, k, r, d, BLOCK_K=triton.next_power_of_2(k),
-                           BLOCK_S=triton.next_power_of_2(s), BLOCK_D=triton.next_power_of_2(d), num_warps=warps)
+    _wsum_bwd_kernel[(triton.cdiv(r, rows_per_program),)](
+        _pointer_table(sources)[0], _pointer_table(grads)[0], sources[0], logits, _pointer_table(dmixes)[0], y, dl,
+        s, k, r, d, **_blocks(logits, d, rows_per_program), num_warps=warps)
     return grads, dl
 
 
@@ -138,14 +155,18 @@ def check(device: str) -> dict[str, float]:
     dm = torch.stack(dmixes)
     dl_ref = p * (torch.einsum("krd,srd->ksr", dm, v) + y[:, None, :])
     dv_ref = torch.einsum("ksr,krd->srd", p, dm)
-    mixes, lse = wsum_forward(sources, logits, 4)
-    grads, dl = wsum_backward(sources, logits, dmixes, y, 4)
 
     def rel(a, b):
         return ((a - b).abs().max() / b.abs().max()).item()
 
-    return {"mix": rel(torch.stack(mixes), mix_ref), "lse": rel(lse, logits.logsumexp(1)), "dl": rel(dl, dl_ref),
-            "dv": rel(torch.stack(grads), dv_ref)}
+    errors = {"mix": 0.0, "lse": 0.0, "dl": 0.0, "dv": 0.0}
+    for rows_per_program in (1, 4):  # 4: the last program's rows are partly past the end
+        mixes, lse = wsum_forward(sources, logits, 4, rows_per_program)
+        grads, dl = wsum_backward(sources, logits, dmixes, y, 4, rows_per_program)
+        for name, err in (("mix", rel(torch.stack(mixes), mix_ref)), ("lse", rel(lse, logits.logsumexp(1))),
+                          ("dl", rel(dl, dl_ref)), ("dv", rel(torch.stack(grads), dv_ref))):
+            errors[name] = max(errors[name], err)
+    return errors
 
 
 def time_ms(fn) -> float:
@@ -154,7 +175,7 @@ def time_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def measure(chunks: int, k: int, rows: int, d: int, warps: int) -> dict[str, object]:
+def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program: int) -> dict[str, object]:
     gen = torch.Generator("cuda").manual_seed(0)
     pool = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(chunks + 1)]
     dmixes = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
@@ -163,8 +184,9 @@ def measure(chunks: int, k: int, rows: int, d: int, warps: int) -> dict[str, obj
         sources = pool[:c + 1]
         logits = torch.randn(k, c + 1, rows, generator=gen, device="cuda") * 2
         y = torch.randn(k, rows, generator=gen, device="cuda")
-        fwd += time_ms(lambda sources=sources, logits=logits: wsum_forward(sources, logits, warps))
-        bwd += time_ms(lambda sources=sources, logits=logits, y=y: wsum_backward(sources, logits, dmixes, y, warps))
+        fwd += time_ms(lambda sources=sources, logits=logits: wsum_forward(sources, logits, warps, rows_per_program))
+        bwd += time_ms(lambda sources=sources, logits=logits, y=y:
+                       wsum_backward(sources, logits, dmixes, y, warps, rows_per_program))
     gemm_fwd = gemm_bwd = 0.0
     for i, v in enumerate(pool):  # v_0 is read by all chunks, chunk i-1's summary by the chunks after it
         later = chunks - i if i else chunks
@@ -195,8 +217,8 @@ def main() -> None:
     if args.quick:
         return
     report = {"machine": machine(), "check": errors, "runs": []}
-    for warps in (2, 4, 8):
-        row = {"warps": warps, **measure(14, 4, 256 * 256, 1152, warps)}
+    for warps, rows_per_program in SWEEP:
+        row = {"warps": warps, "rows": rows_per_program, **measure(14, 4, 256 * 256, 1152, warps, rows_per_program)}
         print(row, flush=True)
         report["runs"].append(row)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -213,10 +235,11 @@ def markdown(report: dict) -> str:
              "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; all 14 chunks summed, ms "
              "(do_bench medians). Compare the prefix kernels in a DiT-XL/2 b256 step today: forward 20.1, backward "
              "37.2 ms (throughput_dit_dar_compile.md).", "",
-             "| warps | wsum fwd | wsum bwd | logit GEMMs fwd (stand-in) | logit GEMMs bwd (stand-in) | fwd GB/s | "
-             "bwd GB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['warps']} | {r['wsum_fwd_ms']:.2f} | {r['wsum_bwd_ms']:.2f} | {r['gemm_fwd_ms']:.2f} | "
-              f"{r['gemm_bwd_ms']:.2f} | {r['wsum_fwd_gbps']:.0f} | {r['wsum_bwd_gbps']:.0f} |" for r in report["runs"]]
+             "| warps | rows | wsum fwd | wsum bwd | logit GEMMs fwd (stand-in) | logit GEMMs bwd (stand-in) | "
+             "fwd GB/s | bwd GB/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['warps']} | {r.get('rows', 1)} | {r['wsum_fwd_ms']:.2f} | {r['wsum_bwd_ms']:.2f} | "
+              f"{r['gemm_fwd_ms']:.2f} | {r['gemm_bwd_ms']:.2f} | {r['wsum_fwd_gbps']:.0f} | {r['wsum_bwd_gbps']:.0f} |"
+              for r in report["runs"]]
     lines += ["", f"Kernels vs torch on small shapes (max error / max value): {errors}"]
     return "\n".join(lines) + "\n"
 
