@@ -15,7 +15,7 @@ Triton kernels against torch first:
 - per source, the logit GEMM (rows x D) @ (D x F) with F = 4 x the later chunks, and its two backward
   GEMMs, as bf16 torch.matmul stand-ins.
 
-The weighted sums run over SWEEP's (warps, rows per program) settings.
+The weighted sums run over SWEEP's settings (warps, rows per program, forward per query).
 
     python benchmarks/dar_stream_probe.py            # H200: writes results/dar_stream_probe.{json,md}
     python benchmarks/dar_stream_probe.py --quick    # tiny shapes, CPU (TRITON_INTERPRET=1): checks only
@@ -38,7 +38,9 @@ from benchmarks.common import device_or_exit, machine  # noqa: E402
 from routekit.kernels.dar_triton import _pointer_table  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SWEEP = [(4, 1), (8, 1), (4, 2), (8, 2), (8, 4)]  # (warps, rows per program); e2235da measured rows=1, warps 2/4/8
+# (warps, rows per program, forward with one program per (row, query)); measured: rows 1 on 2/4/8 warps (e2235da),
+# 2 and 4 rows (4af3816: slower)
+SWEEP = [(4, 1, False), (1, 1, True), (2, 1, True), (4, 1, True)]
 
 
 @triton.jit
@@ -92,6 +94,34 @@ def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, 
 
 
 @triton.jit
+def _wsum_fwd_query_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
+                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The forward with one program per (row, query), the K programs of a row adjacent so its
+    sources come from L2 after the first: one accumulator per program instead of K."""
+    pid = tl.program_id(0)
+    row = (pid // K).to(tl.int64)
+    k = pid % K
+    ss = tl.arange(0, BLOCK_S)
+    s_ok = ss < S
+    logit = tl.load(logit_ptr + (k * S + ss).to(tl.int64) * R + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(logit, 0)
+    p = tl.where(s_ok, tl.exp(logit - m), 0.0)
+    denom = tl.sum(p, 0)
+    p = p / denom
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    offs = row * D + cols
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    v_next = tl.load(_row_ptr(table_ptr, 0, like_ptr) + offs, mask=col_ok, other=0.0)
+    for s in range(0, S):
+        v = v_next.to(tl.float32)
+        v_next = tl.load(_row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr) + offs, mask=col_ok, other=0.0)
+        acc += tl.sum(tl.where(ss == s, p, 0.0), 0) * v
+    tl.store(_row_ptr(mix_table_ptr, k, like_ptr) + offs, acc.to(like_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(lse_ptr + k * R + row, m + tl.log(denom))
+
+
+@triton.jit
 def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_table_ptr, y_ptr, dl_ptr, S, K, R, D,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows, row_ok, mask, offs = _rows(R, D, BLOCK_R, BLOCK_D)
@@ -119,11 +149,16 @@ def _blocks(logits, d, rows_per_program):
                 BLOCK_D=triton.next_power_of_2(d))
 
 
-def wsum_forward(sources, logits, warps, rows_per_program=1):
+def wsum_forward(sources, logits, warps, rows_per_program=1, per_query=False):
     k, s, r = logits.shape
     d = sources[0].shape[-1]
     mixes = [torch.empty_like(sources[0]) for _ in range(k)]
     lse = torch.empty((k, r), dtype=torch.float32, device=logits.device)
+    if per_query:
+        _wsum_fwd_query_kernel[(r * k,)](
+            _pointer_table(sources)[0], sources[0], logits, _pointer_table(mixes)[0], lse, s, k, r, d,
+            BLOCK_S=triton.next_power_of_2(s), BLOCK_D=triton.next_power_of_2(d), num_warps=warps)
+        return mixes, lse
     _wsum_fwd_kernel[(triton.cdiv(r, rows_per_program),)](
         _pointer_table(sources)[0], sources[0], logits, _pointer_table(mixes)[0], lse, s, k, r, d,
         **_blocks(logits, d, rows_per_program), num_warps=warps)
@@ -160,8 +195,8 @@ def check(device: str) -> dict[str, float]:
         return ((a - b).abs().max() / b.abs().max()).item()
 
     errors = {"mix": 0.0, "lse": 0.0, "dl": 0.0, "dv": 0.0}
-    for rows_per_program in (1, 4):  # 4: the last program's rows are partly past the end
-        mixes, lse = wsum_forward(sources, logits, 4, rows_per_program)
+    for rows_per_program, per_query in ((1, False), (4, False), (1, True)):  # 4: the last block is partial
+        mixes, lse = wsum_forward(sources, logits, 4, rows_per_program, per_query)
         grads, dl = wsum_backward(sources, logits, dmixes, y, 4, rows_per_program)
         for name, err in (("mix", rel(torch.stack(mixes), mix_ref)), ("lse", rel(lse, logits.logsumexp(1))),
                           ("dl", rel(dl, dl_ref)), ("dv", rel(torch.stack(grads), dv_ref))):
@@ -175,7 +210,8 @@ def time_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program: int) -> dict[str, object]:
+def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program: int,
+            per_query: bool) -> dict[str, object]:
     gen = torch.Generator("cuda").manual_seed(0)
     pool = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(chunks + 1)]
     dmixes = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
@@ -184,7 +220,8 @@ def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program
         sources = pool[:c + 1]
         logits = torch.randn(k, c + 1, rows, generator=gen, device="cuda") * 2
         y = torch.randn(k, rows, generator=gen, device="cuda")
-        fwd += time_ms(lambda sources=sources, logits=logits: wsum_forward(sources, logits, warps, rows_per_program))
+        fwd += time_ms(lambda sources=sources, logits=logits:
+                       wsum_forward(sources, logits, warps, rows_per_program, per_query))
         bwd += time_ms(lambda sources=sources, logits=logits, y=y:
                        wsum_backward(sources, logits, dmixes, y, warps, rows_per_program))
     gemm_fwd = gemm_bwd = 0.0
@@ -217,8 +254,9 @@ def main() -> None:
     if args.quick:
         return
     report = {"machine": machine(), "check": errors, "runs": []}
-    for warps, rows_per_program in SWEEP:
-        row = {"warps": warps, "rows": rows_per_program, **measure(14, 4, 256 * 256, 1152, warps, rows_per_program)}
+    for warps, rows_per_program, per_query in SWEEP:
+        row = {"warps": warps, "rows": rows_per_program, "per_query": per_query,
+               **measure(14, 4, 256 * 256, 1152, warps, rows_per_program, per_query)}
         print(row, flush=True)
         report["runs"].append(row)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -235,9 +273,10 @@ def markdown(report: dict) -> str:
              "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; all 14 chunks summed, ms "
              "(do_bench medians). Compare the prefix kernels in a DiT-XL/2 b256 step today: forward 20.1, backward "
              "37.2 ms (throughput_dit_dar_compile.md).", "",
-             "| warps | rows | wsum fwd | wsum bwd | logit GEMMs fwd (stand-in) | logit GEMMs bwd (stand-in) | "
-             "fwd GB/s | bwd GB/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['warps']} | {r.get('rows', 1)} | {r['wsum_fwd_ms']:.2f} | {r['wsum_bwd_ms']:.2f} | "
+             "| warps | rows | fwd per query | wsum fwd | wsum bwd | logit GEMMs fwd (stand-in) | "
+             "logit GEMMs bwd (stand-in) | fwd GB/s | bwd GB/s |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['warps']} | {r.get('rows', 1)} | {'yes' if r.get('per_query') else 'no'} | "
+              f"{r['wsum_fwd_ms']:.2f} | {r['wsum_bwd_ms']:.2f} | "
               f"{r['gemm_fwd_ms']:.2f} | {r['gemm_bwd_ms']:.2f} | {r['wsum_fwd_gbps']:.0f} | {r['wsum_bwd_gbps']:.0f} |"
               for r in report["runs"]]
     lines += ["", f"Kernels vs torch on small shapes (max error / max value): {errors}"]
