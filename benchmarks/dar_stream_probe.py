@@ -24,7 +24,6 @@ The weighted sums run over SWEEP's settings (warps, rows per program, forward pe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -34,10 +33,10 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import device_or_exit, machine  # noqa: E402
-from routekit.kernels.dar_triton import _pointer_table  # noqa: E402
+from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
+from benchmarks.dar_kernel import time_ms  # noqa: E402
+from routekit.kernels.dar_triton import _pointer_table, _row_block  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # (warps, rows per program, forward with one program per (row, query)); measured: rows 1 on 2/4/8 warps (e2235da),
 # 2 and 4 rows (4af3816: slower)
 SWEEP = [(4, 1, False), (1, 1, True), (2, 1, True), (4, 1, True)]
@@ -66,18 +65,9 @@ def _row_ptr(table_ptr, i, like_ptr):
 
 
 @triton.jit
-def _rows(R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    cols = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    return rows, row_ok, mask, rows[:, None] * D + cols[None, :]
-
-
-@triton.jit
 def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows, row_ok, mask, offs = _rows(R, D, BLOCK_R, BLOCK_D)
+    rows, row_ok, mask, offs = _row_block(tl.program_id(0), R, D, BLOCK_R, BLOCK_D)
     p, lse, ks, ss = _probs(logit_ptr, rows, row_ok, S, K, R, BLOCK_K, BLOCK_S)
     acc = tl.zeros([BLOCK_K, BLOCK_R, BLOCK_D], tl.float32)
     v_next = tl.load(_row_ptr(table_ptr, 0, like_ptr) + offs, mask=mask, other=0.0)
@@ -124,7 +114,7 @@ def _wsum_fwd_query_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_pt
 @triton.jit
 def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_table_ptr, y_ptr, dl_ptr, S, K, R, D,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows, row_ok, mask, offs = _rows(R, D, BLOCK_R, BLOCK_D)
+    rows, row_ok, mask, offs = _row_block(tl.program_id(0), R, D, BLOCK_R, BLOCK_D)
     p, _, ks, ss = _probs(logit_ptr, rows, row_ok, S, K, R, BLOCK_K, BLOCK_S)
     k_ok = ks < K
     live = k_ok[:, None] & row_ok[None, :]
@@ -204,12 +194,6 @@ def check(device: str) -> dict[str, float]:
     return errors
 
 
-def time_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-
 def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program: int,
             per_query: bool) -> dict[str, object]:
     gen = torch.Generator("cuda").manual_seed(0)
@@ -244,7 +228,7 @@ def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="correctness on tiny shapes only (CPU: TRITON_INTERPRET=1)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results")
     args = parser.parse_args()
     device = device_or_exit(args.quick)
     errors = check(device)
@@ -259,17 +243,13 @@ def main() -> None:
                **measure(14, 4, 256 * 256, 1152, warps, rows_per_program, per_query)}
         print(row, flush=True)
         report["runs"].append(row)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dar_stream_probe.json").write_text(json.dumps(report, indent=1))
-    (args.out / "dar_stream_probe.md").write_text(markdown(report))
+    write("dar_stream_probe", report, markdown(report), args.out)
 
 
 def markdown(report: dict) -> str:
     m, errors = report["machine"], report["check"]
     lines = ["# Streaming prefix pieces at DiT-XL/2 b256 (go/no-go for the next prefix design)", "",
-             f"Machine: {m.get('device')}; torch {m.get('torch')}, triton {m.get('triton')}; commit "
-             f"`{m.get('commit')}`; {m.get('date')}", "",
-             f"Command: `{m.get('command')}`", "",
+             header(m),
              "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; all 14 chunks summed, ms "
              "(do_bench medians). Compare the prefix kernels in a DiT-XL/2 b256 step today: forward 20.1, backward "
              "37.2 ms (throughput_dit_dar_compile.md).", "",
