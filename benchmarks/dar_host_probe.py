@@ -1,7 +1,7 @@
 """Host time of one fused DAR aggregation at batch 32 (57 sources, d=1152, bf16): how long the
 host takes to issue the forward and the backward through autograd, against the wall time, then
-where that host time goes (cProfile, then torch.profiler's CPU table). At this size the kernels
-take ~1.1 ms forward + backward, so the host decides the wall time.
+where that host time goes: the backward's pieces timed one by one, then cProfile and torch.profiler's
+CPU table. At this size the kernels take ~1.1 ms forward + backward, so the host decides the wall time.
 
     python benchmarks/dar_host_probe.py                    # this checkout
     ROOT=/path/to/other/checkout python benchmarks/dar_host_probe.py   # another version of routekit
@@ -40,6 +40,61 @@ def host_and_wall_ms(fn, iters: int = 50) -> tuple[float, float]:
     return host, (time.perf_counter() - start) / iters * 1e3
 
 
+def host_us(fn, iters: int = 200) -> float:
+    """Host time per call, microseconds (the GPU work it queues is not waited for)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - start) / iters * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def backward_pieces(sources, query, grad) -> None:
+    """The host work of one backward, piece by piece (this checkout's private functions; skipped
+    for a ROOT that lacks them)."""
+    from routekit.kernels import dar_triton as dt
+
+    if not hasattr(dt, "_table_of"):
+        print("pieces: skipped (routekit without _table_of)")
+        return
+    launch = dt.launch_config(D, B * N).as_list()
+    out, o32, lse = dt._mix(sources, query, 1e-6, sources[0].dtype, False, launch, None, None)
+    stacked = torch.empty((S, B, N, D), dtype=sources[0].dtype, device="cuda")
+    ready = list(stacked.unbind(0))
+
+    class Engine(torch.autograd.Function):
+        """The autograd engine's share: a Function taking and giving back 58 tensors, nothing else."""
+
+        @staticmethod
+        def forward(ctx, q, *xs):
+            ctx.save_for_backward(q, *xs)
+            return torch.empty_like(xs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            _ = ctx.saved_tensors  # unpacked, as a real backward does
+            return query, *ready
+
+    def built():
+        dt._TABLES.clear()
+        return dt._pointer_table(sources)
+
+    rows = {
+        "pointer table, built": built,
+        "pointer table, cached": lambda: dt._pointer_table(sources),
+        "gradient buffers": lambda: dt._grad_buffers(sources),
+        "unbind of the stacked gradients": lambda: stacked.unbind(0),
+        "backward body (_mix_backward)": lambda: dt._mix_backward(sources, query, grad, out, lse, 1e-6, launch, None),
+        "engine: a Function of 58 inputs giving 58 ready gradients": lambda: torch.autograd.grad(
+            Engine.apply(query, *sources), [*sources, query], grad),
+    }
+    for name, fn in rows.items():
+        print(f"pieces: {name}: {host_us(fn):.1f} us")
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("this probe needs a CUDA GPU")
@@ -63,6 +118,7 @@ def main() -> None:
                      ("backward", lambda: torch.autograd.grad(out, [*sources, query], grad, retain_graph=True))]:
         host, wall = host_and_wall_ms(fn)
         print(f"{name}: host {host:.3f} ms, wall {wall:.3f} ms")
+    backward_pieces(sources, query, grad)
 
     profiler = cProfile.Profile()
     profiler.enable()

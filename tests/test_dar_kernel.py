@@ -196,6 +196,29 @@ def test_source_gradients_are_right_in_one_allocation_or_one_each(shared, monkey
     assert len(storages) == (1 if shared else len(fused))
 
 
+def test_pointer_tables_are_built_once_per_set_of_addresses_and_stay_right(monkeypatch):
+    """A backward finds its forward's table (same sources) in the cache; a table is keyed by the
+    addresses it holds, so new tensors at new addresses get a new, right table, and the cache is bounded."""
+    monkeypatch.setattr(dar_triton, "_TABLES", {})
+    monkeypatch.setattr(dar_triton, "TABLE_CACHE_SIZE", 3)
+    sources, query, grad = Case(4, 2, 3, 24, torch.float32, "d", True, 2.0, seed=5).tensors()
+    leaves = [v.clone().requires_grad_() for v in sources]
+    fused = torch.autograd.grad(triton_kernel(leaves, query), leaves, grad)
+    first = dict(dar_triton._TABLES)
+    # forward sources, gradient buffers (one stacked allocation)
+    assert len(first) == 2
+    keys = [k[1:] for k in first]
+    assert [v.data_ptr() for v in leaves] in [list(k) for k in keys]
+    for key, (table, _) in first.items():
+        assert table.tolist() == list(key[1:])
+    again = [v.clone().requires_grad_() for v in sources]  # new addresses while the first are alive
+    second = torch.autograd.grad(triton_kernel(again, query), again, grad)
+    assert len(dar_triton._TABLES) <= 3
+    expected = torch.autograd.grad(dar_aggregate_reference(leaves, query), leaves, grad)
+    for got in (fused, second):
+        assert_close(torch.stack(got), torch.stack(expected), TOLERANCE[torch.float32], "grad sources")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_without_autograd_gives_the_same_output(dtype):
     """Under no_grad nothing is saved for backward and bf16 skips the fp32 output copy."""

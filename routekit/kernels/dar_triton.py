@@ -428,14 +428,33 @@ BWD_PROGRAMS = 4096
 ROW_LOOP_MAX_SOURCES = 8
 
 
-def _pointer_table(tensors: list[Tensor]) -> tuple[Tensor, bool]:
-    """Int64 tensor of the data pointers of ``tensors`` on their device, and whether all are
-    16-byte aligned."""
-    ptrs = [t.data_ptr() for t in tensors]
+# Pointer tables by (device, pointers): in a training loop the caching allocator hands the same
+# addresses back every step, and a backward reads the same sources as its forward, so building a
+# table (a host tensor, pinned, copied to the device) becomes a dictionary lookup. A table's content
+# depends only on its key, so a hit is always right, whatever tensor now lives at those addresses.
+_TABLES: dict[tuple, tuple[Tensor, bool]] = {}
+TABLE_CACHE_SIZE = 1024
+
+
+def _table_of(ptrs: list[int], device: torch.device) -> tuple[Tensor, bool]:
+    """Int64 tensor of ``ptrs`` on ``device``, and whether all are 16-byte aligned."""
+    key = (device, *ptrs)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
     table = torch.tensor(ptrs, dtype=torch.int64)
-    if tensors[0].is_cuda:
-        table = table.pin_memory().to(tensors[0].device, non_blocking=True)
-    return table, all(p % 16 == 0 for p in ptrs)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    if len(_TABLES) >= TABLE_CACHE_SIZE:
+        del _TABLES[next(iter(_TABLES))]  # the oldest
+    _TABLES[key] = table, all(p % 16 == 0 for p in ptrs)
+    return _TABLES[key]
+
+
+def _pointer_table(tensors: list[Tensor]) -> tuple[Tensor, bool]:
+    """The data pointers of ``tensors`` as an int64 tensor on their device, and whether all are
+    16-byte aligned."""
+    return _table_of([t.data_ptr() for t in tensors], tensors[0].device)
 
 
 def _contiguous(tensors: list[Tensor]) -> list[Tensor]:
@@ -461,9 +480,8 @@ def _grad_buffers(sources: list[Tensor]) -> tuple[list[Tensor], Tensor, bool]:
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sources]
         return grads, *_pointer_table(grads)
     stacked = torch.empty((len(sources), *like.shape), dtype=like.dtype, device=like.device)
-    step = stacked.stride(0) * stacked.element_size()
-    table = torch.arange(len(sources), dtype=torch.int64, device=like.device) * step + stacked.data_ptr()
-    return [stacked], table, stacked.data_ptr() % 16 == 0 and step % 16 == 0
+    base, step = stacked.data_ptr(), stacked.stride(0) * stacked.element_size()
+    return [stacked], *_table_of([base + i * step for i in range(len(sources))], like.device)
 
 
 def _query_gradient(dq: Tensor, shape: torch.Size, b: int, n: int, splits: int, per_row: bool) -> Tensor:
