@@ -15,7 +15,8 @@ Triton kernels against torch first:
 - per source, the logit GEMM (rows x D) @ (D x F) with F = 4 x the later chunks, and its two backward
   GEMMs, as bf16 torch.matmul stand-ins.
 
-The weighted sums run over SWEEP's settings (warps, rows per program, forward per query).
+The weighted sums run over SWEEP's settings (warps, rows per program, forward per query, head and tail,
+pipeliner stages).
 
     python benchmarks/dar_stream_probe.py            # H200: writes results/dar_stream_probe.{json,md}
     python benchmarks/dar_stream_probe.py --quick    # tiny shapes, CPU (TRITON_INTERPRET=1): checks only
@@ -38,9 +39,10 @@ from benchmarks.dar_kernel import time_ms  # noqa: E402
 from routekit.kernels.dar_triton import _pointer_table, _row_block  # noqa: E402
 
 # (warps, rows per program, forward with one program per (row, query), rows as a 1024 + 128 head and tail
-# instead of 2048 padded lanes); measured: rows 1 on 2/4/8 warps (e2235da), 2 and 4 rows (4af3816: slower)
-SWEEP = [(4, 1, False, False), (1, 1, True, False), (2, 1, True, False), (4, 1, True, False),
-         (1, 1, True, True), (2, 1, True, True), (4, 1, True, True), (8, 1, True, True)]
+# instead of 2048 padded lanes, pipeliner stages (0: the next source held in registers)); measured: rows 1
+# on 2/4/8 warps (e2235da), 2 and 4 rows (4af3816: slower)
+SWEEP = [(4, 1, False, False, 0), (1, 1, True, False, 0), (2, 1, True, False, 0), (4, 1, True, False, 0),
+         (1, 1, True, True, 0), (2, 1, True, True, 0), (4, 1, True, True, 0), (8, 1, True, True, 0)]
 
 
 @triton.jit
@@ -152,9 +154,11 @@ def _row_probs(logit_ptr, row, S, K, R, BLOCK_K: tl.constexpr, BLOCK_S: tl.const
 
 @triton.jit
 def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
-                              BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
+                              BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, STAGES: tl.constexpr):
     """``_wsum_fwd_query_kernel`` with the row as HEAD + TAIL lanes (1024 + 128 for D=1152) rather than
-    a power of two padded: 44% fewer lanes, registers and issued instructions at D=1152."""
+    a power of two padded: 44% fewer lanes, registers and issued instructions at D=1152. STAGES > 0:
+    the source loop is left to Triton's pipeliner (``tl.range(num_stages=STAGES)``, the loads staged
+    through shared memory) instead of holding the next source in registers."""
     pid = tl.program_id(0)
     row = (pid // K).to(tl.int64)
     k = pid % K
@@ -171,18 +175,27 @@ def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse
     tail = row * D + tail_cols
     acc_h = tl.zeros([HEAD], tl.float32)
     acc_t = tl.zeros([TAIL], tl.float32)
-    src = _row_ptr(table_ptr, 0, like_ptr)
-    h_next = tl.load(src + head)
-    t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
-    for s in range(0, S):
-        h = h_next.to(tl.float32)
-        t = t_next.to(tl.float32)
-        src = _row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr)
+    if STAGES == 0:
+        src = _row_ptr(table_ptr, 0, like_ptr)
         h_next = tl.load(src + head)
         t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
-        ps = tl.sum(tl.where(ss == s, p, 0.0), 0)
-        acc_h += ps * h
-        acc_t += ps * t
+        for s in range(0, S):
+            h = h_next.to(tl.float32)
+            t = t_next.to(tl.float32)
+            src = _row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr)
+            h_next = tl.load(src + head)
+            t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
+            ps = tl.sum(tl.where(ss == s, p, 0.0), 0)
+            acc_h += ps * h
+            acc_t += ps * t
+    else:
+        for s in tl.range(0, S, num_stages=STAGES):
+            src = _row_ptr(table_ptr, s, like_ptr)
+            h = tl.load(src + head).to(tl.float32)
+            t = tl.load(src + tail, mask=tail_ok, other=0.0).to(tl.float32)
+            ps = tl.sum(tl.where(ss == s, p, 0.0), 0)
+            acc_h += ps * h
+            acc_t += ps * t
     out = _row_ptr(mix_table_ptr, k, like_ptr)
     tl.store(out + head, acc_h.to(like_ptr.dtype.element_ty))
     tl.store(out + tail, acc_t.to(like_ptr.dtype.element_ty), mask=tail_ok)
@@ -190,10 +203,23 @@ def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse
 
 
 @triton.jit
+def _wsum_bwd_source(s, h, t, p, ss, ks, k_ok, dmix_h, dmix_t, y, dl_ptr, grad_table_ptr, like_ptr, S, R, head,
+                     tail, tail_ok):
+    """One source of ``_wsum_bwd_ht_kernel``'s row: its K logit gradients and its gradient."""
+    ps = tl.sum(tl.where(ss[None, :] == s, p, 0.0), 1)  # (K,)
+    hv = tl.sum(dmix_h * h[None, :], 1) + tl.sum(dmix_t * t[None, :], 1)
+    tl.store(dl_ptr + (ks * S + s) * R + tl.program_id(0).to(tl.int64), ps * (hv + y), mask=k_ok)
+    out = _row_ptr(grad_table_ptr, s, like_ptr)
+    tl.store(out + head, tl.sum(ps[:, None] * dmix_h, 0).to(like_ptr.dtype.element_ty))
+    tl.store(out + tail, tl.sum(ps[:, None] * dmix_t, 0).to(like_ptr.dtype.element_ty), mask=tail_ok)
+
+
+@triton.jit
 def _wsum_bwd_ht_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_table_ptr, y_ptr, dl_ptr, S, K, R, D,
-                        BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                        STAGES: tl.constexpr):
     """``_wsum_bwd_kernel`` for one row per program, the row as HEAD + TAIL lanes: the K mixes'
-    gradients held in registers take 1152 lanes each instead of 2048."""
+    gradients held in registers take 1152 lanes each instead of 2048. STAGES as in the forward."""
     row = tl.program_id(0).to(tl.int64)
     p, ks, ss = _row_probs(logit_ptr, row, S, K, R, BLOCK_K, BLOCK_S)
     k_ok = ks < K
@@ -206,21 +232,25 @@ def _wsum_bwd_ht_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_tab
     dmix_t = tl.load(dmix_ptr[:, None] + tail[None, :], mask=k_ok[:, None] & tail_ok[None, :],
                      other=0.0).to(tl.float32)
     y = tl.load(y_ptr + ks * R + row, mask=k_ok, other=0.0)
-    src = _row_ptr(table_ptr, 0, like_ptr)
-    h_next = tl.load(src + head)
-    t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
-    for s in range(0, S):
-        h = h_next.to(tl.float32)
-        t = t_next.to(tl.float32)
-        src = _row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr)
+    if STAGES == 0:
+        src = _row_ptr(table_ptr, 0, like_ptr)
         h_next = tl.load(src + head)
         t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
-        ps = tl.sum(tl.where(ss[None, :] == s, p, 0.0), 1)  # (K,)
-        hv = tl.sum(dmix_h * h[None, :], 1) + tl.sum(dmix_t * t[None, :], 1)
-        tl.store(dl_ptr + (ks * S + s) * R + row, ps * (hv + y), mask=k_ok)
-        out = _row_ptr(grad_table_ptr, s, like_ptr)
-        tl.store(out + head, tl.sum(ps[:, None] * dmix_h, 0).to(like_ptr.dtype.element_ty))
-        tl.store(out + tail, tl.sum(ps[:, None] * dmix_t, 0).to(like_ptr.dtype.element_ty), mask=tail_ok)
+        for s in range(0, S):
+            h = h_next.to(tl.float32)
+            t = t_next.to(tl.float32)
+            src = _row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr)
+            h_next = tl.load(src + head)
+            t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
+            _wsum_bwd_source(s, h, t, p, ss, ks, k_ok, dmix_h, dmix_t, y, dl_ptr, grad_table_ptr, like_ptr, S, R,
+                             head, tail, tail_ok)
+    else:
+        for s in tl.range(0, S, num_stages=STAGES):
+            src = _row_ptr(table_ptr, s, like_ptr)
+            h = tl.load(src + head).to(tl.float32)
+            t = tl.load(src + tail, mask=tail_ok, other=0.0).to(tl.float32)
+            _wsum_bwd_source(s, h, t, p, ss, ks, k_ok, dmix_h, dmix_t, y, dl_ptr, grad_table_ptr, like_ptr, S, R,
+                             head, tail, tail_ok)
 
 
 def _blocks(logits, d, rows_per_program):
@@ -234,7 +264,7 @@ def _head_tail(d: int) -> tuple[int, int]:
     return head, max(16, triton.next_power_of_2(d - head)) if d > head else 16
 
 
-def wsum_forward(sources, logits, warps, rows_per_program=1, per_query=False, head_tail=False):
+def wsum_forward(sources, logits, warps, rows_per_program=1, per_query=False, head_tail=False, stages=0):
     k, s, r = logits.shape
     d = sources[0].shape[-1]
     mixes = [torch.empty_like(sources[0]) for _ in range(k)]
@@ -243,7 +273,7 @@ def wsum_forward(sources, logits, warps, rows_per_program=1, per_query=False, he
         head, tail = _head_tail(d)
         _wsum_fwd_query_ht_kernel[(r * k,)](
             _pointer_table(sources)[0], sources[0], logits, _pointer_table(mixes)[0], lse, s, k, r, d,
-            BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail, num_warps=warps)
+            BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail, STAGES=stages, num_warps=warps)
         return mixes, lse
     if per_query:
         _wsum_fwd_query_kernel[(r * k,)](
@@ -256,7 +286,7 @@ def wsum_forward(sources, logits, warps, rows_per_program=1, per_query=False, he
     return mixes, lse
 
 
-def wsum_backward(sources, logits, dmixes, y, warps, rows_per_program=1, head_tail=False):
+def wsum_backward(sources, logits, dmixes, y, warps, rows_per_program=1, head_tail=False, stages=0):
     k, s, r = logits.shape
     d = sources[0].shape[-1]
     grads = [torch.empty_like(t) for t in sources]
@@ -266,7 +296,7 @@ def wsum_backward(sources, logits, dmixes, y, warps, rows_per_program=1, head_ta
         _wsum_bwd_ht_kernel[(r,)](
             _pointer_table(sources)[0], _pointer_table(grads)[0], sources[0], logits, _pointer_table(dmixes)[0], y,
             dl, s, k, r, d, BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head,
-            TAIL=tail, num_warps=warps)
+            TAIL=tail, STAGES=stages, num_warps=warps)
         return grads, dl
     _wsum_bwd_kernel[(triton.cdiv(r, rows_per_program),)](
         _pointer_table(sources)[0], _pointer_table(grads)[0], sources[0], logits, _pointer_table(dmixes)[0], y, dl,
@@ -294,10 +324,10 @@ def check(device: str) -> dict[str, float]:
 
     errors = {"mix": 0.0, "lse": 0.0, "dl": 0.0, "dv": 0.0}
     # 4 rows: the last block is partial; head and tail: d=40 is 32 + 8 (tail padded to 16)
-    for rows_per_program, per_query, head_tail in ((1, False, False), (4, False, False), (1, True, False),
-                                                   (1, True, True)):
-        mixes, lse = wsum_forward(sources, logits, 4, rows_per_program, per_query, head_tail)
-        grads, dl = wsum_backward(sources, logits, dmixes, y, 4, rows_per_program, head_tail)
+    for rows_per_program, per_query, head_tail, stages in ((1, False, False, 0), (4, False, False, 0),
+                                                           (1, True, False, 0), (1, True, True, 0), (1, True, True, 3)):
+        mixes, lse = wsum_forward(sources, logits, 4, rows_per_program, per_query, head_tail, stages)
+        grads, dl = wsum_backward(sources, logits, dmixes, y, 4, rows_per_program, head_tail, stages)
         for name, err in (("mix", rel(torch.stack(mixes), mix_ref)), ("lse", rel(lse, logits.logsumexp(1))),
                           ("dl", rel(dl, dl_ref)), ("dv", rel(torch.stack(grads), dv_ref))):
             errors[name] = max(errors[name], err)
@@ -305,7 +335,7 @@ def check(device: str) -> dict[str, float]:
 
 
 def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program: int,
-            per_query: bool, head_tail: bool) -> dict[str, object]:
+            per_query: bool, head_tail: bool, stages: int) -> dict[str, object]:
     gen = torch.Generator("cuda").manual_seed(0)
     pool = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(chunks + 1)]
     dmixes = [torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
@@ -315,9 +345,9 @@ def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program
         logits = torch.randn(k, c + 1, rows, generator=gen, device="cuda") * 2
         y = torch.randn(k, rows, generator=gen, device="cuda")
         fwd += time_ms(lambda sources=sources, logits=logits:
-                       wsum_forward(sources, logits, warps, rows_per_program, per_query, head_tail))
+                       wsum_forward(sources, logits, warps, rows_per_program, per_query, head_tail, stages))
         bwd += time_ms(lambda sources=sources, logits=logits, y=y:
-                       wsum_backward(sources, logits, dmixes, y, warps, rows_per_program, head_tail))
+                       wsum_backward(sources, logits, dmixes, y, warps, rows_per_program, head_tail, stages))
     gemm_fwd = gemm_bwd = 0.0
     for i, v in enumerate(pool):  # v_0 is read by all chunks, chunk i-1's summary by the chunks after it
         later = chunks - i if i else chunks
@@ -348,9 +378,10 @@ def main() -> None:
     if args.quick:
         return
     report = {"machine": machine(), "check": errors, "runs": []}
-    for warps, rows_per_program, per_query, head_tail in SWEEP:
+    for warps, rows_per_program, per_query, head_tail, stages in SWEEP:
         row = {"warps": warps, "rows": rows_per_program, "per_query": per_query, "head_tail": head_tail,
-               **measure(14, 4, 256 * 256, 1152, warps, rows_per_program, per_query, head_tail)}
+               "stages": stages, **measure(14, 4, 256 * 256, 1152, warps, rows_per_program, per_query, head_tail,
+                                           stages)}
         print(row, flush=True)
         report["runs"].append(row)
     write("dar_stream_probe", report, markdown(report), args.out)
@@ -363,10 +394,10 @@ def markdown(report: dict) -> str:
              "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; all 14 chunks summed, ms "
              "(do_bench medians). Compare the prefix kernels in a DiT-XL/2 b256 step today: forward 20.1, backward "
              "37.2 ms (throughput_dit_dar_compile.md).", "",
-             "| warps | rows | fwd per query | head + tail | wsum fwd | wsum bwd | logit GEMMs fwd (stand-in) | "
-             "logit GEMMs bwd (stand-in) | fwd GB/s | bwd GB/s |", "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| warps | rows | fwd per query | head + tail | stages | wsum fwd | wsum bwd | logit GEMMs fwd (stand-in) | "
+             "logit GEMMs bwd (stand-in) | fwd GB/s | bwd GB/s |", "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['warps']} | {r.get('rows', 1)} | {'yes' if r.get('per_query') else 'no'} | "
-              f"{'yes' if r.get('head_tail') else 'no'} | "
+              f"{'yes' if r.get('head_tail') else 'no'} | {r.get('stages', 0)} | "
               f"{r['wsum_fwd_ms']:.2f} | {r['wsum_bwd_ms']:.2f} | "
               f"{r['gemm_fwd_ms']:.2f} | {r['gemm_bwd_ms']:.2f} | {r['wsum_fwd_gbps']:.0f} | {r['wsum_bwd_gbps']:.0f} |"
               for r in report["runs"]]

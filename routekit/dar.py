@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -45,7 +46,7 @@ from torch import nn
 from .analysis import GraphReport, fake_block_inputs, slot_value, to_networkx
 from .config import DAR
 from .errors import ConfigError
-from .kernels import dar_aggregate, dar_prefix
+from .kernels import dar_aggregate, dar_prefix, dar_weighted_sum, source_logits
 from .ops import gather_tokens, scatter_tokens
 from .trace import TensorMeta, Trace, bind_arguments, trace
 
@@ -88,6 +89,24 @@ def shared_history(sources: list[torch.Tensor], queries: torch.Tensor, eps: floa
     """Phase one of a chunk: the sources all of its sublayers see (v_0 and earlier chunks'
     summaries), read once for all of the chunk's queries."""
     return dar_prefix(_in_dtype(sources, sources[-1].dtype), queries, eps, kernel)
+
+
+def history_logits(v: torch.Tensor, query: torch.Tensor, points: tuple[int, ...], temb: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+    """One shared source's logits (B, N, F) for the F aggregations at ``points`` that will read it, from
+    one GEMM when the source is made (static queries are known in advance)."""
+    return source_logits(v, query[list(points)], temb, eps)
+
+
+def chunk_logits(logits: tuple[torch.Tensor, ...], offsets: tuple[int, ...], k: int) -> torch.Tensor:
+    """A chunk's (S, B, N, K) logits: from each shared source's logits, the K columns of this chunk."""
+    return torch.stack([z[..., o:o + k] for z, o in zip(logits, offsets)])
+
+
+def streamed_history(sources: list[torch.Tensor], logits: torch.Tensor, kernel: str) -> tuple[list[torch.Tensor],
+                                                                                           torch.Tensor]:
+    """Phase one of a chunk from its shared sources' logits: a weighted sum, each source read once."""
+    return dar_weighted_sum(_in_dtype(sources, sources[-1].dtype), logits, kernel)
 
 
 def timestep_queries(w: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -233,6 +252,16 @@ class _History:
         self.index = self.route_stream = None
 
 
+def shared_part_from_env() -> str:
+    """How two-phase chunks make their shared part: "stream" (default: each shared source's logits from
+    one GEMM when it is made, then a weighted sum per chunk) or "fused" (logits computed inside the
+    chunk's prefix kernel), from ROUTEKIT_DAR_SHARED; for A/B measurements."""
+    value = os.environ.get("ROUTEKIT_DAR_SHARED", "stream")
+    if value not in ("stream", "fused"):
+        raise ConfigError(f"ROUTEKIT_DAR_SHARED={value!r}: expected 'stream' or 'fused'")
+    return value
+
+
 def find_timestep_embedding(graph: fx.Graph, report: GraphReport, name: str | None) -> fx.Node:
     """The model's own e(t): a (B, D) node computed from a 1-D float input alone (or the named module)."""
     batch, _, dim = report.stream.shape
@@ -281,6 +310,18 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
     two_phase = _two_phase_chunks(blocks, starts, ends, config)
     chunk = None  # the current two-phase chunk: (first point, its shared sources, mixes node, lses node)
     options = {"eps": config.eps, "kernel": config.kernel}
+    streamed = shared_part_from_env() == "stream"
+    readers: dict[fx.Node, tuple[fx.Node, list[int]]] = {}  # source -> (its logits node, the points reading it)
+
+    def logits_for(shared: list[fx.Node], first: int, size: int) -> fx.Node:
+        offsets = []
+        for node in shared:
+            if node not in readers:
+                with graph.inserting_after(node):
+                    readers[node] = graph.call_function(history_logits, (node, query, (), temb, config.eps)), []
+            offsets.append(len(readers[node][1]))
+            readers[node][1].extend(range(first, first + size))
+        return graph.call_function(chunk_logits, (tuple(readers[n][0] for n in shared), tuple(offsets), size))
 
     def aggregate(v: fx.Node) -> fx.Node:
         nonlocal point, chunk
@@ -293,10 +334,14 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
             q = graph.call_function(F.linear, (v, w))
         if point in two_phase:  # a chunk begins: its shared sources, once for all its queries
             shared = history.sources()[:-1]
-            queries = graph.call_function(operator.getitem, (query, slice(point, point + two_phase[point])))
-            if config.query == "static_t":
-                queries = graph.call_function(timestep_queries, (queries, temb))
-            parts = graph.call_function(shared_history, (shared, queries), options)
+            if streamed:
+                logits = logits_for(shared, point, two_phase[point])
+                parts = graph.call_function(streamed_history, (shared, logits), {"kernel": config.kernel})
+            else:
+                queries = graph.call_function(operator.getitem, (query, slice(point, point + two_phase[point])))
+                if config.query == "static_t":
+                    queries = graph.call_function(timestep_queries, (queries, temb))
+                parts = graph.call_function(shared_history, (shared, queries), options)
             chunk = (point, shared, *(graph.call_function(operator.getitem, (parts, i)) for i in (0, 1)))
         point += 1
         sources = history.sources()
@@ -338,6 +383,8 @@ def dar_graph(graph: fx.Graph, model: nn.Module, report: GraphReport, blocks: li
             _, scatter = route_nodes[ends[i]]
             with graph.inserting_before(scatter.next):
                 history.exit()
+    for node, (logits, points) in readers.items():  # every reader is known now
+        logits.args = (node, query, tuple(points), temb, config.eps)
     graph.lint()
     return constants
 

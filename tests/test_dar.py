@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import linecache
 import math
+import os
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -723,21 +725,27 @@ def test_state_dict_is_the_models_plus_dar(spec, query):
         routed.load_state_dict(missing, strict=True)
 
 
+@pytest.mark.parametrize("prefix", ["stream", "fused"])
 @FEW
 @given(spec=specs(), chunk=st.sampled_from([2, 3, 4]), mode=st.sampled_from(["static", "static_t"]),
        seed=st.integers(0, 2**16))
-def test_two_phase_chunks_give_the_gradients_of_dar_by_hand(spec, chunk, mode, seed):
+def test_two_phase_chunks_give_the_gradients_of_dar_by_hand(prefix, spec, chunk, mode, seed):
     """Static queries are known before a chunk runs, so each chunk reads its shared sources once for
-    all of its sublayers (shared_history) and each sublayer merges its own outputs in; the gradients of
-    every model parameter and query are those of the plain loop."""
+    all of its sublayers and each sublayer merges its own outputs in: by default from each shared
+    source's logits, made once for every later chunk (streamed_history), or with ROUTEKIT_DAR_SHARED=fused
+    computing them in the chunk (shared_history). The gradients of every model parameter and query are
+    those of the plain loop."""
     model = build(spec)
     example = inputs(spec)
-    routed = dar(model, example, chunk=chunk, query=mode)
+    with mock.patch.dict(os.environ, {"ROUTEKIT_DAR_SHARED": prefix}):
+        routed = dar(model, example, chunk=chunk, query=mode)
     randomise_queries(routed, seed)
     state = routed.routekit.dar
     routed.train()
     if spec.sublayers >= 2:
-        assert "shared_history" in program_source(routed, True)
+        source = program_source(routed, True)
+        assert ("streamed_history" in source) == (prefix == "stream")
+        assert ("shared_history" in source) == (prefix == "fused")
     params = [p for _, p in model.named_parameters()]
     got = torch.autograd.grad(routed(*example).square().sum(), [*params, state.query], allow_unused=True)
     loss = dar_by_hand(model, *example, chunk=chunk, mix=softmax_mix, query=state.query, mode=mode).square().sum()

@@ -4,6 +4,8 @@ Without CUDA the Triton kernel runs in Triton's CPU interpreter; tensors stay sm
 file finishes in well under a minute on two cores.
 """
 
+import dataclasses
+import linecache
 import math
 import os
 
@@ -29,6 +31,8 @@ from routekit.kernels import (  # noqa: E402
     dar_aggregate,
     dar_aggregate_reference,
     dar_prefix,
+    dar_weighted_sum,
+    source_logits,
 )
 
 triton = pytest.importorskip("triton")
@@ -436,6 +440,76 @@ def test_two_phase_chunk_equals_one_aggregation_over_all_sources(kernel, case: C
         assert_close(g, w, CHUNK_TOLERANCE[case.dtype], f"{kernel} {name} of {case}")
 
 
+def streamed_chunk_outputs(case: ChunkCase, kernel: str | None, timestep: bool):
+    """``chunk_outputs`` for static queries w_k (+ e(t) with ``timestep``): two-phase from each shared
+    source's logits (``source_logits``) and their weighted sum with ``kernel``, or (None) one reference
+    aggregation each. Also gives the gradients of w and e(t)."""
+    shared, own, _, grads = dataclasses.replace(case, query_shape="kd").tensors()
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    w = (torch.randn(len(case.own), case.d, generator=gen) * 2).to(DEVICE).requires_grad_()
+    temb = torch.randn(case.b, 1, case.d, generator=gen).to(DEVICE).requires_grad_() if timestep else None
+    shared = [t.requires_grad_() for t in shared]
+    own = [[t.requires_grad_() for t in o] for o in own]
+    queries = [w[k] + temb if timestep else w[k] for k in range(len(case.own))]
+    if kernel is None:
+        outs = [dar_aggregate_reference(shared + o, queries[k], out_dtype=torch.float32) for k, o in enumerate(own)]
+    else:
+        logits = torch.stack([source_logits(v, w, temb) for v in shared])  # (S, B, N, K)
+        mixes, lse = dar_weighted_sum(shared, logits, kernel)
+        outs = [dar_aggregate(o, queries[k], kernel=kernel, out_dtype=torch.float32, prefix=(mixes[k], lse[k]))
+                for k, o in enumerate(own)]
+    loss = sum((out * g).sum() for out, g in zip(outs, grads))
+    flat_own = [t for o in own for t in o]
+    wanted = [*shared, *flat_own, w, *([temb] if timestep else [])]
+    got = torch.autograd.grad(loss, wanted)
+    n = len(shared)
+    return [torch.stack(outs), torch.stack(got[:n]), torch.stack(got[n:n + len(flat_own)]), *got[n + len(flat_own):]]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@FAST
+@given(case=chunk_cases(), timestep=st.booleans())
+def test_streamed_chunk_from_source_logits_equals_one_aggregation_over_all_sources(kernel, case: ChunkCase,
+                                                                                    timestep: bool):
+    """The shared part as a weighted sum of the sources from their logits, made by one GEMM per source
+    (static and static_t queries): forward and every gradient, through the logits back to the sources,
+    queries and e(t), and through the Triton merges' backward shortcut."""
+    got = streamed_chunk_outputs(case, kernel, timestep)
+    want = streamed_chunk_outputs(case, None, timestep)
+    names = ("outputs", "grad shared", "grad own", "grad w", "grad e(t)")
+    for name, g, w in zip(names, got, want):
+        assert_close(g, w, CHUNK_TOLERANCE[case.dtype], f"{kernel} {name} of {case}")
+
+
+def test_source_logits_gradients_pass_gradcheck():
+    gen = torch.Generator().manual_seed(3)
+    v = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    w = torch.randn(5, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    temb = torch.randn(2, 1, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda v, w, temb: source_logits(v, w, temb, 1e-6), (v, w, temb))
+    assert torch.autograd.gradcheck(lambda v, w: source_logits(v, w, None, 1e-6), (v, w))
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_weighted_sum_refuses_logits_that_do_not_fit_its_sources(kernel):
+    sources = [torch.randn(2, 3, 8, device=DEVICE) for _ in range(4)]
+    with pytest.raises(DarInputError, match=r"\(S, B, N, K\) = \(4, 2, 3, K\)"):
+        dar_weighted_sum(sources, torch.randn(3, 2, 3, 2, device=DEVICE), kernel)
+
+
+def test_weighted_sum_ops_pass_torch_library_opcheck():
+    from routekit.kernels import dar_stream
+
+    gen = torch.Generator().manual_seed(4)
+    sources = [torch.randn(2, 3, 24, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(3)]
+    logits = torch.randn(3, 2, 3, 2, generator=gen).to(DEVICE).requires_grad_()
+    torch.library.opcheck(dar_stream.dar_wsum, (sources, logits, [4, 1]))
+    mixes, lse = dar_stream.dar_wsum(sources, logits, [4, 1])
+    grad_mixes = [torch.randn_like(m) for m in mixes]
+    torch.library.opcheck(dar_stream.dar_wsum_backward, ([s.detach() for s in sources], logits.detach(), lse.detach(),
+                                                         grad_mixes, torch.randn_like(lse), [4, 1]))
+
+
 def test_prefix_queries_must_be_k_by_d_or_four_d():
     sources, query, _ = Case(2, 1, 2, 8, torch.float32, "d", True, 1.0, seed=1).tensors()
     for kernel in ("torch", "triton"):
@@ -468,3 +542,38 @@ def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monk
         monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", bad)
         with pytest.raises(DarInputError, match="expected six integers"):
             dar_triton.prefix_launch_config(1152)
+
+
+@pytest.mark.parametrize("query", ["static", "static_t"])
+def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_reference(query):
+    """DAR c2 on a small DiT, train mode: the Triton path (source logits, weighted sums, merges)
+    gives the reference path's output and gradients, eager and under torch.compile (fullgraph)."""
+    import routekit as rk
+    from backbones import dit
+
+    torch.manual_seed(0)
+    model = dit.DiT(depth=3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,
+                    class_dropout=0.0).to(DEVICE)
+    x, t, y = torch.randn(2, 2, 4, 4, device=DEVICE), torch.rand(2, device=DEVICE), torch.tensor([1, 3], device=DEVICE)
+
+    def routed(kernel):
+        out = rk.apply(model, residual=rk.DAR(query=query, chunk=2, kernel=kernel), example_inputs=(x, t, y))
+        with torch.no_grad():
+            out.routekit.dar.query.normal_(generator=torch.Generator(DEVICE).manual_seed(1))
+        return out.train()
+
+    def outputs(m):
+        loss = m(x, t, y).square().mean()
+        params = [p for p in m.parameters() if p.requires_grad]
+        return [loss.detach(), *torch.autograd.grad(loss, params)]
+
+    want = outputs(routed("torch"))
+    fused = routed("triton")
+    (bucket,) = [b for (train, _), b in fused._routekit_programs.items() if train]
+    (program,) = bucket.values()
+    assert "streamed_history" in "".join(linecache.getlines(program.fn.__code__.co_filename))
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    for name, got in (("eager", outputs(fused)), ("compiled", outputs(compiled))):
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, 1e-4, f"{name} output/gradient {i}")

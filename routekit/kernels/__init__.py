@@ -18,10 +18,12 @@ from routekit.kernels.dar_reference import (
     dar_aggregate_reference,
     dar_prefix_reference,
     prefix_queries,
+    source_logits,
+    weighted_sum_reference,
 )
 
 __all__ = ["DarInputError", "UnknownKernelError", "dar_aggregate", "dar_aggregate_reference", "dar_prefix",
-           "dar_prefix_reference", "KERNELS"]
+           "dar_prefix_reference", "dar_weighted_sum", "source_logits", "weighted_sum_reference", "KERNELS"]
 
 KERNELS = ("auto", "triton", "torch")
 """Valid ``kernel`` names for ``dar_aggregate``."""
@@ -47,12 +49,14 @@ def _use_triton(sources: Sources, query: Tensor, d: int, kernel: str) -> bool:
     return d <= dar_triton.MAX_D and dtype in dar_triton.SUPPORTED_DTYPES
 
 
-def _triton():
+def _triton(module: str = "dar_triton"):
+    """The Triton kernels' module ``module``, or an ImportError saying what to install. (A plain
+    import: torch.compile traces through it, not through importlib.)"""
     try:
-        from routekit.kernels import dar_triton
+        from routekit.kernels import dar_stream, dar_triton
     except ImportError as exc:
         raise ImportError("kernel='triton' needs the triton package: pip install 'routekit[gpu]'") from exc
-    return dar_triton
+    return dar_stream if module == "dar_stream" else dar_triton
 
 
 def dar_aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, kernel: str = "auto", *,
@@ -83,3 +87,13 @@ def dar_prefix(sources: Sources, queries: Tensor, eps: float = 1e-6, kernel: str
     if _use_triton(sources, queries[0], d, kernel):
         return _triton().dar_prefix_triton(sources, queries, eps)
     return dar_prefix_reference(sources, queries, eps)
+
+
+def dar_weighted_sum(sources: Sources, logits: Tensor, kernel: str = "auto") -> tuple[list[Tensor], Tensor]:
+    """``dar_prefix`` from the sources' logits, given as fp32 (S, B, N, K) (``source_logits`` of each
+    source for the K queries): K mixes and their log-sum-exps (K, B, N), merged as ``dar_prefix``'s
+    by ``dar_aggregate(..., kernel=kernel, prefix=(mixes[k], lse[k]))`` with the same kernel."""
+    like = sources[0] if not isinstance(sources, Tensor) else sources
+    if _use_triton(sources, like, like.shape[-1], kernel):
+        return _triton("dar_stream").weighted_sum_triton(list(sources), logits)
+    return weighted_sum_reference(sources, logits)

@@ -119,3 +119,76 @@ def dar_prefix_reference(sources: Sources, queries: Tensor, eps: float = 1e-6) -
     logits = _logits(values[None], queries[:, None], eps)  # (K, S, B, N)
     mixes = (torch.softmax(logits, dim=1).unsqueeze(-1) * values[None]).sum(1).to(stacked.dtype)
     return list(mixes.unbind(0)), torch.logsumexp(logits, dim=1)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b (batched) with fp32 accuracy and output, where one side may be a large bf16/fp16 tensor
+    (a source) and the other a small fp32 one (queries, logit gradients). On CUDA the fp32 side is
+    split into a high and a low half in the other's dtype (together ~16 mantissa bits) and one GEMM
+    with fp32 output takes both, so the large side is never copied to fp32; elsewhere both are cast."""
+    if a.is_cuda and (a.dtype in _LOW) != (b.dtype in _LOW):
+        if a.dtype in _LOW:  # split b's columns
+            hi = b.to(a.dtype)
+            both = torch.bmm(a, torch.cat([hi, (b - hi.float()).to(a.dtype)], -1), out_dtype=torch.float32)
+            return both[..., :b.shape[-1]] + both[..., b.shape[-1]:]
+        hi = a.to(b.dtype)  # split a's rows
+        both = torch.bmm(torch.cat([hi, (a - hi.float()).to(b.dtype)], 1), b, out_dtype=torch.float32)
+        return both[:, :a.shape[1]] + both[:, a.shape[1]:]
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return torch.bmm(a.to(dtype), b.to(dtype))
+
+
+class _SourceLogits(torch.autograd.Function):
+    """``source_logits`` for queries (Bq, F, D), Bq = 1 or B, with a hand-written backward: only the
+    source itself (already kept for the aggregations), the queries and per-row factors are saved, and
+    the source is never copied to fp32 on CUDA (302 MB at DiT-XL/2 batch 256, for each of 15 sources)."""
+
+    @staticmethod
+    def forward(ctx, v: Tensor, queries: Tensor, eps: float) -> Tensor:
+        b, n, d = v.shape
+        groups, f = queries.shape[0], queries.shape[1]
+        v3 = v.reshape(groups, -1, d)
+        wide = torch.promote_types(v.dtype, torch.float32)
+        r = torch.rsqrt(v3.to(wide).pow(2).mean(-1, keepdim=True) + eps) / math.sqrt(d)  # RMSNorm and 1/sqrt(D)
+        z = _bmm_fp32(v3, queries.transpose(1, 2)) * r
+        ctx.save_for_backward(v, queries, r, z)
+        return z.view(b, n, f)
+
+    @staticmethod
+    def backward(ctx, dz: Tensor):
+        v, queries, r, z = ctx.saved_tensors
+        groups, d = queries.shape[0], v.shape[-1]
+        v3 = v.reshape(groups, -1, d)
+        dz3 = dz.reshape(z.shape)
+        dzr = dz3 * r  # d z / d (q . v) = r
+        # z = r (q . v) with r = (mean(v^2) + eps)^-1/2 / sqrt(D): d r / d v = -r^3 v, so
+        # d z / d v = r q - z r^2 v
+        dv = torch.bmm(dzr, queries.to(dzr.dtype)) - (dz3 * z).sum(-1, keepdim=True) * (r * r) * v3.to(dzr.dtype)
+        dq = _bmm_fp32(dzr.transpose(1, 2), v3) if ctx.needs_input_grad[1] else None
+        return dv.view(v.shape).to(v.dtype), dq.to(queries.dtype) if dq is not None else None, None
+
+
+def source_logits(v: Tensor, queries: Tensor, temb: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """One source's logits for F static queries at once, as the aggregations compute them:
+    (q_f + e) . RMSNorm(v) / sqrt(D), an fp32 (B, N, F) tensor. ``queries`` (F, D); ``temb`` the
+    timestep embedding e(t), (B, 1, D), or None. With static queries a source's logits for every
+    later aggregation are known when it is made, so one GEMM gives them all (two-phase chunks then
+    only weight their shared sources: ``weighted_sum_reference``)."""
+    full = queries[None] if temb is None else queries[None] + temb  # (1 or B, F, D)
+    return _SourceLogits.apply(v, full.to(torch.promote_types(full.dtype, torch.float32)), eps)
+
+
+def weighted_sum_reference(sources: Sources, logits: Tensor) -> tuple[list[Tensor], Tensor]:
+    """The K mixes sum_s softmax_s(logits) v_s over S sources (in their dtype) and their log-sum-exps
+    (K, B, N), from given fp32 ``logits`` (S, B, N, K); what ``dar_prefix_reference`` returns when
+    the logits are those of its queries."""
+    stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
+    if logits.dim() != 4 or logits.shape[:3] != (stacked.shape[0], *stacked.shape[1:3]):
+        raise DarInputError(f"logits must be (S, B, N, K) = ({stacked.shape[0]}, {stacked.shape[1]}, "
+                            f"{stacked.shape[2]}, K) for these sources, got {tuple(logits.shape)}")
+    weights = torch.softmax(logits.float(), dim=0)
+    mixes = torch.einsum("sbnk,sbnd->kbnd", weights, stacked.float()).to(stacked.dtype)
+    return list(mixes.unbind(0)), torch.logsumexp(logits.float(), dim=0).permute(2, 0, 1)

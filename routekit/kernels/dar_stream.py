@@ -1,0 +1,200 @@
+"""A two-phase chunk's shared part as a streaming weighted sum, in Triton.
+
+With static queries every shared source's logits for all the aggregations that will read it are
+known when the source is made, and one GEMM gives them (``dar_reference.source_logits``). A chunk's
+shared part is then K softmax-weighted sums of its sources from given logits: no RMS, no query
+and no query gradient per row, so a row's state is its K accumulators (forward) or its K mixes'
+gradients (backward), and the kernels stream the sources instead of being bound by issue and
+registers as the fused prefix is (benchmarks/results/dar_stream_probe.md: 1.8-2.5 TB/s against
+~1.1 for the fused prefix backward). The logits' gradients go back to the sources and queries
+through that GEMM's backward, once per source.
+
+Rows are held as a power-of-two head and tail of lanes (1024 + 128 at D=1152, ``_head_tail``):
+the backward on one warp went from 22.0 to 15.9 ms over DiT-XL/2's 14 chunks at batch 256.
+In backward the merges hand the mixes the same pair as to the fused prefix (``dar_triton``'s
+docstring): p_A g as a mix's gradient and -p_A (g . o) in place of its log-sum-exp's, so a
+logit's gradient is p (g . v + y) without the mix.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from routekit.kernels.dar_reference import DarInputError
+from routekit.kernels.dar_triton import _contiguous, _from_env, _head_tail, _pointer_table
+
+# From the H200 probe (benchmarks/results/dar_stream_probe.md): forward 4 warps, backward 1 warp.
+FWD_WARPS, BWD_WARPS = 4, 1
+
+
+def launch_warps() -> list[int]:
+    """[forward warps, backward warps]; ROUTEKIT_DAR_WSUM="fwd,bwd" overrides them for tuning."""
+    def build(values: list[int]) -> list[int]:
+        if min(values) < 1:
+            raise DarInputError(f"warps must be at least 1, got {values}")
+        return values
+
+    return _from_env("ROUTEKIT_DAR_WSUM", build, 2, "fwd_warps,bwd_warps, e.g. 4,1") or [FWD_WARPS, BWD_WARPS]
+
+
+@triton.jit
+def _lanes(row, D, HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """A row's offsets and masks as HEAD + TAIL lanes (TAIL lanes past D are masked off)."""
+    head = tl.arange(0, HEAD)
+    tail = HEAD + tl.arange(0, TAIL)
+    return row * D + head, head < D, row * D + tail, tail < D
+
+
+@triton.jit
+def _source_row(table_ptr, s, like_ptr, offs_h, ok_h, offs_t, ok_t):
+    src = tl.load(table_ptr + s).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    return tl.load(src + offs_h, mask=ok_h, other=0.0), tl.load(src + offs_t, mask=ok_t, other=0.0)
+
+
+@triton.jit
+def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """One row per program: its K mixes over the S sources, the next source in flight."""
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    ss = tl.arange(0, BLOCK_S)
+    k_ok = ks < K
+    ok = (ss < S)[:, None] & k_ok[None, :]
+    logit = tl.load(logit_ptr + (ss[:, None].to(tl.int64) * R + row) * K + ks[None, :], mask=ok,
+                    other=float("-inf"))  # (S, K)
+    m = tl.max(logit, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # padded queries
+    p = tl.where(ok, tl.exp(logit - m[None, :]), 0.0)
+    denom = tl.sum(p, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    p = p / denom[None, :]
+    offs_h, ok_h, offs_t, ok_t = _lanes(row, D, HEAD, TAIL)
+    acc_h = tl.zeros([BLOCK_K, HEAD], tl.float32)
+    acc_t = tl.zeros([BLOCK_K, TAIL], tl.float32)
+    h_next, t_next = _source_row(table_ptr, 0, like_ptr, offs_h, ok_h, offs_t, ok_t)
+    for s in range(0, S):
+        h = h_next.to(tl.float32)
+        t = t_next.to(tl.float32)
+        h_next, t_next = _source_row(table_ptr, tl.minimum(s + 1, S - 1), like_ptr, offs_h, ok_h, offs_t, ok_t)
+        ps = tl.sum(tl.where(ss[:, None] == s, p, 0.0), 0)  # (K,)
+        acc_h += ps[:, None] * h[None, :]
+        acc_t += ps[:, None] * t[None, :]
+    mix = tl.load(mix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    tl.store(mix[:, None] + offs_h[None, :], acc_h.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & ok_h[None, :])
+    tl.store(mix[:, None] + offs_t[None, :], acc_t.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & ok_t[None, :])
+    tl.store(lse_ptr + ks * R + row, m + tl.log(denom), mask=k_ok)
+
+
+@triton.jit
+def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dmix_table_ptr, y_ptr, dl_ptr,
+                     S, K, R, D, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """One row per program: the K mixes' gradients held, each source's gradient written once and
+    its K logit gradients p (g . v + y)."""
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    lse = tl.load(lse_ptr + ks * R + row, mask=k_ok, other=0.0)
+    y = tl.load(y_ptr + ks * R + row, mask=k_ok, other=0.0)
+    offs_h, ok_h, offs_t, ok_t = _lanes(row, D, HEAD, TAIL)
+    dmix = tl.load(dmix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    g_h = tl.load(dmix[:, None] + offs_h[None, :], mask=k_ok[:, None] & ok_h[None, :], other=0.0).to(tl.float32)
+    g_t = tl.load(dmix[:, None] + offs_t[None, :], mask=k_ok[:, None] & ok_t[None, :], other=0.0).to(tl.float32)
+    h_next, t_next = _source_row(table_ptr, 0, like_ptr, offs_h, ok_h, offs_t, ok_t)
+    for s in range(0, S):
+        h = h_next.to(tl.float32)
+        t = t_next.to(tl.float32)
+        h_next, t_next = _source_row(table_ptr, tl.minimum(s + 1, S - 1), like_ptr, offs_h, ok_h, offs_t, ok_t)
+        at = (s * R + row) * K + ks
+        p = tl.where(k_ok, tl.exp(tl.load(logit_ptr + at, mask=k_ok, other=0.0) - lse), 0.0)
+        gv = tl.sum(g_h * h[None, :], 1) + tl.sum(g_t * t[None, :], 1)
+        tl.store(dl_ptr + at, p * (gv + y), mask=k_ok)
+        out = tl.load(grad_table_ptr + s).to(tl.pointer_type(like_ptr.dtype.element_ty))
+        tl.store(out + offs_h, tl.sum(p[:, None] * g_h, 0).to(like_ptr.dtype.element_ty), mask=ok_h)
+        tl.store(out + offs_t, tl.sum(p[:, None] * g_t, 0).to(like_ptr.dtype.element_ty), mask=ok_t)
+
+
+def _lane_split(d: int) -> tuple[int, int]:
+    head, tail = _head_tail(d)
+    return head, max(tail, 1)  # a one-lane tail past D, masked off, where the row needs none
+
+
+@torch.library.custom_op("routekit::dar_wsum", mutates_args=())
+def dar_wsum(sources: list[Tensor], logits: Tensor, warps: list[int]) -> tuple[list[Tensor], Tensor]:
+    """K mixes (in the sources' dtype) and their log-sum-exps (K, B, N) from fp32 logits (S, B, N, K)."""
+    sources = _contiguous(sources)
+    like = sources[0]
+    s, b, n, k = logits.shape
+    d = like.shape[-1]
+    mixes = [torch.empty_like(like) for _ in range(k)]
+    lse = torch.empty((k, b, n), dtype=torch.float32, device=like.device)
+    if b * n:
+        head, tail = _lane_split(d)
+        _wsum_fwd_kernel[(b * n,)](
+            _pointer_table(sources)[0], like, logits.contiguous(), _pointer_table(mixes)[0], lse, s, k, b * n, d,
+            BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail,
+            num_warps=warps[0],
+        )  # fmt: skip
+    return mixes, lse
+
+
+@dar_wsum.register_fake
+def _(sources, logits, warps):
+    like = sources[0]
+    return [like.new_empty(like.shape) for _ in range(logits.shape[-1])], \
+        like.new_empty((logits.shape[-1], *like.shape[:2]), dtype=torch.float32)
+
+
+@torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=())
+def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_mixes: list[Tensor], y: Tensor,
+                      warps: list[int]) -> tuple[list[Tensor], Tensor]:
+    """(gradient of each source along the weights, gradient of the logits (S, B, N, K))."""
+    sources = _contiguous(sources)
+    like = sources[0]
+    s, b, n, k = logits.shape
+    d = like.shape[-1]
+    grads = [torch.empty_like(t) for t in sources]
+    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    grad_mixes = [g.to(like.dtype).contiguous() for g in grad_mixes]
+    if b * n:
+        head, tail = _lane_split(d)
+        _wsum_bwd_kernel[(b * n,)](
+            _pointer_table(sources)[0], _pointer_table(grads)[0], like, logits.contiguous(), lse.contiguous(),
+            _pointer_table(grad_mixes)[0], y.contiguous(), dlogits, s, k, b * n, d,
+            BLOCK_K=triton.next_power_of_2(k), HEAD=head, TAIL=tail, num_warps=warps[1],
+        )  # fmt: skip
+    return grads, dlogits
+
+
+@dar_wsum_backward.register_fake
+def _(sources, logits, lse, grad_mixes, y, warps):
+    return [t.new_empty(t.shape) for t in sources], logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    sources, logits, warps = inputs
+    ctx.save_for_backward(logits, output[1], *sources)
+    ctx.warps = warps
+
+
+def _backward(ctx, grad_mixes, grad_lse):
+    logits, lse, *sources = ctx.saved_tensors
+    grad_mixes = [torch.zeros_like(sources[0]) if g is None else g for g in grad_mixes]
+    y = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    grads, dlogits = dar_wsum_backward(sources, logits, lse, grad_mixes, y, ctx.warps)
+    return grads, dlogits, None
+
+
+dar_wsum.register_autograd(_backward, setup_context=_setup_context)
+
+
+def weighted_sum_triton(sources: list[Tensor], logits: Tensor) -> tuple[list[Tensor], Tensor]:
+    """``weighted_sum_reference``'s contract for a merge by the Triton kernel (the backward pair above)."""
+    sources = list(sources)
+    if logits.dtype != torch.float32 or logits.dim() != 4 or logits.shape[0] != len(sources) \
+            or logits.shape[1:3] != sources[0].shape[:2]:
+        raise DarInputError(f"logits must be fp32 (S, B, N, K) = ({len(sources)}, {sources[0].shape[0]}, "
+                            f"{sources[0].shape[1]}, K), got {logits.dtype} {tuple(logits.shape)}")
+    return dar_wsum(sources, logits, launch_warps())
