@@ -124,51 +124,57 @@ def dar_prefix_reference(sources: Sources, queries: Tensor, eps: float = 1e-6) -
 _LOW = (torch.bfloat16, torch.float16)
 
 
-def _bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b (batched) with fp32 accuracy and output, where one side may be a large bf16/fp16 tensor
-    (a source) and the other a small fp32 one (queries, logit gradients). On CUDA the fp32 side is
-    split into a high and a low half in the other's dtype (together ~16 mantissa bits) and one GEMM
-    with fp32 output takes both, so the large side is never copied to fp32; elsewhere both are cast."""
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with fp32 accuracy and output, where one side may be a large bf16/fp16 tensor (a source)
+    and the other a small fp32 one (queries, logit gradients). On CUDA the fp32 side is split into a
+    high and a low half in the other's dtype (together ~16 mantissa bits) and one GEMM with fp32
+    output takes both, so the large side is never copied to fp32; elsewhere both are cast. (2-D
+    ``torch.mm``: torch's FlopCounterMode fails on ``bmm`` with ``out_dtype``.)"""
     if a.is_cuda and (a.dtype in _LOW) != (b.dtype in _LOW):
         if a.dtype in _LOW:  # split b's columns
             hi = b.to(a.dtype)
-            both = torch.bmm(a, torch.cat([hi, (b - hi.float()).to(a.dtype)], -1), out_dtype=torch.float32)
-            return both[..., :b.shape[-1]] + both[..., b.shape[-1]:]
+            both = torch.mm(a, torch.cat([hi, (b - hi.float()).to(a.dtype)], 1), out_dtype=torch.float32)
+            return both[:, :b.shape[1]] + both[:, b.shape[1]:]
         hi = a.to(b.dtype)  # split a's rows
-        both = torch.bmm(torch.cat([hi, (a - hi.float()).to(b.dtype)], 1), b, out_dtype=torch.float32)
-        return both[:, :a.shape[1]] + both[:, a.shape[1]:]
+        both = torch.mm(torch.cat([hi, (a - hi.float()).to(b.dtype)], 0), b, out_dtype=torch.float32)
+        return both[:a.shape[0]] + both[a.shape[0]:]
     dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    return torch.bmm(a.to(dtype), b.to(dtype))
+    return a.to(dtype) @ b.to(dtype)
 
 
 class _SourceLogits(torch.autograd.Function):
-    """``source_logits`` for queries (Bq, F, D), Bq = 1 or B, with a hand-written backward: only the
-    source itself (already kept for the aggregations), the queries and per-row factors are saved, and
-    the source is never copied to fp32 on CUDA (302 MB at DiT-XL/2 batch 256, for each of 15 sources)."""
+    """``source_logits`` with a hand-written backward: only the source itself (already kept for the
+    aggregations), the queries and per-row factors are saved, and the source is never copied to fp32
+    on CUDA (302 MB at DiT-XL/2 batch 256, for each of 15 sources)."""
 
     @staticmethod
-    def forward(ctx, v: Tensor, queries: Tensor, eps: float) -> Tensor:
+    def forward(ctx, v: Tensor, w: Tensor, temb: Tensor | None, eps: float) -> Tensor:
         b, n, d = v.shape
-        groups, f = queries.shape[0], queries.shape[1]
-        v3 = v.reshape(groups, -1, d)
         wide = torch.promote_types(v.dtype, torch.float32)
-        r = torch.rsqrt(v3.to(wide).pow(2).mean(-1, keepdim=True) + eps) / math.sqrt(d)  # RMSNorm and 1/sqrt(D)
-        z = _bmm_fp32(v3, queries.transpose(1, 2)) * r
-        ctx.save_for_backward(v, queries, r, z)
-        return z.view(b, n, f)
+        r = torch.rsqrt(v.to(wide).pow(2).mean(-1, keepdim=True) + eps) / math.sqrt(d)  # RMSNorm and 1/sqrt(D)
+        dots = _mm_fp32(v.reshape(-1, d), w.t()).view(b, n, -1)
+        if temb is not None:  # (w_f + e) . v = w_f . v + e . v
+            dots = dots + (v.to(wide) * temb.to(wide)).sum(-1, keepdim=True)
+        z = dots * r
+        ctx.save_for_backward(v, w, temb, r, z)
+        return z
 
     @staticmethod
     def backward(ctx, dz: Tensor):
-        v, queries, r, z = ctx.saved_tensors
-        groups, d = queries.shape[0], v.shape[-1]
-        v3 = v.reshape(groups, -1, d)
-        dz3 = dz.reshape(z.shape)
-        dzr = dz3 * r  # d z / d (q . v) = r
+        v, w, temb, r, z = ctx.saved_tensors
+        d = v.shape[-1]
+        dzr = dz * r  # d z / d (q . v) = r
+        along_q = (dzr.flatten(0, 1) @ w.to(dzr.dtype)).view(v.shape)
+        if temb is not None:
+            along_q = along_q + dzr.sum(-1, keepdim=True) * temb.to(dzr.dtype)
         # z = r (q . v) with r = (mean(v^2) + eps)^-1/2 / sqrt(D): d r / d v = -r^3 v, so
         # d z / d v = r q - z r^2 v
-        dv = torch.bmm(dzr, queries.to(dzr.dtype)) - (dz3 * z).sum(-1, keepdim=True) * (r * r) * v3.to(dzr.dtype)
-        dq = _bmm_fp32(dzr.transpose(1, 2), v3) if ctx.needs_input_grad[1] else None
-        return dv.view(v.shape).to(v.dtype), dq.to(queries.dtype) if dq is not None else None, None
+        dv = along_q - (dz * z).sum(-1, keepdim=True) * (r * r) * v.to(dzr.dtype)
+        dw = _mm_fp32(dzr.flatten(0, 1).t(), v.reshape(-1, d)) if ctx.needs_input_grad[1] else None
+        dtemb = None
+        if temb is not None and ctx.needs_input_grad[2]:
+            dtemb = (dzr.sum(-1, keepdim=True) * v.to(dzr.dtype)).sum(1, keepdim=True).to(temb.dtype)
+        return dv.to(v.dtype), dw.to(w.dtype) if dw is not None else None, dtemb, None
 
 
 def source_logits(v: Tensor, queries: Tensor, temb: Tensor | None = None, eps: float = 1e-6) -> Tensor:
@@ -177,8 +183,7 @@ def source_logits(v: Tensor, queries: Tensor, temb: Tensor | None = None, eps: f
     timestep embedding e(t), (B, 1, D), or None. With static queries a source's logits for every
     later aggregation are known when it is made, so one GEMM gives them all (two-phase chunks then
     only weight their shared sources: ``weighted_sum_reference``)."""
-    full = queries[None] if temb is None else queries[None] + temb  # (1 or B, F, D)
-    return _SourceLogits.apply(v, full.to(torch.promote_types(full.dtype, torch.float32)), eps)
+    return _SourceLogits.apply(v, queries, temb, eps)
 
 
 def weighted_sum_reference(sources: Sources, logits: Tensor) -> tuple[list[Tensor], Tensor]:
