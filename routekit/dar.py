@@ -18,7 +18,11 @@ backward (DiT-XL/2 b256: 56 mixes of 151 MB instead of 302 MB).
 
 Chunking (chunk=S): once S sublayer outputs have accumulated, they are replaced in the history by
 their sum (the chunk summary), so a sublayer sees v_0, earlier chunks' summaries and its own chunk's
-raw outputs.
+raw outputs. With static queries a chunk's shared part (v_0 and the summaries) is computed once for
+its S sublayers: each shared source's logits for all later chunk queries come from one GEMM right
+after the source is made (``history_logits``, filled in once the whole schedule is known), and the
+chunk takes a weighted sum of its shared sources (``streamed_history``); each sublayer then merges its
+own chunk's outputs in.
 
 With routes: entering a route, every history source is gathered to the kept tokens; sources made
 inside the route are scattered back at its end with zeros for the routed tokens (the branch they

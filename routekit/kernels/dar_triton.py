@@ -17,9 +17,10 @@ kernels slower on the H200, in both directions: benchmarks/results/dar_kernel_he
 issue-bound prefix forward below uses it.)
 
 Two-phase chunks. The K sublayers of a chunk share the sources before it (v_0 and earlier
-chunks' summaries), so ``dar_prefix_fused`` mixes those once per query and leaves, per query, a
-partial mix and its log-sum-exp; each sublayer then merges its partial with its own chunk's
-outputs (``dar_fused`` with a prefix: the partial enters the online softmax as its initial
+chunks' summaries). By default their shared part is a weighted sum from logits made by one GEMM per
+source (``dar_stream``); with ROUTEKIT_DAR_SHARED=fused, ``dar_prefix_fused`` mixes those once
+per query and leaves, per query, a partial mix and its log-sum-exp; each sublayer then merges its
+partial with its own chunk's outputs (``dar_fused`` with a prefix: the partial enters the online softmax as its initial
 state). The prefix forward runs one program per (row block, query), the K programs of a row
 block side by side so the shared sources come from DRAM once and from L2 K-1 times (DiT-XL/2 b256
 step: 26.0 ms with K queries per program at 939003a, 23.4 ms at f088e76); its backward walks the
