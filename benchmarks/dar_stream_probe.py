@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
 from benchmarks.dar_kernel import time_ms  # noqa: E402
+from routekit.kernels.dar_stream import _source_row  # noqa: E402
 from routekit.kernels.dar_triton import _pointer_table, _row_block  # noqa: E402
 
 # (warps, rows per program, forward with one program per (row, query), rows as a 1024 + 128 head and tail
@@ -87,10 +88,8 @@ def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, 
 
 
 @triton.jit
-def _wsum_fwd_query_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
-                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The forward with one program per (row, query), the K programs of a row adjacent so its
-    sources come from L2 after the first: one accumulator per program instead of K."""
+def _query_probs(logit_ptr, S, K, R, BLOCK_S: tl.constexpr):
+    """A per-(row, query) program's row, query, source lanes, softmax weights and log-sum-exp."""
     pid = tl.program_id(0)
     row = (pid // K).to(tl.int64)
     k = pid % K
@@ -100,7 +99,15 @@ def _wsum_fwd_query_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_pt
     m = tl.max(logit, 0)
     p = tl.where(s_ok, tl.exp(logit - m), 0.0)
     denom = tl.sum(p, 0)
-    p = p / denom
+    return row, k, ss, p / denom, m + tl.log(denom)
+
+
+@triton.jit
+def _wsum_fwd_query_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
+                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The forward with one program per (row, query), the K programs of a row adjacent so its
+    sources come from L2 after the first: one accumulator per program instead of K."""
+    row, k, ss, p, lse = _query_probs(logit_ptr, S, K, R, BLOCK_S)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     offs = row * D + cols
@@ -111,7 +118,7 @@ def _wsum_fwd_query_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_pt
         v_next = tl.load(_row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr) + offs, mask=col_ok, other=0.0)
         acc += tl.sum(tl.where(ss == s, p, 0.0), 0) * v
     tl.store(_row_ptr(mix_table_ptr, k, like_ptr) + offs, acc.to(like_ptr.dtype.element_ty), mask=col_ok)
-    tl.store(lse_ptr + k * R + row, m + tl.log(denom))
+    tl.store(lse_ptr + k * R + row, lse)
 
 
 @triton.jit
@@ -159,16 +166,7 @@ def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse
     a power of two padded: 44% fewer lanes, registers and issued instructions at D=1152. STAGES > 0:
     the source loop is left to Triton's pipeliner (``tl.range(num_stages=STAGES)``, the loads staged
     through shared memory) instead of holding the next source in registers."""
-    pid = tl.program_id(0)
-    row = (pid // K).to(tl.int64)
-    k = pid % K
-    ss = tl.arange(0, BLOCK_S)
-    s_ok = ss < S
-    logit = tl.load(logit_ptr + (k * S + ss).to(tl.int64) * R + row, mask=s_ok, other=float("-inf"))
-    m = tl.max(logit, 0)
-    p = tl.where(s_ok, tl.exp(logit - m), 0.0)
-    denom = tl.sum(p, 0)
-    p = p / denom
+    row, k, ss, p, lse = _query_probs(logit_ptr, S, K, R, BLOCK_S)
     head = row * D + tl.arange(0, HEAD)
     tail_cols = HEAD + tl.arange(0, TAIL)
     tail_ok = tail_cols < D
@@ -176,15 +174,12 @@ def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse
     acc_h = tl.zeros([HEAD], tl.float32)
     acc_t = tl.zeros([TAIL], tl.float32)
     if STAGES == 0:
-        src = _row_ptr(table_ptr, 0, like_ptr)
-        h_next = tl.load(src + head)
-        t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
+        h_next, t_next = _source_row(table_ptr, 0, like_ptr, head, head < row * D + D, tail, tail_ok)
         for s in range(0, S):
             h = h_next.to(tl.float32)
             t = t_next.to(tl.float32)
-            src = _row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr)
-            h_next = tl.load(src + head)
-            t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
+            h_next, t_next = _source_row(table_ptr, tl.minimum(s + 1, S - 1), like_ptr, head, head < row * D + D, tail,
+                                         tail_ok)
             ps = tl.sum(tl.where(ss == s, p, 0.0), 0)
             acc_h += ps * h
             acc_t += ps * t
@@ -199,7 +194,7 @@ def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse
     out = _row_ptr(mix_table_ptr, k, like_ptr)
     tl.store(out + head, acc_h.to(like_ptr.dtype.element_ty))
     tl.store(out + tail, acc_t.to(like_ptr.dtype.element_ty), mask=tail_ok)
-    tl.store(lse_ptr + k * R + row, m + tl.log(denom))
+    tl.store(lse_ptr + k * R + row, lse)
 
 
 @triton.jit
@@ -233,15 +228,12 @@ def _wsum_bwd_ht_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_tab
                      other=0.0).to(tl.float32)
     y = tl.load(y_ptr + ks * R + row, mask=k_ok, other=0.0)
     if STAGES == 0:
-        src = _row_ptr(table_ptr, 0, like_ptr)
-        h_next = tl.load(src + head)
-        t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
+        h_next, t_next = _source_row(table_ptr, 0, like_ptr, head, head < row * D + D, tail, tail_ok)
         for s in range(0, S):
             h = h_next.to(tl.float32)
             t = t_next.to(tl.float32)
-            src = _row_ptr(table_ptr, tl.minimum(s + 1, S - 1), like_ptr)
-            h_next = tl.load(src + head)
-            t_next = tl.load(src + tail, mask=tail_ok, other=0.0)
+            h_next, t_next = _source_row(table_ptr, tl.minimum(s + 1, S - 1), like_ptr, head, head < row * D + D, tail,
+                                         tail_ok)
             _wsum_bwd_source(s, h, t, p, ss, ks, k_ok, dmix_h, dmix_t, y, dl_ptr, grad_table_ptr, like_ptr, S, R,
                              head, tail, tail_ok)
     else:
