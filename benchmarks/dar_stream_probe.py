@@ -357,10 +357,35 @@ def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program
             "wsum_bwd_gbps": (2 * reads + chunks * k) * unit / bwd * 1e3}
 
 
+# (forward warps, backward warps) of routekit's own weighted-sum ops (ROUTEKIT_DAR_WSUM)
+ROUTEKIT_SWEEP = [(4, 1), (2, 1), (8, 1), (4, 2), (2, 2)]
+
+
+def measure_routekit(chunks: int, k: int, rows: int, d: int, warps: list[int]) -> dict[str, object]:
+    """routekit's ``dar_wsum`` and its backward (dar_stream) over the chunks, ms summed."""
+    from routekit.kernels import dar_stream
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    pool = [torch.randn(1, rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(chunks + 1)]
+    dmixes = [torch.randn(1, rows, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+    fwd = bwd = 0.0
+    for c in range(chunks):
+        sources = pool[:c + 1]
+        logits = torch.randn(c + 1, 1, rows, k, generator=gen, device="cuda") * 2
+        _, lse = dar_stream.dar_wsum(sources, logits, warps)
+        y = torch.randn(k, 1, rows, generator=gen, device="cuda")
+        fwd += time_ms(lambda sources=sources, logits=logits: dar_stream.dar_wsum(sources, logits, warps))
+        bwd += time_ms(lambda sources=sources, logits=logits, lse=lse, y=y:
+                       dar_stream.dar_wsum_backward(sources, logits, lse, dmixes, y, warps))
+    return {"fwd_warps": warps[0], "bwd_warps": warps[1], "fwd_ms": fwd, "bwd_ms": bwd}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="correctness on tiny shapes only (CPU: TRITON_INTERPRET=1)")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results")
+    parser.add_argument("--routekit", action="store_true",
+                        help="time routekit's dar_wsum ops over ROUTEKIT_SWEEP instead (dar_stream_routekit.*)")
     args = parser.parse_args()
     device = device_or_exit(args.quick)
     errors = check(device)
@@ -368,6 +393,16 @@ def main() -> None:
     if max(errors.values()) > 1e-4:
         sys.exit(f"the probe's kernels disagree with torch ({errors}); not timing them")
     if args.quick:
+        return
+    if args.routekit:
+        runs = [measure_routekit(14, 4, 256 * 256, 1152, list(w)) for w in ROUTEKIT_SWEEP]
+        for row in runs:
+            print(row, flush=True)
+        lines = ["# routekit's weighted sums (dar_stream) at DiT-XL/2 b256, by warps", "", header(machine()),
+                 "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; ms summed over the "
+                 "chunks (do_bench medians).", "", "| fwd warps | bwd warps | fwd ms | bwd ms |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r['fwd_warps']} | {r['bwd_warps']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} |" for r in runs]
+        write("dar_stream_routekit", {"machine": machine(), "runs": runs}, "\n".join(lines) + "\n", args.out)
         return
     report = {"machine": machine(), "check": errors, "runs": []}
     for warps, rows_per_program, per_query, head_tail, stages in SWEEP:
