@@ -26,7 +26,7 @@ from torch import Tensor
 from routekit.kernels.dar_reference import DarInputError
 from routekit.kernels.dar_triton import _contiguous, _from_env, _head_tail, _pointer_table
 
-# From the H200 probe (benchmarks/results/dar_stream_probe.md): forward 4 warps, backward 1 warp.
+# From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit.md): forward 4 warps, backward 1.
 FWD_WARPS, BWD_WARPS = 4, 1
 
 
