@@ -490,6 +490,25 @@ def test_source_logits_gradients_pass_gradcheck():
     assert torch.autograd.gradcheck(lambda v, w: source_logits(v, w, None, 1e-6), (v, w))
 
 
+def test_source_logits_stay_fp32_under_autocast():
+    """Logits and their gradients are fp32 math even inside a bf16 autocast region (where a plain
+    matmul would run, and round its result, in bf16)."""
+    gen = torch.Generator().manual_seed(5)
+    v = torch.randn(2, 3, 40, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = (torch.randn(6, 40, generator=gen) * 3).to(DEVICE).requires_grad_()
+    temb = torch.randn(2, 1, 40, generator=gen).to(DEVICE).requires_grad_()
+    dz = torch.randn(2, 3, 6, generator=gen).to(DEVICE)
+    plain = source_logits(v, w, temb)
+    want = torch.autograd.grad(plain, [v, w, temb], dz)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        mixed = source_logits(v, w, temb)
+        got = torch.autograd.grad(mixed, [v, w, temb], dz)
+    assert mixed.dtype == torch.float32
+    assert_close(mixed, plain, 1e-6, "logits under autocast")
+    for name, g, ww in zip(("v", "w", "e(t)"), got, want):
+        assert_close(g, ww, 1e-6, f"grad {name} under autocast")
+
+
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 def test_weighted_sum_refuses_logits_that_do_not_fit_its_sources(kernel):
     sources = [torch.randn(2, 3, 8, device=DEVICE) for _ in range(4)]

@@ -149,6 +149,11 @@ class _SourceLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v: Tensor, w: Tensor, temb: Tensor | None, eps: float) -> Tensor:
+        with torch.autocast(v.device.type, enabled=False):  # logits in fp32 whatever the caller's autocast
+            return _SourceLogits._forward(ctx, v, w, temb, eps)
+
+    @staticmethod
+    def _forward(ctx, v: Tensor, w: Tensor, temb: Tensor | None, eps: float) -> Tensor:
         b, n, d = v.shape
         wide = torch.promote_types(v.dtype, torch.float32)
         r = torch.rsqrt(v.to(wide).pow(2).mean(-1, keepdim=True) + eps) / math.sqrt(d)  # RMSNorm and 1/sqrt(D)
@@ -161,6 +166,11 @@ class _SourceLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dz: Tensor):
+        with torch.autocast(dz.device.type, enabled=False):
+            return _SourceLogits._backward(ctx, dz)
+
+    @staticmethod
+    def _backward(ctx, dz: Tensor):
         v, w, temb, r, z = ctx.saved_tensors
         d = v.shape[-1]
         dzr = dz * r  # d z / d (q . v) = r
