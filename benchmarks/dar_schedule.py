@@ -3,13 +3,16 @@
 DiT-XL/2 and SiT-XL/2 have 56 sublayers; with chunk=4 a sublayer sees v_0, earlier chunks'
 summaries and its own chunk's outputs, 518 source reads per forward in all. Two-phase chunks
 read the shared part (v_0 and summaries) once for the chunk's four queries, then merge each
-sublayer's own outputs in. This times both schedules on independent random sublayer outputs
-(the model's sublayers left out), forward and forward+backward, wall and GPU kernel time:
+sublayer's own outputs in: "two_phase" computes the shared part's logits inside one fused prefix
+kernel per chunk (ROUTEKIT_DAR_SHARED=fused), "streamed" (routekit's default) takes them from one
+GEMM per shared source and weights the sources. This times the three schedules on independent random
+sublayer outputs (the model's sublayers left out), forward and forward+backward, wall and GPU kernel time:
 
     python benchmarks/dar_schedule.py                         # H200: batch 256, bf16
     python benchmarks/dar_schedule.py --quick --out /tmp/dar  # CPU smoke (Triton interpreter)
 
-and checks the two schedules agree (outputs and gradients). Writes dar_schedule.{json,md,png}.
+and checks the two-phase schedules agree with the per-sublayer one (outputs and gradients). Writes
+dar_schedule.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
 from benchmarks.dar_kernel import device_kernels, device_ms, free_memory, synchronize, time_ms  # noqa: E402
 from routekit.dar import sum_sources  # noqa: E402
-from routekit.kernels import dar_aggregate, dar_prefix  # noqa: E402
+from routekit.kernels import dar_aggregate, dar_prefix, dar_weighted_sum, source_logits  # noqa: E402
 
-SCHEDULES = ("per_sublayer", "two_phase")
+SCHEDULES = ("per_sublayer", "two_phase", "streamed")
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,13 +56,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def dar_step(v0, outputs, query, chunk: int, two_phase: bool, kernel: str) -> list[torch.Tensor]:
+def dar_step(v0, outputs, query, chunk: int, schedule: str, kernel: str) -> list[torch.Tensor]:
     """The aggregations of one forward, as routekit's graph makes them (routekit/dar.py)."""
     closed, current, mixes = [v0], [], []
+    logits = {}  # a shared source's place in ``closed`` -> (its logits for the points from ``first`` on, first)
+
+    def shared_part(point: int, size: int):
+        if schedule == "two_phase":
+            return dar_prefix(closed, query[point:point + size], kernel=kernel)
+        for i, v in enumerate(closed):  # each source's logits once, for every point that will read it
+            logits.setdefault(i, (source_logits(v, query[point:]), point))
+        z = torch.stack([logits[i][0][..., point - logits[i][1]:point - logits[i][1] + size] for i in range(len(closed))])
+        return dar_weighted_sum(closed, z, kernel)
+
+    two_phase = schedule != "per_sublayer"
     for point, v in enumerate(outputs):
         if two_phase and point % chunk == 0:
             size = min(chunk, len(outputs) - point)
-            shared = dar_prefix(closed, query[point:point + size], kernel=kernel) if size >= 2 else None
+            shared = shared_part(point, size) if size >= 2 else None
             first = point
         current.append(v)
         if len(current) == chunk:
@@ -85,10 +99,8 @@ def make_inputs(args, device: str, dtype: torch.dtype):
 
 
 def measure(args, schedule: str, leaves, query, grads) -> dict:
-    two_phase = schedule == "two_phase"
-
     def forward():
-        return dar_step(leaves[0], leaves[1:], query, args.chunk, two_phase, args.kernel)
+        return dar_step(leaves[0], leaves[1:], query, args.chunk, schedule, args.kernel)
 
     def forward_backward():
         return torch.autograd.grad(forward(), [*leaves, query], grads)
@@ -124,7 +136,7 @@ def sweep(args, leaves, query, grads) -> list[dict]:
     saved = os.environ.get("ROUTEKIT_DAR_PREFIX")
 
     def forward():
-        return dar_step(leaves[0], leaves[1:], query, args.chunk, True, args.kernel)
+        return dar_step(leaves[0], leaves[1:], query, args.chunk, "two_phase", args.kernel)
 
     try:
         for setting in SWEEP:
@@ -147,18 +159,21 @@ def sweep(args, leaves, query, grads) -> list[dict]:
 
 
 def agreement(args, leaves, query, grads) -> dict:
-    """Largest difference between the schedules, relative to the per-sublayer values' largest."""
+    """Per two-phase schedule: its largest difference from the per-sublayer schedule, relative to the
+    per-sublayer values' largest."""
     got = {}
     for schedule in SCHEDULES:
-        outs = dar_step(leaves[0], leaves[1:], query, args.chunk, schedule == "two_phase", args.kernel)
+        outs = dar_step(leaves[0], leaves[1:], query, args.chunk, schedule, args.kernel)
         got[schedule] = [torch.stack(outs).detach(), *torch.autograd.grad(outs, [*leaves, query], grads)]
     names = ["outputs", *[f"grad v{i}" for i in range(len(leaves))], "grad query"]
-    errors = {}
-    for name, a, b in zip(names, got["two_phase"], got["per_sublayer"]):
-        errors[name] = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-    worst = max((k for k in errors if k.startswith("grad v")), key=errors.get)
-    return {"outputs": errors["outputs"], "grad query": errors["grad query"], "worst source grad": worst,
-            "worst source grad error": errors[worst]}
+    result = {}
+    for schedule in SCHEDULES[1:]:
+        errors = {name: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                  for name, a, b in zip(names, got[schedule], got["per_sublayer"])}
+        worst = max((k for k in errors if k.startswith("grad v")), key=errors.get)
+        result[schedule] = {"outputs": errors["outputs"], "grad query": errors["grad query"],
+                            "worst source grad": worst, "worst source grad error": errors[worst]}
+    return result
 
 
 def reads(args) -> dict:
@@ -179,12 +194,13 @@ def reads(args) -> dict:
 def markdown(report: dict) -> str:
     a = report["args"]
     lines = [
-        "# DAR aggregations of one train step: per sublayer vs two-phase chunks", "",
+        "# DAR aggregations of one train step: per sublayer vs two-phase chunks (fused prefix, streamed)", "",
         header(report["machine"]),
         f"{a['sublayers']} sublayers, chunk {a['chunk']}, batch {a['batch']}, {a['tokens']} tokens, D={a['dim']}, "
         "bf16 sources and mixes (as routekit makes them); independent random sublayer outputs. "
         f"Source reads per forward: {report['reads']['per_sublayer']} per sublayer, "
-        f"{report['reads']['two_phase']} two-phase (plus the partial mixes, one write and one read each).", "",
+        f"{report['reads']['two_phase']} two-phase (plus the partial mixes, one write and one read each; "
+        "streamed: plus one read per shared source for its logits).", "",
         "| schedule | fwd ms | bwd ms | fwd+bwd ms | GPU fwd | GPU bwd | GPU fwd+bwd | fwd+bwd peak GiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -196,12 +212,13 @@ def markdown(report: dict) -> str:
         if r.get("kernels_ms"):
             lines += ["", f"{name}, GPU ms per forward+backward by kernel: "
                       + "; ".join(f"`{k[:40]}` {v:.2f}" for k, v in r["kernels_ms"].items())]
-    per, two = report["schedules"]["per_sublayer"], report["schedules"]["two_phase"]
-    key = "gpu_fwd_bwd_ms" if "gpu_fwd_bwd_ms" in two else "fwd_bwd_ms"
-    lines += ["", f"Two-phase: {per[key] / two[key]:.2f}× faster forward+backward ({key}).", "",
-              "Two-phase vs per-sublayer, largest difference relative to the largest value: "
-              + "; ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                          for k, v in report["agreement"].items()), ""]
+    per = report["schedules"]["per_sublayer"]
+    key = "gpu_fwd_bwd_ms" if "gpu_fwd_bwd_ms" in per else "fwd_bwd_ms"
+    lines.append("")
+    for schedule, errors in report["agreement"].items():
+        lines += [f"{schedule}: {per[key] / report['schedules'][schedule][key]:.2f}× faster forward+backward "
+                  f"({key}) than per sublayer; largest difference from it relative to the largest value: "
+                  + "; ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in errors.items()), ""]
     if report.get("sweep"):
         lines += ["Two-phase schedule per prefix launch [queries per op, fwd warps, bwd warps, fused reduce, "
                   "reload query, split rows], "
