@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from routekit.errors import ConfigError
+from routekit.kernels.dar_logits import source_logits
 from routekit.kernels.dar_reference import (
     DarInputError,
     Sources,
@@ -18,7 +19,6 @@ from routekit.kernels.dar_reference import (
     dar_aggregate_reference,
     dar_prefix_reference,
     prefix_queries,
-    source_logits,
     weighted_sum_reference,
 )
 
