@@ -1,7 +1,7 @@
 """A two-phase chunk's shared part as a streaming weighted sum, in Triton.
 
 With static queries every shared source's logits for all the aggregations that will read it are
-known when the source is made, and one GEMM gives them (``dar_reference.source_logits``). A chunk's
+known when the source is made, and one GEMM gives them (``dar_logits.source_logits``). A chunk's
 shared part is then K softmax-weighted sums of its sources from given logits: no RMS, no query
 and no query gradient per row, so a row's state is its K accumulators (forward) or its K mixes'
 gradients (backward), and the kernels stream the sources instead of being bound by issue and
