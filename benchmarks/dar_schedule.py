@@ -48,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kernel", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--sweep", action="store_true",
                         help="also time the two-phase schedule over prefix launch settings (ROUTEKIT_DAR_PREFIX)")
+    parser.add_argument("--merge-sweep", action="store_true",
+                        help="also time the streamed schedule over the merges' launch settings (ROUTEKIT_DAR_LAUNCH)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes that run on CPU in seconds")
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results")
     args = parser.parse_args()
@@ -125,36 +127,42 @@ def measure(args, schedule: str, leaves, query, grads) -> dict:
     return result
 
 
-# [queries per op, fwd warps, bwd warps, fused reduce, reload query, rows split into head and tail]
+# [queries per op, fwd warps, bwd warps, fused reduce, reload query, rows split into head and tail] for the
+# fused prefix (ROUTEKIT_DAR_PREFIX, schedule two_phase)
 SWEEP = [(4, 1, 4, 1, 0, 0), (4, 1, 4, 1, 0, 1)]
+# [rows, fwd sources per tile, fwd warps, bwd sources per tile, bwd warps, fused reduce] for the merges
+# (ROUTEKIT_DAR_LAUNCH, schedule streamed): a merge reads 1-4 own sources, the default takes 2 per tile
+MERGE_SWEEP = [(1, 1, 1, 2, 4, 1), (1, 1, 1, 1, 4, 1), (1, 1, 1, 4, 4, 1), (1, 1, 1, 2, 8, 1), (1, 2, 1, 2, 4, 1)]
 
 
-def sweep(args, leaves, query, grads) -> list[dict]:
-    """Kernel time of the two-phase schedule per prefix launch (``PrefixLaunch``: queries per op, forward
-    warps, backward warps, fused reduction, queries reloaded, split rows); the per-sublayer merges keep their defaults."""
+def sweep(args, leaves, query, grads, variable: str = "ROUTEKIT_DAR_PREFIX", settings=SWEEP,
+          schedule: str = "two_phase") -> list[dict]:
+    """GPU kernel time of ``schedule`` per launch setting given through the environment ``variable``
+    (the fused prefix's ``PrefixLaunch``, or the merges' ``Launch``); a setting that fails to compile is
+    reported, not fatal."""
     rows = []
-    saved = os.environ.get("ROUTEKIT_DAR_PREFIX")
+    saved = os.environ.get(variable)
 
     def forward():
-        return dar_step(leaves[0], leaves[1:], query, args.chunk, "two_phase", args.kernel)
+        return dar_step(leaves[0], leaves[1:], query, args.chunk, schedule, args.kernel)
 
     try:
-        for setting in SWEEP:
-            os.environ["ROUTEKIT_DAR_PREFIX"] = ",".join(map(str, setting))
+        for setting in settings:
+            os.environ[variable] = ",".join(map(str, setting))
             try:
                 torch.autograd.grad(forward(), [*leaves, query], grads)  # compile
                 fwd = device_ms(forward, iters=3)
                 total = device_ms(lambda: torch.autograd.grad(forward(), [*leaves, query], grads), iters=3)
-                row = {"prefix": list(setting), "gpu_fwd_ms": fwd, "gpu_bwd_ms": total - fwd, "gpu_fwd_bwd_ms": total}
+                row = {"launch": list(setting), "gpu_fwd_ms": fwd, "gpu_bwd_ms": total - fwd, "gpu_fwd_bwd_ms": total}
             except Exception as exc:  # a launch that does not compile must not lose the others
-                row = {"prefix": list(setting), "status": f"{type(exc).__name__}: {str(exc)[:120]}"}
+                row = {"launch": list(setting), "status": f"{type(exc).__name__}: {str(exc)[:120]}"}
             rows.append(row)
-            print("sweep", row, flush=True)
+            print("sweep", variable, row, flush=True)
     finally:
         if saved is None:
-            os.environ.pop("ROUTEKIT_DAR_PREFIX", None)
+            os.environ.pop(variable, None)
         else:
-            os.environ["ROUTEKIT_DAR_PREFIX"] = saved
+            os.environ[variable] = saved
     return rows
 
 
@@ -219,20 +227,23 @@ def markdown(report: dict) -> str:
         lines += [f"{schedule}: {per[key] / report['schedules'][schedule][key]:.2f}× faster forward+backward "
                   f"({key}) than per sublayer; largest difference from it relative to the largest value: "
                   + "; ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in errors.items()), ""]
-    if report.get("sweep"):
-        lines += ["Two-phase schedule per prefix launch [queries per op, fwd warps, bwd warps, fused reduce, "
-                  "reload query, split rows], "
-                  "GPU kernel time in ms (best marked *):", "", "| prefix launch | fwd | bwd | fwd+bwd |",
+    for key, title, fields in (("sweep", "Two-phase schedule per prefix launch", "queries per op, fwd warps, bwd "
+                                "warps, fused reduce, reload query, split rows"),
+                               ("merge_sweep", "Streamed schedule per merge launch", "rows, fwd sources per tile, "
+                                "fwd warps, bwd sources per tile, bwd warps, fused reduce")):
+        if not report.get(key):
+            continue
+        lines += [f"{title} [{fields}], GPU kernel time in ms (best marked *):", "", "| launch | fwd | bwd | fwd+bwd |",
                   "|---|---:|---:|---:|"]
-        ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]
+        ok = [r for r in report[key] if "gpu_fwd_bwd_ms" in r]
         best = min(ok, key=lambda r: r["gpu_fwd_bwd_ms"]) if ok else None
-        for r in report["sweep"]:
+        for r in report[key]:
+            launch = r.get("launch", r.get("prefix"))  # "prefix" in reports before the merge sweep
             if "gpu_fwd_bwd_ms" not in r:
-                lines.append(f"| {r['prefix']} | {r['status']} | | |")
+                lines.append(f"| {launch} | {r['status']} | | |")
                 continue
             mark = "*" if r is best else ""
-            lines.append(f"| {r['prefix']}{mark} | {r['gpu_fwd_ms']:.2f} | {r['gpu_bwd_ms']:.2f} | "
-                         f"{r['gpu_fwd_bwd_ms']:.2f} |")
+            lines.append(f"| {launch}{mark} | {r['gpu_fwd_ms']:.2f} | {r['gpu_bwd_ms']:.2f} | {r['gpu_fwd_bwd_ms']:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -275,7 +286,9 @@ def main() -> None:
         report["sweep"] = sweep(args, leaves, query, grads)
         ok = [r for r in report["sweep"] if "gpu_fwd_bwd_ms" in r]
         if ok:
-            print("best prefix launch", ",".join(map(str, min(ok, key=lambda r: r["gpu_fwd_bwd_ms"])["prefix"])))
+            print("best prefix launch", ",".join(map(str, min(ok, key=lambda r: r["gpu_fwd_bwd_ms"])["launch"])))
+    if args.merge_sweep and torch.cuda.is_available():
+        report["merge_sweep"] = sweep(args, leaves, query, grads, "ROUTEKIT_DAR_LAUNCH", MERGE_SWEEP, "streamed")
     out = write("dar_schedule", report, markdown(report), args.out)
     plot(report, out / "dar_schedule.png")
     print(markdown(report))
