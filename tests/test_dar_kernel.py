@@ -563,25 +563,28 @@ def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monk
             dar_triton.prefix_launch_config(1152)
 
 
-@pytest.mark.parametrize("query", ["static", "static_t"])
-def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_reference(query):
+@pytest.mark.parametrize(("query", "route"), [("static", False), ("static_t", False), ("static", True)])
+def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_reference(query, route):
     """DAR c2 on a small DiT, train mode: the Triton path (source logits, weighted sums, merges)
-    gives the reference path's output and gradients, eager and under torch.compile (fullgraph)."""
+    gives the reference path's output and gradients, eager and under torch.compile (fullgraph); with a
+    route over blocks 2..3 too, whose chunks read gathered shared sources with their own logits."""
     import routekit as rk
     from backbones import dit
 
     torch.manual_seed(0)
-    model = dit.DiT(depth=3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,
+    model = dit.DiT(depth=5 if route else 3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,
                     class_dropout=0.0).to(DEVICE)
     x, t, y = torch.randn(2, 2, 4, 4, device=DEVICE), torch.rand(2, device=DEVICE), torch.tensor([1, 3], device=DEVICE)
 
     def routed(kernel):
-        out = rk.apply(model, residual=rk.DAR(query=query, chunk=2, kernel=kernel), example_inputs=(x, t, y))
+        out = rk.apply(model, routes=[rk.Route(start=2, end=3)] if route else None,
+                       residual=rk.DAR(query=query, chunk=2, kernel=kernel), example_inputs=(x, t, y))
         with torch.no_grad():
             out.routekit.dar.query.normal_(generator=torch.Generator(DEVICE).manual_seed(1))
         return out.train()
 
     def outputs(m):
+        torch.manual_seed(2)  # the same kept tokens in every run
         loss = m(x, t, y).square().mean()
         params = [p for p in m.parameters() if p.requires_grad]
         return [loss.detach(), *torch.autograd.grad(loss, params)]
