@@ -121,14 +121,19 @@ def dar_prefix_reference(sources: Sources, queries: Tensor, eps: float = 1e-6) -
     return list(mixes.unbind(0)), torch.logsumexp(logits, dim=1)
 
 
+def check_logits(s: int, b: int, n: int, logits: Tensor) -> None:
+    """Refuse logits that are not (S, B, N, K) for S sources of (B, N, D)."""
+    if logits.dim() != 4 or tuple(logits.shape[:3]) != (s, b, n):
+        raise DarInputError(f"logits must be (S, B, N, K) = ({s}, {b}, {n}, K) for these sources, "
+                            f"got {tuple(logits.shape)}")
+
+
 def weighted_sum_reference(sources: Sources, logits: Tensor) -> tuple[list[Tensor], Tensor]:
     """The K mixes sum_s softmax_s(logits) v_s over S sources (in their dtype) and their log-sum-exps
     (K, B, N), from given fp32 ``logits`` (S, B, N, K); what ``dar_prefix_reference`` returns when
     the logits are those of its queries."""
     stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
-    if logits.dim() != 4 or logits.shape[:3] != (stacked.shape[0], *stacked.shape[1:3]):
-        raise DarInputError(f"logits must be (S, B, N, K) = ({stacked.shape[0]}, {stacked.shape[1]}, "
-                            f"{stacked.shape[2]}, K) for these sources, got {tuple(logits.shape)}")
+    check_logits(stacked.shape[0], *stacked.shape[1:3], logits)
     weights = torch.softmax(logits.float(), dim=0)
     mixes = torch.einsum("sbnk,sbnd->kbnd", weights, stacked.float()).to(stacked.dtype)
     return list(mixes.unbind(0)), torch.logsumexp(logits.float(), dim=0).permute(2, 0, 1)

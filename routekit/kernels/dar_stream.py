@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routekit.kernels.dar_reference import DarInputError
-from routekit.kernels.dar_triton import _contiguous, _from_env, _head_tail, _pointer_table
+from routekit.kernels.dar_reference import DarInputError, check_logits
+from routekit.kernels.dar_triton import _contiguous, _from_env, _head_tail, _pointer_table, _prefix_grads
 
 # From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit.md): forward 4 warps, backward 1.
 FWD_WARPS, BWD_WARPS = 4, 1
@@ -181,8 +181,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_mixes, grad_lse):
     logits, lse, *sources = ctx.saved_tensors
-    grad_mixes = [torch.zeros_like(sources[0]) if g is None else g for g in grad_mixes]
-    y = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    grad_mixes, y = _prefix_grads(grad_mixes, grad_lse, sources[0], lse)
     grads, dlogits = dar_wsum_backward(sources, logits, lse, grad_mixes, y, ctx.warps)
     return grads, dlogits, None
 
@@ -193,8 +192,7 @@ dar_wsum.register_autograd(_backward, setup_context=_setup_context)
 def weighted_sum_triton(sources: list[Tensor], logits: Tensor) -> tuple[list[Tensor], Tensor]:
     """``weighted_sum_reference``'s contract for a merge by the Triton kernel (the backward pair above)."""
     sources = list(sources)
-    if logits.dtype != torch.float32 or logits.dim() != 4 or logits.shape[0] != len(sources) \
-            or logits.shape[1:3] != sources[0].shape[:2]:
-        raise DarInputError(f"logits must be fp32 (S, B, N, K) = ({len(sources)}, {sources[0].shape[0]}, "
-                            f"{sources[0].shape[1]}, K), got {logits.dtype} {tuple(logits.shape)}")
+    check_logits(len(sources), *sources[0].shape[:2], logits)
+    if logits.dtype != torch.float32:
+        raise DarInputError(f"logits must be fp32 for the Triton kernel, got {logits.dtype}")
     return dar_wsum(sources, logits, launch_warps())

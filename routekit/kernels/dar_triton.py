@@ -801,10 +801,16 @@ def _prefix_setup_context(ctx, inputs, output) -> None:
     ctx.eps, ctx.launch, ctx.prefix_launch = eps, launch, prefix_launch
 
 
+def _prefix_grads(grad_mixes, grad_lse, like: Tensor, lse: Tensor) -> tuple[list[Tensor], Tensor]:
+    """A shared part's incoming gradients with zeros for any autograd left None (a mix or the
+    log-sum-exps no merge used): the mixes' (p_A g) and the row factors y the merges hand over."""
+    return [torch.zeros_like(like) if g is None else g for g in grad_mixes], \
+        torch.zeros_like(lse) if grad_lse is None else grad_lse
+
+
 def _prefix_backward(ctx, grad_mixes, grad_lse):
     queries, lse, *sources = ctx.saved_tensors
-    grad_mixes = [torch.zeros_like(sources[0]) if g is None else g for g in grad_mixes]
-    y = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    grad_mixes, y = _prefix_grads(grad_mixes, grad_lse, sources[0], lse)
     grads, dq = dar_prefix_fused_backward(sources, queries, grad_mixes, y, lse, ctx.eps, ctx.launch,
                                           ctx.prefix_launch)
     return grads, dq.to(queries.dtype) if ctx.needs_input_grad[1] else None, None, None, None
