@@ -41,15 +41,9 @@ def host_and_wall_ms(fn, iters: int = 50) -> tuple[float, float]:
 
 
 def host_us(fn, iters: int = 200) -> float:
-    """Host time per call, microseconds (the GPU work it queues is not waited for)."""
+    """Host time per call, microseconds (the GPU work it queues is not waited for), after one warm-up call."""
     fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = (time.perf_counter() - start) / iters * 1e6
-    torch.cuda.synchronize()
-    return host
+    return host_and_wall_ms(fn, iters)[0] * 1e3
 
 
 def backward_pieces(sources, query, grad) -> None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
 from benchmarks.dar_kernel import time_ms  # noqa: E402
-from routekit.kernels.dar_stream import _source_row  # noqa: E402
+from routekit.kernels.dar_stream import _lane_split, _lanes, _source_row  # noqa: E402
 from routekit.kernels.dar_triton import _pointer_table, _row_block  # noqa: E402
 
 # (warps, rows per program, forward with one program per (row, query), rows as a 1024 + 128 head and tail
@@ -160,6 +160,13 @@ def _row_probs(logit_ptr, row, S, K, R, BLOCK_K: tl.constexpr, BLOCK_S: tl.const
 
 
 @triton.jit
+def _advance(table_ptr, s, S, like_ptr, head, head_ok, tail, tail_ok, h_next, t_next):
+    """Source s's row (the one in flight) in fp32, and source s+1's row put in flight."""
+    nxt_h, nxt_t = _source_row(table_ptr, tl.minimum(s + 1, S - 1), like_ptr, head, head_ok, tail, tail_ok)
+    return h_next.to(tl.float32), t_next.to(tl.float32), nxt_h, nxt_t
+
+
+@triton.jit
 def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
                               BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, STAGES: tl.constexpr):
     """``_wsum_fwd_query_kernel`` with the row as HEAD + TAIL lanes (1024 + 128 for D=1152) rather than
@@ -167,27 +174,20 @@ def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse
     the source loop is left to Triton's pipeliner (``tl.range(num_stages=STAGES)``, the loads staged
     through shared memory) instead of holding the next source in registers."""
     row, k, ss, p, lse = _query_probs(logit_ptr, S, K, R, BLOCK_S)
-    head = row * D + tl.arange(0, HEAD)
-    tail_cols = HEAD + tl.arange(0, TAIL)
-    tail_ok = tail_cols < D
-    tail = row * D + tail_cols
+    head, head_ok, tail, tail_ok = _lanes(row, D, HEAD, TAIL)
     acc_h = tl.zeros([HEAD], tl.float32)
     acc_t = tl.zeros([TAIL], tl.float32)
     if STAGES == 0:
-        h_next, t_next = _source_row(table_ptr, 0, like_ptr, head, head < row * D + D, tail, tail_ok)
-        for s in range(0, S):
-            h = h_next.to(tl.float32)
-            t = t_next.to(tl.float32)
-            h_next, t_next = _source_row(table_ptr, tl.minimum(s + 1, S - 1), like_ptr, head, head < row * D + D, tail,
-                                         tail_ok)
+        h_next, t_next = _source_row(table_ptr, 0, like_ptr, head, head_ok, tail, tail_ok)
+        for s in range(0, S):  # the next source's row in flight while this one is used
+            h, t, h_next, t_next = _advance(table_ptr, s, S, like_ptr, head, head_ok, tail, tail_ok, h_next, t_next)
             ps = tl.sum(tl.where(ss == s, p, 0.0), 0)
             acc_h += ps * h
             acc_t += ps * t
     else:
         for s in tl.range(0, S, num_stages=STAGES):
-            src = _row_ptr(table_ptr, s, like_ptr)
-            h = tl.load(src + head).to(tl.float32)
-            t = tl.load(src + tail, mask=tail_ok, other=0.0).to(tl.float32)
+            h, t = _source_row(table_ptr, s, like_ptr, head, head_ok, tail, tail_ok)
+            h, t = h.to(tl.float32), t.to(tl.float32)
             ps = tl.sum(tl.where(ss == s, p, 0.0), 0)
             acc_h += ps * h
             acc_t += ps * t
@@ -218,29 +218,22 @@ def _wsum_bwd_ht_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_tab
     row = tl.program_id(0).to(tl.int64)
     p, ks, ss = _row_probs(logit_ptr, row, S, K, R, BLOCK_K, BLOCK_S)
     k_ok = ks < K
-    head = row * D + tl.arange(0, HEAD)
-    tail_cols = HEAD + tl.arange(0, TAIL)
-    tail_ok = tail_cols < D
-    tail = row * D + tail_cols
+    head, head_ok, tail, tail_ok = _lanes(row, D, HEAD, TAIL)
     dmix_ptr = tl.load(dmix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
     dmix_h = tl.load(dmix_ptr[:, None] + head[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
     dmix_t = tl.load(dmix_ptr[:, None] + tail[None, :], mask=k_ok[:, None] & tail_ok[None, :],
                      other=0.0).to(tl.float32)
     y = tl.load(y_ptr + ks * R + row, mask=k_ok, other=0.0)
     if STAGES == 0:
-        h_next, t_next = _source_row(table_ptr, 0, like_ptr, head, head < row * D + D, tail, tail_ok)
-        for s in range(0, S):
-            h = h_next.to(tl.float32)
-            t = t_next.to(tl.float32)
-            h_next, t_next = _source_row(table_ptr, tl.minimum(s + 1, S - 1), like_ptr, head, head < row * D + D, tail,
-                                         tail_ok)
+        h_next, t_next = _source_row(table_ptr, 0, like_ptr, head, head_ok, tail, tail_ok)
+        for s in range(0, S):  # the next source's row in flight while this one is used
+            h, t, h_next, t_next = _advance(table_ptr, s, S, like_ptr, head, head_ok, tail, tail_ok, h_next, t_next)
             _wsum_bwd_source(s, h, t, p, ss, ks, k_ok, dmix_h, dmix_t, y, dl_ptr, grad_table_ptr, like_ptr, S, R,
                              head, tail, tail_ok)
     else:
         for s in tl.range(0, S, num_stages=STAGES):
-            src = _row_ptr(table_ptr, s, like_ptr)
-            h = tl.load(src + head).to(tl.float32)
-            t = tl.load(src + tail, mask=tail_ok, other=0.0).to(tl.float32)
+            h, t = _source_row(table_ptr, s, like_ptr, head, head_ok, tail, tail_ok)
+            h, t = h.to(tl.float32), t.to(tl.float32)
             _wsum_bwd_source(s, h, t, p, ss, ks, k_ok, dmix_h, dmix_t, y, dl_ptr, grad_table_ptr, like_ptr, S, R,
                              head, tail, tail_ok)
 
@@ -251,18 +244,13 @@ def _blocks(logits, d, rows_per_program):
                 BLOCK_D=triton.next_power_of_2(d))
 
 
-def _head_tail(d: int) -> tuple[int, int]:
-    head = 1 << (d.bit_length() - 1)
-    return head, max(16, triton.next_power_of_2(d - head)) if d > head else 16
-
-
 def wsum_forward(sources, logits, warps, rows_per_program=1, per_query=False, head_tail=False, stages=0):
     k, s, r = logits.shape
     d = sources[0].shape[-1]
     mixes = [torch.empty_like(sources[0]) for _ in range(k)]
     lse = torch.empty((k, r), dtype=torch.float32, device=logits.device)
     if head_tail:  # one program per (row, query)
-        head, tail = _head_tail(d)
+        head, tail = _lane_split(d)
         _wsum_fwd_query_ht_kernel[(r * k,)](
             _pointer_table(sources)[0], sources[0], logits, _pointer_table(mixes)[0], lse, s, k, r, d,
             BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail, STAGES=stages, num_warps=warps)
@@ -284,7 +272,7 @@ def wsum_backward(sources, logits, dmixes, y, warps, rows_per_program=1, head_ta
     grads = [torch.empty_like(t) for t in sources]
     dl = torch.empty_like(logits)
     if head_tail:  # one row per program
-        head, tail = _head_tail(d)
+        head, tail = _lane_split(d)
         _wsum_bwd_ht_kernel[(r,)](
             _pointer_table(sources)[0], _pointer_table(grads)[0], sources[0], logits, _pointer_table(dmixes)[0], y,
             dl, s, k, r, d, BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head,
