@@ -563,6 +563,43 @@ def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monk
             dar_triton.prefix_launch_config(1152)
 
 
+@pytest.mark.parametrize("setting", ["4,1,1,0", "1,0,1,0", "2,1,0,0"])
+@pytest.mark.parametrize("query_shape", ["kd", "kb1d"])
+def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_program(setting, query_shape, monkeypatch):
+    """The merges' own backward (``dar_merge``: all own sources in one tile, with or without the next row's
+    loads in flight, rows as a head and tail or padded) walking several rows per program (the query
+    gradient summed in registers, the last program's rows partly past N); a merge of more sources than
+    it takes falls back to the generic kernel."""
+    from routekit.kernels import dar_merge
+
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", setting)
+    split = dar_triton._sample_split
+    monkeypatch.setattr(dar_triton, "_sample_split", lambda b, n, r, s=1: split(b, n, r, s, programs=4))
+    calls = []
+    launch = dar_merge.merge_backward
+    monkeypatch.setattr(dar_merge, "merge_backward", lambda *a: calls.append(a[11]) or launch(*a))
+    case = ChunkCase(shared=3, own=(1, 3, 4, 5), b=2, n=5, d=10, dtype=torch.float32, query_shape=query_shape, seed=9)
+    for name, g, w in zip(("outputs", "grad shared", "grad own", "grad queries"), chunk_outputs(case, "triton"),
+                          chunk_outputs(case, None)):
+        assert_close(g, w, CHUNK_TOLERANCE[torch.float32], f"{name} ({setting}, {query_shape})")
+    assert sorted(calls) == [1, 3, 4]  # the merge of 5 sources took the generic kernel
+
+
+def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):
+    from routekit.kernels import dar_merge
+
+    monkeypatch.delenv("ROUTEKIT_DAR_MERGE_BWD", raising=False)
+    assert dar_merge.merge_launch() == dar_merge.DEFAULT
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "generic")
+    assert dar_merge.merge_launch() is None
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "2,0,1,1")
+    assert dar_merge.merge_launch() == dar_merge.MergeLaunch(2, False, True, True)
+    for bad in ("3,1,1,0", "4,1,1", "padded", "4,1,1,0,1"):
+        monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", bad)
+        with pytest.raises(DarInputError, match="expected 'generic' or four integers"):
+            dar_merge.merge_launch()
+
+
 @pytest.mark.parametrize(("query", "route"), [("static", False), ("static_t", False), ("static", True)])
 def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_reference(query, route):
     """DAR c2 on a small DiT, train mode: the Triton path (source logits, weighted sums, merges)

@@ -620,11 +620,18 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
     has_prefix = prefix_lse is not None
     dprefix = like.new_empty((b, n, d) if has_prefix else (0,))
     y = like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32)
-    splits, iters = _sample_split(b, n, cfg.block_rows, len(sources))
     per_row = n > 1 and q.stride(1) != 0
+    from routekit.kernels import dar_merge  # (it builds on this module)
+
+    merge = dar_merge.merge_launch() if has_prefix and not per_row and dar_merge.fits(len(sources)) else None
+    splits, iters = _sample_split(b, n, 1 if merge else cfg.block_rows, len(sources))  # (merge: one-row tiles)
     dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
     grads, grad_table, grad_aligned = _grad_buffers(sources)
-    if b * n:
+    if b * n and merge is not None:  # a two-phase chunk's merge: all its sources in one tile
+        dar_merge.merge_backward(_pointer_table(sources)[0], grad_table, like, q, grad_out, out.contiguous(), lse,
+                                 prefix_lse.contiguous(), dprefix, y, dq, len(sources), splits, iters, eps,
+                                 _head_tail(d), merge)
+    elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_bwd_kernel[(b * splits,)](
             table, grad_table, like, q, grad_out, out.contiguous(), lse, dq,
