@@ -3,8 +3,9 @@
 A two-phase chunk of 4 has four merges with 1, 2, 3 and 1 own sources (the last reads the chunk's
 fresh summary), 14 chunks a step: in the step the merges' backward was 28.0 ms (cd3d602), ~2 TB/s
 against the forward's ~3. Each setting of ROUTEKIT_DAR_MERGE_BWD (``generic``: ``_dar_bwd_kernel``;
-else ``dar_merge``'s warps, prefetch, split rows, fused reduce) is checked against the generic kernel
-and timed per source count (GPU kernel time, profiler); the step's share is 14 x (t1 + t2 + t3 + t1).
+else ``dar_merge``'s warps, sources per tile, prefetch, split rows, fused reduce) is checked
+against the generic kernel and timed per source count (GPU kernel time, profiler); the step's share
+is 14 x (t1 + t2 + t3 + t1).
 
     python benchmarks/dar_merge_probe.py                    # H200: results/dar_merge_probe.{json,md}
     python benchmarks/dar_merge_probe.py --quick            # tiny shapes, CPU (TRITON_INTERPRET=1): checks only
@@ -28,8 +29,10 @@ from benchmarks.dar_kernel import device_ms  # noqa: E402
 from routekit.kernels import dar_triton  # noqa: E402
 
 # ROUTEKIT_DAR_MERGE_BWD settings: "generic" or warps,prefetch,split_rows,fused_reduce
-SETTINGS = ["generic", "4,1,1,0", "4,0,1,0", "2,1,1,0", "2,0,1,0", "1,1,1,0", "1,0,1,0", "8,1,1,0", "8,0,1,0",
-            "4,1,0,0", "8,1,0,0", "4,1,1,1", "2,1,1,1", "8,1,1,1", "4,1,0,1"]
+# ROUTEKIT_DAR_MERGE_BWD settings: "generic" or warps,tile,prefetch,split_rows,fused_reduce
+SETTINGS = ["generic", "4,1,1,1,0", "4,1,0,1,0", "2,1,1,1,0", "1,1,1,1,0", "8,1,1,1,0", "4,1,1,0,0", "4,1,0,0,0",
+            "8,1,1,0,0", "4,2,1,1,0", "4,4,1,1,0", "2,4,1,1,0", "8,4,1,1,0", "4,1,1,1,1", "4,1,1,0,1", "8,1,1,0,1",
+            "2,1,0,1,0", "1,1,0,1,0"]
 OWN = (1, 2, 3, 1)  # a chunk's merges' own sources
 CHUNKS = 14
 TOLERANCE = 2e-2  # bf16 gradients, relative to the largest
@@ -104,9 +107,9 @@ def main() -> None:
     best = min(timed, key=lambda r: r["step_ms"]) if timed else None
     info = machine()
     lines = ["# Merges' backward per kernel and launch (DiT-XL/2 b256: 65536 rows, D=1152, bf16)", "", header(info), "",
-             "Settings: ROUTEKIT_DAR_MERGE_BWD (`generic` = `_dar_bwd_kernel`; else `dar_merge` warps, prefetch, "
-             "split rows, fused reduce). Step share = 14 chunks x (t1 + t2 + t3 + t1); TB/s over (3 + 2S) rows of "
-             "bytes per merge.", "",
+             "Settings: ROUTEKIT_DAR_MERGE_BWD (`generic` = `_dar_bwd_kernel`; else `dar_merge` warps, sources per "
+             "tile, prefetch, split rows, fused reduce). Step share = 14 chunks x (t1 + t2 + t3 + t1); TB/s over "
+             "(3 + 2S) rows of bytes per merge.", "",
              "| setting | S=1 ms | S=2 ms | S=3 ms | step share ms | TB/s | max rel. error vs generic |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -563,11 +563,11 @@ def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monk
             dar_triton.prefix_launch_config(1152)
 
 
-@pytest.mark.parametrize("setting", ["4,1,1,0", "1,0,1,0", "2,1,0,0"])
+@pytest.mark.parametrize("setting", ["4,1,1,1,0", "1,2,0,1,0", "2,4,1,0,0", "2,2,1,1,0"])
 @pytest.mark.parametrize("query_shape", ["kd", "kb1d"])
 def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_program(setting, query_shape, monkeypatch):
-    """The merges' own backward (``dar_merge``: all own sources in one tile, with or without the next row's
-    loads in flight, rows as a head and tail or padded) walking several rows per program (the query
+    """The merges' own backward (``dar_merge``: one, two or four sources per tile, with or without the next
+    row's loads in flight, rows as a head and tail or padded) walking several rows per program (the query
     gradient summed in registers, the last program's rows partly past N); a merge of more sources than
     it takes falls back to the generic kernel."""
     from routekit.kernels import dar_merge
@@ -592,11 +592,11 @@ def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monk
     assert dar_merge.merge_launch() == dar_merge.DEFAULT
     monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "generic")
     assert dar_merge.merge_launch() is None
-    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "2,0,1,1")
-    assert dar_merge.merge_launch() == dar_merge.MergeLaunch(2, False, True, True)
-    for bad in ("3,1,1,0", "4,1,1", "padded", "4,1,1,0,1"):
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "2,4,0,1,1")
+    assert dar_merge.merge_launch() == dar_merge.MergeLaunch(2, 4, False, True, True)
+    for bad in ("3,1,1,1,0", "4,3,1,1,0", "4,1,1,1", "padded", "4,1,1,0,1,1"):
         monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", bad)
-        with pytest.raises(DarInputError, match="expected 'generic' or four integers"):
+        with pytest.raises(DarInputError, match="expected 'generic' or five integers"):
             dar_merge.merge_launch()
 
 

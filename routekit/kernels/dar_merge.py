@@ -1,12 +1,12 @@
-"""The backward of a two-phase chunk's merge, in Triton: one tile holds all of a row's sources.
+"""The backward of a two-phase chunk's merge, in Triton, every load of a row issued at once.
 
 A merge (``dar_triton.dar_fused`` with a prefix) reads the chunk's shared part (one mix and its
 log-sum-exp) and at most a chunk's few own sources. Its backward is bandwidth-bound: per row it
 reads the gradient g, the output o and the sources, and writes p_A g, the sources' gradients and
 one row factor. The generic backward (``_dar_bwd_kernel``) waits for g and o before it asks for
-the first source, pads rows of 1152 to 2048 lanes and walks sources two per tile; here every load
-of a row is issued at once (g, o and all sources in one (S, lanes) tile), optionally the next row's
-while this one is computed, and rows may be held as a power-of-two head and tail of lanes. The
+the first source and pads rows of 1152 to 2048 lanes; here a row's g, o and first source tile are
+requested together (optionally the next row's while this one is computed), the next tile is in
+flight while one is computed, and rows may be held as a power-of-two head and tail of lanes. The
 query is one per sample (static or static + e(t)) and its gradient is summed in registers.
 """
 
@@ -24,69 +24,79 @@ from routekit.kernels.dar_reference import DarInputError
 from routekit.kernels.dar_triton import _add3
 
 MAX_SOURCES = 4
-"""Most own sources this kernel takes (all in one tile); a chunk of S=4 gives merges 1-3 sources and a summary."""
+"""Most own sources this kernel takes: a chunk of S=4 gives its merges 1-3 sources and a summary."""
 
 
 @dataclass(frozen=True)
 class MergeLaunch:
-    """Warps per program, whether the next row's loads are issued before this row is computed,
-    whether rows are held as a head and tail of lanes (1024 + 128 at D=1152) rather than padded, and
-    whether a tile's three row sums share one tl.reduce (slow in Triton's CPU interpreter)."""
+    """Warps per program, sources per tile, whether the next row's first loads are issued before this
+    row is computed, whether rows are held as a head and tail of lanes (1024 + 128 at D=1152) rather
+    than padded, and whether a tile's three row sums share one tl.reduce (slow in Triton's CPU interpreter)."""
 
     warps: int
+    tile: int
     prefetch: bool
     split_rows: bool
     fused_reduce: bool = False
 
     def __post_init__(self) -> None:
-        if self.warps < 1 or self.warps & (self.warps - 1):
-            raise DarInputError(f"merge launch warps must be a power of two, got {self.warps}")
+        for name in ("warps", "tile"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise DarInputError(f"merge launch {name} must be a power of two, got {value}")
 
 
 # From the H200 probe of these kernels (benchmarks/results/dar_merge_probe.md).
-DEFAULT = MergeLaunch(warps=4, prefetch=True, split_rows=True)
+DEFAULT = MergeLaunch(warps=4, tile=1, prefetch=True, split_rows=True)
 
 
 def merge_launch() -> MergeLaunch | None:
     """The merges' backward launch, or None for the generic kernel: ROUTEKIT_DAR_MERGE_BWD="generic" or
-    "warps,prefetch,split_rows,fused_reduce" (e.g. "4,1,1,0") overrides the default, for A/B and tuning."""
+    "warps,tile,prefetch,split_rows,fused_reduce" (e.g. "4,1,1,1,0") overrides the default, for A/B and tuning."""
     value = os.environ.get("ROUTEKIT_DAR_MERGE_BWD")
     if not value:
         return DEFAULT
     if value == "generic":
         return None
     try:
-        warps, prefetch, split, fused = (int(v) for v in value.split(","))
-        return MergeLaunch(warps, bool(prefetch), bool(split), bool(fused))
+        warps, tile, prefetch, split, fused = (int(v) for v in value.split(","))
+        return MergeLaunch(warps, tile, bool(prefetch), bool(split), bool(fused))
     except ValueError as exc:  # DarInputError is a ValueError too
-        raise DarInputError(f"ROUTEKIT_DAR_MERGE_BWD={value!r}: expected 'generic' or four integers "
-                            f"warps,prefetch,split_rows,fused_reduce (warps a power of two), e.g. 4,1,1,0 ({exc})"
+        raise DarInputError(f"ROUTEKIT_DAR_MERGE_BWD={value!r}: expected 'generic' or five integers warps,tile,"
+                            f"prefetch,split_rows,fused_reduce (warps and tile powers of two), e.g. 4,1,1,1,0 ({exc})"
                             ) from None
 
 
 @triton.jit
-def _row_loads(src, g_ptr, o_ptr, lse_ptr, plse_ptr, b, n, live, N, D, stride_gb, stride_gn, stride_gd,
-               s_ok, lanes):
-    """Everything row n of sample b needs, all in flight at once: g, o, the sources' tile, lse, prefix lse."""
+def _tile(table_ptr, s0, S, ety, row, D, ok, lanes, BLOCK_S: tl.constexpr):
+    """Sources s0 .. s0+BLOCK_S-1 of this row at ``lanes`` (those past S masked off), and their pointers."""
+    idx = s0 + tl.arange(0, BLOCK_S)
+    base = tl.load(table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(ety))
+    s_ok = idx < S
+    return tl.load(base[:, None] + row * D + lanes[None, :], mask=s_ok[:, None] & ok[None, :], other=0.0), s_ok
+
+
+@triton.jit
+def _row_loads(table_ptr, S, ety, g_ptr, o_ptr, lse_ptr, plse_ptr, b, n, live, N, D, stride_gb, stride_gn, stride_gd,
+               lanes, BLOCK_S: tl.constexpr):
+    """What row n of sample b needs first, all in flight at once: g, o, the first source tile, lse, prefix lse."""
     ok = lanes < tl.where(live, D, 0)
     row = b.to(tl.int64) * N + n
     g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + n.to(tl.int64) * stride_gn + lanes * stride_gd, mask=ok,
                 other=0.0)
     o = tl.load(o_ptr + row * D + lanes, mask=ok, other=0.0)
-    v = tl.load(src[:, None] + row * D + lanes[None, :], mask=s_ok[:, None] & ok[None, :], other=0.0)
+    v, _ = _tile(table_ptr, 0, S, ety, row, D, ok, lanes, BLOCK_S)
     lse = tl.load(lse_ptr + row, mask=live, other=0.0)
     plse = tl.load(plse_ptr + row, mask=live, other=0.0)
     return g, o, v, lse, plse
 
 
 @triton.jit
-def _row_sums(q, g, o, v, FUSED_REDUCE: tl.constexpr):
-    """g . o, and per source |v|^2, q . v, g . v."""
+def _source_sums(q, g, v, FUSED_REDUCE: tl.constexpr):
+    """Per source of the tile: |v|^2, q . v, g . v."""
     if FUSED_REDUCE:
-        ss, qv, gv = tl.reduce((v * v, q[None, :] * v, g[None, :] * v), 1, _add3)
-    else:
-        ss, qv, gv = tl.sum(v * v, 1), tl.sum(q[None, :] * v, 1), tl.sum(g[None, :] * v, 1)
-    return tl.sum(g * o, 0), ss, qv, gv
+        return tl.reduce((v * v, q[None, :] * v, g[None, :] * v), 1, _add3)
+    return tl.sum(v * v, 1), tl.sum(q[None, :] * v, 1), tl.sum(g[None, :] * v, 1)
 
 
 @triton.jit
@@ -96,14 +106,11 @@ def _merge_bwd_kernel(
     BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, PREFETCH: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
 ):  # fmt: skip
-    """ITERS rows of sample b per program, each row as HEAD + TAIL lanes (TAIL lanes past D masked)."""
+    """ITERS rows of sample b per program, each row as HEAD + TAIL lanes (TAIL lanes past D masked),
+    its sources BLOCK_S at a time, the next tile in flight while one is computed."""
     pid = tl.program_id(0)
     b, split = pid // SPLITS, pid % SPLITS
     ety = like_ptr.dtype.element_ty
-    idx = tl.arange(0, BLOCK_S)
-    s_ok = idx < S
-    src = tl.load(table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(ety))
-    dst = tl.load(grad_table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(ety))
     head = tl.arange(0, HEAD)
     tail = HEAD + tl.arange(0, TAIL)
     q_h = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head * stride_qd, mask=head < D, other=0.0).to(tl.float32)
@@ -112,45 +119,52 @@ def _merge_bwd_kernel(
     dq_t = tl.zeros([TAIL], tl.float32)
     n0 = split * ITERS
     end = tl.minimum(N, n0 + ITERS)
-    args = (g_ptr, o_ptr, lse_ptr, plse_ptr)
-    strides = (N, D, stride_gb, stride_gn, stride_gd, s_ok)
-    g_h, o_h, v_h, lse, plse = _row_loads(src, *args, b, n0, n0 < end, *strides, head)
-    g_t, o_t, v_t, _, _ = _row_loads(src, *args, b, n0, n0 < end, *strides, tail)
+    args = (table_ptr, S, ety, g_ptr, o_ptr, lse_ptr, plse_ptr, b)
+    strides = (N, D, stride_gb, stride_gn, stride_gd)
+    g_h, o_h, v_h, lse, plse = _row_loads(*args, n0, n0 < end, *strides, head, BLOCK_S)
+    g_t, o_t, v_t, _, _ = _row_loads(*args, n0, n0 < end, *strides, tail, BLOCK_S)
     for it in range(ITERS):
         n = n0 + it
         live = n < end
-        if PREFETCH:  # the next row's loads fly while this row is computed
-            ng_h, no_h, nv_h, nlse, nplse = _row_loads(src, *args, b, n + 1, n + 1 < end, *strides, head)
-            ng_t, no_t, nv_t, _, _ = _row_loads(src, *args, b, n + 1, n + 1 < end, *strides, tail)
+        if PREFETCH:  # the next row's first loads fly while this row is computed
+            ng_h, no_h, nv_h, nlse, nplse = _row_loads(*args, n + 1, n + 1 < end, *strides, head, BLOCK_S)
+            ng_t, no_t, nv_t, _, _ = _row_loads(*args, n + 1, n + 1 < end, *strides, tail, BLOCK_S)
         ok_h = head < tl.where(live, D, 0)
         ok_t = tail < tl.where(live, D, 0)
         row = b.to(tl.int64) * N + n
         gh, gt = g_h.to(tl.float32), g_t.to(tl.float32)
-        vh, vt = v_h.to(tl.float32), v_t.to(tl.float32)
-        go_h, ss_h, qv_h, gv_h = _row_sums(q_h, gh, o_h.to(tl.float32), vh, FUSED_REDUCE)
-        go_t, ss_t, qv_t, gv_t = _row_sums(q_t, gt, o_t.to(tl.float32), vt, FUSED_REDUCE)
-        g_dot_o = go_h + go_t
+        g_dot_o = tl.sum(gh * o_h.to(tl.float32), 0) + tl.sum(gt * o_t.to(tl.float32), 0)
         p_a = tl.where(live, tl.exp(plse - lse), 0.0)
         tl.store(dprefix_ptr + row * D + head, (p_a * gh).to(ety), mask=ok_h)
         tl.store(dprefix_ptr + row * D + tail, (p_a * gt).to(ety), mask=ok_t)
         tl.store(y_ptr + row, -p_a * g_dot_o, mask=live)
-        # logit = scale r (q . v) with r = rsqrt(mean(v^2) + eps): the softmax gradient c, and dr/dv = -r^3 v / D
-        r = tl.rsqrt((ss_h + ss_t) / D + eps)
-        qv = qv_h + qv_t
-        w = tl.where(s_ok & live, tl.exp(qv * r * scale - lse), 0.0)
-        c = tl.where(s_ok & live, w * (gv_h + gv_t - g_dot_o) * scale * r, 0.0)
-        k = qv * r * r / D
-        dv_h = w[:, None] * gh[None, :] + c[:, None] * (q_h[None, :] - k[:, None] * vh)
-        dv_t = w[:, None] * gt[None, :] + c[:, None] * (q_t[None, :] - k[:, None] * vt)
-        tl.store(dst[:, None] + row * D + head[None, :], dv_h.to(ety), mask=s_ok[:, None] & ok_h[None, :])
-        tl.store(dst[:, None] + row * D + tail[None, :], dv_t.to(ety), mask=s_ok[:, None] & ok_t[None, :])
-        dq_h += tl.sum(c[:, None] * vh, 0)
-        dq_t += tl.sum(c[:, None] * vt, 0)
+        for s0 in range(0, S, BLOCK_S):
+            vh, vt = v_h.to(tl.float32), v_t.to(tl.float32)
+            if s0 + BLOCK_S < S:  # the next tile of this row
+                v_h, _ = _tile(table_ptr, s0 + BLOCK_S, S, ety, row, D, ok_h, head, BLOCK_S)
+                v_t, _ = _tile(table_ptr, s0 + BLOCK_S, S, ety, row, D, ok_t, tail, BLOCK_S)
+            idx = s0 + tl.arange(0, BLOCK_S)
+            s_ok = idx < tl.where(live, S, 0)  # (not `& live`: the interpreter's `&` with a scalar gives ints)
+            ss_h, qv_h, gv_h = _source_sums(q_h, gh, vh, FUSED_REDUCE)
+            ss_t, qv_t, gv_t = _source_sums(q_t, gt, vt, FUSED_REDUCE)
+            # logit = scale r (q . v), r = rsqrt(mean(v^2) + eps): softmax gradient c, and dr/dv = -r^3 v / D
+            r = tl.rsqrt((ss_h + ss_t) / D + eps)
+            qv = qv_h + qv_t
+            w = tl.where(s_ok, tl.exp(qv * r * scale - lse), 0.0)
+            c = tl.where(s_ok, w * (gv_h + gv_t - g_dot_o) * scale * r, 0.0)
+            k = qv * r * r / D
+            dst = tl.load(grad_table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(ety))
+            dv_h = w[:, None] * gh[None, :] + c[:, None] * (q_h[None, :] - k[:, None] * vh)
+            dv_t = w[:, None] * gt[None, :] + c[:, None] * (q_t[None, :] - k[:, None] * vt)
+            tl.store(dst[:, None] + row * D + head[None, :], dv_h.to(ety), mask=s_ok[:, None] & ok_h[None, :])
+            tl.store(dst[:, None] + row * D + tail[None, :], dv_t.to(ety), mask=s_ok[:, None] & ok_t[None, :])
+            dq_h += tl.sum(c[:, None] * vh, 0)
+            dq_t += tl.sum(c[:, None] * vt, 0)
         if PREFETCH:
             g_h, o_h, v_h, lse, plse, g_t, o_t, v_t = ng_h, no_h, nv_h, nlse, nplse, ng_t, no_t, nv_t
         else:
-            g_h, o_h, v_h, lse, plse = _row_loads(src, *args, b, n + 1, n + 1 < end, *strides, head)
-            g_t, o_t, v_t, _, _ = _row_loads(src, *args, b, n + 1, n + 1 < end, *strides, tail)
+            g_h, o_h, v_h, lse, plse = _row_loads(*args, n + 1, n + 1 < end, *strides, head, BLOCK_S)
+            g_t, o_t, v_t, _, _ = _row_loads(*args, n + 1, n + 1 < end, *strides, tail, BLOCK_S)
     tl.store(dq_ptr + pid.to(tl.int64) * D + head, dq_h, mask=head < D)
     tl.store(dq_ptr + pid.to(tl.int64) * D + tail, dq_t, mask=tail < D)
 
@@ -170,6 +184,6 @@ def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, g
     _merge_bwd_kernel[(b * splits,)](
         table, grad_table, like, q, grad_out, out, lse, prefix_lse, dprefix, y, dq,
         sources, n, d, q.stride(0), q.stride(2), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
-        BLOCK_S=triton.next_power_of_2(sources), HEAD=head, TAIL=max(tail, 1), PREFETCH=launch.prefetch,
+        BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=max(tail, 1), PREFETCH=launch.prefetch,
         FUSED_REDUCE=launch.fused_reduce and os.environ.get("TRITON_INTERPRET") != "1", num_warps=launch.warps,
     )  # fmt: skip
