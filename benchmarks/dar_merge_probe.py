@@ -30,9 +30,8 @@ from routekit.kernels import dar_triton  # noqa: E402
 
 # ROUTEKIT_DAR_MERGE_BWD settings: "generic" or warps,prefetch,split_rows,fused_reduce
 # ROUTEKIT_DAR_MERGE_BWD settings: "generic" or warps,tile,prefetch,split_rows,fused_reduce
-SETTINGS = ["generic", "4,1,1,1,0", "4,1,0,1,0", "2,1,1,1,0", "1,1,1,1,0", "8,1,1,1,0", "4,1,1,0,0", "4,1,0,0,0",
-            "8,1,1,0,0", "4,2,1,1,0", "4,4,1,1,0", "2,4,1,1,0", "8,4,1,1,0", "4,1,1,1,1", "4,1,1,0,1", "8,1,1,0,1",
-            "2,1,0,1,0", "1,1,0,1,0"]
+SETTINGS = ["generic", "4,1,1,1,0", "4,1,0,1,0", "2,1,1,1,0", "1,1,1,1,0", "8,1,1,1,0", "4,1,1,0,0", "4,2,1,1,0",
+            "4,4,1,1,0", "4,1,1,1,1", "8,1,1,0,1"]
 OWN = (1, 2, 3, 1)  # a chunk's merges' own sources
 CHUNKS = 14
 TOLERANCE = 2e-2  # bf16 gradients, relative to the largest
