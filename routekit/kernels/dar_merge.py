@@ -68,27 +68,30 @@ def merge_launch() -> MergeLaunch | None:
 
 
 @triton.jit
-def _tile(table_ptr, s0, S, ety, row, D, ok, lanes, BLOCK_S: tl.constexpr):
-    """Sources s0 .. s0+BLOCK_S-1 of this row at ``lanes`` (those past S masked off), and their pointers."""
+def _tile(table_ptr, s0, S, like_ptr, row, D, ok, lanes, BLOCK_S: tl.constexpr):
+    """Sources s0 .. s0+BLOCK_S-1 of this row at ``lanes`` (those past S masked off)."""
     idx = s0 + tl.arange(0, BLOCK_S)
-    base = tl.load(table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(ety))
-    s_ok = idx < S
-    return tl.load(base[:, None] + row * D + lanes[None, :], mask=s_ok[:, None] & ok[None, :], other=0.0), s_ok
+    base = tl.load(table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    return tl.load(base[:, None] + row * D + lanes[None, :], mask=(idx < S)[:, None] & ok[None, :], other=0.0)
 
 
 @triton.jit
-def _row_loads(table_ptr, S, ety, g_ptr, o_ptr, lse_ptr, plse_ptr, b, n, live, N, D, stride_gb, stride_gn, stride_gd,
-               lanes, BLOCK_S: tl.constexpr):
-    """What row n of sample b needs first, all in flight at once: g, o, the first source tile, lse, prefix lse."""
+def _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n, live, N, D, stride_gb, stride_gn,
+               stride_gd, lanes, BLOCK_S: tl.constexpr):
+    """What row n of sample b needs first at ``lanes``, all in flight at once: g, o, the first source tile."""
     ok = lanes < tl.where(live, D, 0)
     row = b.to(tl.int64) * N + n
     g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + n.to(tl.int64) * stride_gn + lanes * stride_gd, mask=ok,
                 other=0.0)
     o = tl.load(o_ptr + row * D + lanes, mask=ok, other=0.0)
-    v, _ = _tile(table_ptr, 0, S, ety, row, D, ok, lanes, BLOCK_S)
-    lse = tl.load(lse_ptr + row, mask=live, other=0.0)
-    plse = tl.load(plse_ptr + row, mask=live, other=0.0)
-    return g, o, v, lse, plse
+    return g, o, _tile(table_ptr, 0, S, like_ptr, row, D, ok, lanes, BLOCK_S)
+
+
+@triton.jit
+def _row_lse(lse_ptr, plse_ptr, b, n, live, N):
+    """Row n's log-sum-exp and its prefix's."""
+    row = b.to(tl.int64) * N + n
+    return tl.load(lse_ptr + row, mask=live, other=0.0), tl.load(plse_ptr + row, mask=live, other=0.0)
 
 
 @triton.jit
@@ -119,16 +122,20 @@ def _merge_bwd_kernel(
     dq_t = tl.zeros([TAIL], tl.float32)
     n0 = split * ITERS
     end = tl.minimum(N, n0 + ITERS)
-    args = (table_ptr, S, ety, g_ptr, o_ptr, lse_ptr, plse_ptr, b)
-    strides = (N, D, stride_gb, stride_gn, stride_gd)
-    g_h, o_h, v_h, lse, plse = _row_loads(*args, n0, n0 < end, *strides, head, BLOCK_S)
-    g_t, o_t, v_t, _, _ = _row_loads(*args, n0, n0 < end, *strides, tail, BLOCK_S)
+    g_h, o_h, v_h = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n0, n0 < end, N, D, stride_gb, stride_gn,
+                               stride_gd, head, BLOCK_S)
+    g_t, o_t, v_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n0, n0 < end, N, D, stride_gb, stride_gn,
+                               stride_gd, tail, BLOCK_S)
+    lse, plse = _row_lse(lse_ptr, plse_ptr, b, n0, n0 < end, N)
     for it in range(ITERS):
         n = n0 + it
         live = n < end
         if PREFETCH:  # the next row's first loads fly while this row is computed
-            ng_h, no_h, nv_h, nlse, nplse = _row_loads(*args, n + 1, n + 1 < end, *strides, head, BLOCK_S)
-            ng_t, no_t, nv_t, _, _ = _row_loads(*args, n + 1, n + 1 < end, *strides, tail, BLOCK_S)
+            ng_h, no_h, nv_h = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D,
+                                          stride_gb, stride_gn, stride_gd, head, BLOCK_S)
+            ng_t, no_t, nv_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D,
+                                          stride_gb, stride_gn, stride_gd, tail, BLOCK_S)
+            nlse, nplse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N)
         ok_h = head < tl.where(live, D, 0)
         ok_t = tail < tl.where(live, D, 0)
         row = b.to(tl.int64) * N + n
@@ -141,8 +148,8 @@ def _merge_bwd_kernel(
         for s0 in range(0, S, BLOCK_S):
             vh, vt = v_h.to(tl.float32), v_t.to(tl.float32)
             if s0 + BLOCK_S < S:  # the next tile of this row
-                v_h, _ = _tile(table_ptr, s0 + BLOCK_S, S, ety, row, D, ok_h, head, BLOCK_S)
-                v_t, _ = _tile(table_ptr, s0 + BLOCK_S, S, ety, row, D, ok_t, tail, BLOCK_S)
+                v_h = _tile(table_ptr, s0 + BLOCK_S, S, like_ptr, row, D, ok_h, head, BLOCK_S)
+                v_t = _tile(table_ptr, s0 + BLOCK_S, S, like_ptr, row, D, ok_t, tail, BLOCK_S)
             idx = s0 + tl.arange(0, BLOCK_S)
             s_ok = idx < tl.where(live, S, 0)  # (not `& live`: the interpreter's `&` with a scalar gives ints)
             ss_h, qv_h, gv_h = _source_sums(q_h, gh, vh, FUSED_REDUCE)
@@ -163,8 +170,11 @@ def _merge_bwd_kernel(
         if PREFETCH:
             g_h, o_h, v_h, lse, plse, g_t, o_t, v_t = ng_h, no_h, nv_h, nlse, nplse, ng_t, no_t, nv_t
         else:
-            g_h, o_h, v_h, lse, plse = _row_loads(*args, n + 1, n + 1 < end, *strides, head, BLOCK_S)
-            g_t, o_t, v_t, _, _ = _row_loads(*args, n + 1, n + 1 < end, *strides, tail, BLOCK_S)
+            g_h, o_h, v_h = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D, stride_gb,
+                                       stride_gn, stride_gd, head, BLOCK_S)
+            g_t, o_t, v_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D, stride_gb,
+                                       stride_gn, stride_gd, tail, BLOCK_S)
+            lse, plse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N)
     tl.store(dq_ptr + pid.to(tl.int64) * D + head, dq_h, mask=head < D)
     tl.store(dq_ptr + pid.to(tl.int64) * D + tail, dq_t, mask=tail < D)
 
@@ -184,6 +194,7 @@ def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, g
     _merge_bwd_kernel[(b * splits,)](
         table, grad_table, like, q, grad_out, out, lse, prefix_lse, dprefix, y, dq,
         sources, n, d, q.stride(0), q.stride(2), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
-        BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=max(tail, 1), PREFETCH=launch.prefetch,
-        FUSED_REDUCE=launch.fused_reduce and os.environ.get("TRITON_INTERPRET") != "1", num_warps=launch.warps,
+        BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=max(tail, 1),
+        PREFETCH=launch.prefetch, FUSED_REDUCE=launch.fused_reduce and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=launch.warps,
     )  # fmt: skip
