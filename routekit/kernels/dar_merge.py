@@ -46,8 +46,10 @@ class MergeLaunch:
                 raise DarInputError(f"merge launch {name} must be a power of two, got {value}")
 
 
-# From the H200 probe of these kernels (benchmarks/results/dar_merge_probe.md).
-DEFAULT = MergeLaunch(warps=4, tile=1, prefetch=True, split_rows=True)
+# From the H200 probe of these kernels (benchmarks/results/dar_merge_probe_0941d86.md): one warp, one source per
+# tile, the next row in flight, 1024 + 128 lanes: 20.0 ms over a step's merges against 26.4 for the generic kernel
+# (2 warps 23.1, 4 warps 28.0; padded rows on 4 warps 34.6).
+DEFAULT = MergeLaunch(warps=1, tile=1, prefetch=True, split_rows=True)
 
 
 def merge_launch() -> MergeLaunch | None:
