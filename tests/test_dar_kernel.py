@@ -536,9 +536,11 @@ def test_weighted_sum_ops_pass_torch_library_opcheck():
     sources = [torch.randn(2, 3, 24, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(3)]
     logits = torch.randn(3, 2, 3, 2, generator=gen).to(DEVICE).requires_grad_()
     torch.library.opcheck(dar_stream.dar_wsum, (sources, logits, [4, 1]))
-    mixes, lse = dar_stream.dar_wsum(sources, logits, [4, 1])
+    mixes, state = dar_stream.dar_wsum(sources, logits, [4, 1])
+    assert state.shape == (2, 2, 3, 2) and not state[..., 1].any()  # (K, B, N, 2): lse and a zero slot
+    lse = state[..., 0].detach()
     grad_mixes = [torch.randn_like(m) for m in mixes]
-    torch.library.opcheck(dar_stream.dar_wsum_backward, ([s.detach() for s in sources], logits.detach(), lse.detach(),
+    torch.library.opcheck(dar_stream.dar_wsum_backward, ([s.detach() for s in sources], logits.detach(), lse,
                                                          grad_mixes, torch.randn_like(lse), [4, 1]))
 
 
@@ -577,12 +579,13 @@ def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monk
 
 
 @pytest.mark.parametrize("setting", ["4,1,1,1,0", "1,2,0,1,0", "2,4,1,0,0", "2,2,1,1,0"])
-@pytest.mark.parametrize("query_shape", ["kd", "kb1d"])
-def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_program(setting, query_shape, monkeypatch):
+@pytest.mark.parametrize("shared", ["fused prefix, kd", "fused prefix, kb1d", "streamed", "streamed with e(t)"])
+def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_program(setting, shared, monkeypatch):
     """The merges' own backward (``dar_merge``: one, two or four sources per tile, with or without the next
     row's loads in flight, rows as a head and tail or padded) walking several rows per program (the query
-    gradient summed in registers, the last program's rows partly past N); a merge of more sources than
-    it takes falls back to the generic kernel."""
+    gradient summed in registers, the last program's rows partly past N), after a fused prefix (p_A g
+    written) and after a weighted sum (its state carries g . o and the merge's lse back); a merge of more
+    sources than it takes falls back to the generic kernel, which does either too."""
     from routekit.kernels import dar_merge
 
     monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", setting)
@@ -591,11 +594,47 @@ def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_progra
     calls = []
     launch = dar_merge.merge_backward
     monkeypatch.setattr(dar_merge, "merge_backward", lambda *a: calls.append(a[11]) or launch(*a))
+    query_shape = shared.rpartition(", ")[2] if shared.startswith("fused") else "kd"
     case = ChunkCase(shared=3, own=(1, 3, 4, 5), b=2, n=5, d=10, dtype=torch.float32, query_shape=query_shape, seed=9)
-    for name, g, w in zip(("outputs", "grad shared", "grad own", "grad queries"), chunk_outputs(case, "triton"),
-                          chunk_outputs(case, None)):
-        assert_close(g, w, CHUNK_TOLERANCE[torch.float32], f"{name} ({setting}, {query_shape})")
+    if shared.startswith("fused"):
+        names, got, want = ("outputs", "grad shared", "grad own", "grad queries"), chunk_outputs(case, "triton"), \
+            chunk_outputs(case, None)
+    else:
+        timestep = shared.endswith("e(t)")
+        names = ("outputs", "grad shared", "grad own", "grad w", "grad e(t)")[:4 + timestep]
+        got, want = streamed_chunk_outputs(case, "triton", timestep), streamed_chunk_outputs(case, None, timestep)
+    for name, g, w in zip(names, got, want, strict=True):
+        assert_close(g, w, CHUNK_TOLERANCE[torch.float32], f"{name} ({setting}, {shared})")
     assert sorted(calls) == [1, 3, 4]  # the merge of 5 sources took the generic kernel
+
+
+def test_a_mix_no_merge_reads_gets_no_gradient_and_the_rest_stay_right():
+    """A weighted sum of two mixes whose second no merge reads (autograd hands it zero gradients): the
+    sources' and logits' gradients are the reference's, finite (no exp(logit - 0) weights, no inf * 0)."""
+    gen = torch.Generator().manual_seed(12)
+    sources = [(torch.randn(2, 3, 16, generator=gen) * 3).to(DEVICE).requires_grad_() for _ in range(3)]
+    own = [torch.randn(2, 3, 16, generator=gen).to(DEVICE).requires_grad_()]
+    logits = torch.randn(3, 2, 3, 2, generator=gen)
+    logits[..., 1] += 100  # exp(100) overflows fp32: the unread mix's weights must stay a softmax
+    logits = logits.to(DEVICE).requires_grad_()
+    query = torch.randn(16, generator=gen).to(DEVICE)
+    grad = torch.randn(2, 3, 16, generator=gen).to(DEVICE)
+
+    def gradients(kernel):
+        mixes, lse = dar_weighted_sum(sources, logits, kernel)
+        out = dar_aggregate(own, query, kernel=kernel, out_dtype=torch.float32, prefix=(mixes[0], lse[0]))
+        return torch.autograd.grad((out * grad).sum(), [*sources, *own, logits])
+
+    for i, (g, w) in enumerate(zip(gradients("triton"), gradients("torch"), strict=True)):
+        assert torch.isfinite(g).all(), f"gradient {i} not finite"
+        assert_close(g, w, 1e-5, f"gradient {i}")
+
+
+def test_the_reference_refuses_a_triton_weighted_sums_state():
+    mix = torch.randn(2, 3, 8, device=DEVICE)
+    with pytest.raises(DarInputError, match=r"must be \(B, N\) = \(2, 3\).*kernel='triton'"):
+        dar_aggregate([mix], torch.zeros(8, device=DEVICE), kernel="torch",
+                      prefix=(mix, torch.zeros(2, 3, 2, device=DEVICE)))
 
 
 def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):

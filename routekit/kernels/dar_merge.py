@@ -90,10 +90,11 @@ def _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n, live, N, D, stride_gb
 
 
 @triton.jit
-def _row_lse(lse_ptr, plse_ptr, b, n, live, N):
-    """Row n's log-sum-exp and its prefix's."""
+def _row_lse(lse_ptr, plse_ptr, b, n, live, N, PAIRED: tl.constexpr):
+    """Row n's log-sum-exp and its prefix's (from a (B, N, 2) state when PAIRED)."""
     row = b.to(tl.int64) * N + n
-    return tl.load(lse_ptr + row, mask=live, other=0.0), tl.load(plse_ptr + row, mask=live, other=0.0)
+    return tl.load(lse_ptr + row, mask=live, other=0.0), \
+        tl.load(plse_ptr + row * (2 if PAIRED else 1), mask=live, other=0.0)
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def _merge_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, plse_ptr, dprefix_ptr, y_ptr, dq_ptr,
     S, N, D, stride_qb, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, SPLITS, ITERS,
     BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, PREFETCH: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, PAIRED: tl.constexpr,
 ):  # fmt: skip
     """ITERS rows of sample b per program, each row as HEAD + TAIL lanes (TAIL lanes past D masked),
     its sources BLOCK_S at a time, the next tile in flight while one is computed."""
@@ -128,7 +129,7 @@ def _merge_bwd_kernel(
                                stride_gd, head, BLOCK_S)
     g_t, o_t, v_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n0, n0 < end, N, D, stride_gb, stride_gn,
                                stride_gd, tail, BLOCK_S)
-    lse, plse = _row_lse(lse_ptr, plse_ptr, b, n0, n0 < end, N)
+    lse, plse = _row_lse(lse_ptr, plse_ptr, b, n0, n0 < end, N, PAIRED)
     for it in range(ITERS):
         n = n0 + it
         live = n < end
@@ -137,16 +138,20 @@ def _merge_bwd_kernel(
                                           stride_gb, stride_gn, stride_gd, head, BLOCK_S)
             ng_t, no_t, nv_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D,
                                           stride_gb, stride_gn, stride_gd, tail, BLOCK_S)
-            nlse, nplse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N)
+            nlse, nplse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N, PAIRED)
         ok_h = head < tl.where(live, D, 0)
         ok_t = tail < tl.where(live, D, 0)
         row = b.to(tl.int64) * N + n
         gh, gt = g_h.to(tl.float32), g_t.to(tl.float32)
         g_dot_o = tl.sum(gh * o_h.to(tl.float32), 0) + tl.sum(gt * o_t.to(tl.float32), 0)
-        p_a = tl.where(live, tl.exp(plse - lse), 0.0)
-        tl.store(dprefix_ptr + row * D + head, (p_a * gh).to(ety), mask=ok_h)
-        tl.store(dprefix_ptr + row * D + tail, (p_a * gt).to(ety), mask=ok_t)
-        tl.store(y_ptr + row, -p_a * g_dot_o, mask=live)
+        if PAIRED:  # a weighted sum's state: g . o and this merge's lse less the mix's (dar_stream's docstring)
+            tl.store(y_ptr + row * 2, g_dot_o, mask=live)
+            tl.store(y_ptr + row * 2 + 1, lse - plse, mask=live)
+        else:
+            p_a = tl.where(live, tl.exp(plse - lse), 0.0)
+            tl.store(dprefix_ptr + row * D + head, (p_a * gh).to(ety), mask=ok_h)
+            tl.store(dprefix_ptr + row * D + tail, (p_a * gt).to(ety), mask=ok_t)
+            tl.store(y_ptr + row, -p_a * g_dot_o, mask=live)
         for s0 in range(0, S, BLOCK_S):
             vh, vt = v_h.to(tl.float32), v_t.to(tl.float32)
             if s0 + BLOCK_S < S:  # the next tile of this row
@@ -176,7 +181,7 @@ def _merge_bwd_kernel(
                                        stride_gn, stride_gd, head, BLOCK_S)
             g_t, o_t, v_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D, stride_gb,
                                        stride_gn, stride_gd, tail, BLOCK_S)
-            lse, plse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N)
+            lse, plse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N, PAIRED)
     tl.store(dq_ptr + pid.to(tl.int64) * D + head, dq_h, mask=head < D)
     tl.store(dq_ptr + pid.to(tl.int64) * D + tail, dq_t, mask=tail < D)
 
@@ -188,9 +193,11 @@ def fits(sources: int) -> bool:
 
 def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, grad_out: Tensor, out: Tensor,
                    lse: Tensor, prefix_lse: Tensor, dprefix: Tensor, y: Tensor, dq: Tensor, sources: int,
-                   splits: int, iters: int, eps: float, lanes: tuple[int, int], launch: MergeLaunch) -> None:
+                   splits: int, iters: int, eps: float, lanes: tuple[int, int], launch: MergeLaunch,
+                   paired: bool) -> None:
     """Launch the kernel for (B, N, D) rows: ``q`` broadcast to (B, N, D) with one query per sample,
-    ``dq`` (B * splits, D) fp32 per-program query gradients, ``lanes`` a row's (head, tail) split."""
+    ``dq`` (B * splits, D) fp32 per-program query gradients, ``lanes`` a row's (head, tail) split,
+    ``paired``: the prefix lse is a weighted sum's (B, N, 2) state (``dar_triton._paired``)."""
     b, n, d = out.shape
     head, tail = lanes if launch.split_rows else (triton.next_power_of_2(d), 1)
     _merge_bwd_kernel[(b * splits,)](
@@ -198,5 +205,5 @@ def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, g
         sources, n, d, q.stride(0), q.stride(2), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
         BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=max(tail, 1),
         PREFETCH=launch.prefetch, FUSED_REDUCE=launch.fused_reduce and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=launch.warps,
+        PAIRED=paired, num_warps=launch.warps,
     )  # fmt: skip
