@@ -585,15 +585,20 @@ def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_progra
     row's loads in flight, rows as a head and tail or padded) walking several rows per program (the query
     gradient summed in registers, the last program's rows partly past N), after a fused prefix (p_A g
     written) and after a weighted sum (its state carries g . o and the merge's lse back); a merge of more
-    sources than it takes falls back to the generic kernel, which does either too."""
+    sources than it takes falls back to the generic kernel, which does either too. The forward of the
+    merges runs through ``dar_merge``'s kernel with the same setting."""
     from routekit.kernels import dar_merge
 
     monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", setting)
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_FWD", setting)
     split = dar_triton._sample_split
-    monkeypatch.setattr(dar_triton, "_sample_split", lambda b, n, r, s=1: split(b, n, r, s, programs=4))
-    calls = []
-    launch = dar_merge.merge_backward
+    few = lambda b, n, r, s=1: split(b, n, r, s, programs=4)  # noqa: E731
+    monkeypatch.setattr(dar_triton, "_sample_split", few)
+    monkeypatch.setattr(dar_merge, "_sample_split", few)
+    calls, forwards = [], []
+    launch, launch_fwd = dar_merge.merge_backward, dar_merge.merge_forward
     monkeypatch.setattr(dar_merge, "merge_backward", lambda *a: calls.append(a[11]) or launch(*a))
+    monkeypatch.setattr(dar_merge, "merge_forward", lambda *a: forwards.append(a[7]) or launch_fwd(*a))
     query_shape = shared.rpartition(", ")[2] if shared.startswith("fused") else "kd"
     case = ChunkCase(shared=3, own=(1, 3, 4, 5), b=2, n=5, d=10, dtype=torch.float32, query_shape=query_shape, seed=9)
     if shared.startswith("fused"):
@@ -605,7 +610,7 @@ def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_progra
         got, want = streamed_chunk_outputs(case, "triton", timestep), streamed_chunk_outputs(case, None, timestep)
     for name, g, w in zip(names, got, want, strict=True):
         assert_close(g, w, CHUNK_TOLERANCE[torch.float32], f"{name} ({setting}, {shared})")
-    assert sorted(calls) == [1, 3, 4]  # the merge of 5 sources took the generic kernel
+    assert sorted(calls) == sorted(forwards) == [1, 3, 4]  # the merge of 5 sources took the generic kernels
 
 
 def test_a_mix_no_merge_reads_gets_no_gradient_and_the_rest_stay_right():
@@ -641,7 +646,7 @@ def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monk
     from routekit.kernels import dar_merge
 
     monkeypatch.delenv("ROUTEKIT_DAR_MERGE_BWD", raising=False)
-    assert dar_merge.merge_launch() == dar_merge.DEFAULT
+    assert dar_merge.merge_launch() == dar_merge.DEFAULTS["BWD"]
     monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "generic")
     assert dar_merge.merge_launch() is None
     monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "2,4,0,1,1")

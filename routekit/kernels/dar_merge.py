@@ -1,13 +1,15 @@
-"""The backward of a two-phase chunk's merge, in Triton, every load of a row issued at once.
+"""A two-phase chunk's merges in Triton, forward and backward, every load of a row issued at once.
 
 A merge (``dar_triton.dar_fused`` with a prefix) reads the chunk's shared part (one mix and its
-log-sum-exp) and at most a chunk's few own sources. Its backward is bandwidth-bound: per row it
-reads the gradient g, the output o and the sources, and writes p_A g, the sources' gradients and
-one row factor. The generic backward (``_dar_bwd_kernel``) waits for g and o before it asks for
-the first source and pads rows of 1152 to 2048 lanes; here a row's g, o and first source tile are
-requested together (optionally the next row's while this one is computed), the next tile is in
-flight while one is computed, and rows may be held as a power-of-two head and tail of lanes. The
-query is one per sample (static or static + e(t)) and its gradient is summed in registers.
+log-sum-exp) and at most a chunk's few own sources; both directions are bandwidth-bound. Backward,
+per row, it reads the gradient g, the output o and the sources and writes the sources' gradients,
+and for the shared part either p_A g and a row factor (after a fused prefix) or two row values
+(after a weighted sum: ``dar_stream``'s docstring). The generic kernels (``_dar_fwd_kernel``,
+``_dar_bwd_kernel``) pad rows of 1152 to 2048 lanes and the backward waits for g and o before it
+asks for the first source; here a row's loads are requested together (optionally the next row's
+while this one is computed), the next source is in flight while one is computed, and rows may be
+held as a power-of-two head and tail of lanes. The query is one per sample (static or static +
+e(t)) and its gradient is summed in registers.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from routekit.kernels.dar_reference import DarInputError
-from routekit.kernels.dar_triton import _add3
+from routekit.kernels.dar_triton import _add3, _sample_split
 
 MAX_SOURCES = 4
 """Most own sources this kernel takes: a chunk of S=4 gives its merges 1-3 sources and a summary."""
@@ -48,23 +50,27 @@ class MergeLaunch:
 
 # From the H200 probe of these kernels (benchmarks/results/dar_merge_probe_0941d86.md): one warp, one source per
 # tile, the next row in flight, 1024 + 128 lanes: 20.0 ms over a step's merges against 26.4 for the generic kernel
-# (2 warps 23.1, 4 warps 28.0; padded rows on 4 warps 34.6).
-DEFAULT = MergeLaunch(warps=1, tile=1, prefetch=True, split_rows=True)
+# (2 warps 23.1, 4 warps 28.0; padded rows on 4 warps 34.6). The forward takes the same (tile and fused reduce
+# do not apply: one source at a time), not yet measured against the generic forward.
+DEFAULTS = {"BWD": MergeLaunch(warps=1, tile=1, prefetch=True, split_rows=True),
+            "FWD": MergeLaunch(warps=1, tile=1, prefetch=True, split_rows=True)}
 
 
-def merge_launch() -> MergeLaunch | None:
-    """The merges' backward launch, or None for the generic kernel: ROUTEKIT_DAR_MERGE_BWD="generic" or
-    "warps,tile,prefetch,split_rows,fused_reduce" (e.g. "4,1,1,1,0") overrides the default, for A/B and tuning."""
-    value = os.environ.get("ROUTEKIT_DAR_MERGE_BWD")
+def merge_launch(direction: str = "BWD") -> MergeLaunch | None:
+    """The merges' launch in ``direction`` ("BWD" or "FWD"), or None for the generic kernel:
+    ROUTEKIT_DAR_MERGE_BWD / ROUTEKIT_DAR_MERGE_FWD = "generic" or "warps,tile,prefetch,split_rows,fused_reduce"
+    (e.g. "4,1,1,1,0") override the defaults, for A/B and tuning."""
+    name = f"ROUTEKIT_DAR_MERGE_{direction}"
+    value = os.environ.get(name)
     if not value:
-        return DEFAULT
+        return DEFAULTS[direction]
     if value == "generic":
         return None
     try:
         warps, tile, prefetch, split, fused = (int(v) for v in value.split(","))
         return MergeLaunch(warps, tile, bool(prefetch), bool(split), bool(fused))
     except ValueError as exc:  # DarInputError is a ValueError too
-        raise DarInputError(f"ROUTEKIT_DAR_MERGE_BWD={value!r}: expected 'generic' or five integers warps,tile,"
+        raise DarInputError(f"{name}={value!r}: expected 'generic' or five integers warps,tile,"
                             f"prefetch,split_rows,fused_reduce (warps and tile powers of two), e.g. 4,1,1,1,0 ({exc})"
                             ) from None
 
@@ -91,10 +97,8 @@ def _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n, live, N, D, stride_gb
 
 @triton.jit
 def _row_lse(lse_ptr, plse_ptr, b, n, live, N, PAIRED: tl.constexpr):
-    """Row n's log-sum-exp and its prefix's (from a (B, N, 2) state when PAIRED)."""
-    row = b.to(tl.int64) * N + n
-    return tl.load(lse_ptr + row, mask=live, other=0.0), \
-        tl.load(plse_ptr + row * (2 if PAIRED else 1), mask=live, other=0.0)
+    """Row n's log-sum-exp and its prefix's."""
+    return tl.load(lse_ptr + b.to(tl.int64) * N + n, mask=live, other=0.0), _prefix_lse(plse_ptr, b, n, live, N, PAIRED)
 
 
 @triton.jit
@@ -184,6 +188,98 @@ def _merge_bwd_kernel(
             lse, plse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N, PAIRED)
     tl.store(dq_ptr + pid.to(tl.int64) * D + head, dq_h, mask=head < D)
     tl.store(dq_ptr + pid.to(tl.int64) * D + tail, dq_t, mask=tail < D)
+
+
+@triton.jit
+def _merge_fwd_kernel(
+    table_ptr, like_ptr, q_ptr, mix_ptr, plse_ptr, out_ptr, lse_ptr,
+    S, N, D, stride_qb, stride_qd, eps, scale, SPLITS, ITERS,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
+):  # fmt: skip
+    """A merge's forward, ITERS rows of sample b per program as the backward walks them: the online
+    softmax starts from the shared part (its mix, weight 1 at its lse) and takes the own sources one at
+    a time, the next source in flight (and the next row's mix and first source, with PREFETCH)."""
+    pid = tl.program_id(0)
+    b, split = pid // SPLITS, pid % SPLITS
+    head = tl.arange(0, HEAD)
+    tail = HEAD + tl.arange(0, TAIL)
+    q_h = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head * stride_qd, mask=head < D, other=0.0).to(tl.float32)
+    q_t = tl.load(q_ptr + b.to(tl.int64) * stride_qb + tail * stride_qd, mask=tail < D, other=0.0).to(tl.float32)
+    n0 = split * ITERS
+    end = tl.minimum(N, n0 + ITERS)
+    a_h, v_h = _mix_loads(table_ptr, like_ptr, mix_ptr, b, n0, n0 < end, N, D, head)
+    a_t, v_t = _mix_loads(table_ptr, like_ptr, mix_ptr, b, n0, n0 < end, N, D, tail)
+    m = _prefix_lse(plse_ptr, b, n0, n0 < end, N, PAIRED)
+    for it in range(ITERS):
+        n = n0 + it
+        live = n < end
+        if PREFETCH:
+            na_h, nv_h = _mix_loads(table_ptr, like_ptr, mix_ptr, b, n + 1, n + 1 < end, N, D, head)
+            na_t, nv_t = _mix_loads(table_ptr, like_ptr, mix_ptr, b, n + 1, n + 1 < end, N, D, tail)
+            nm = _prefix_lse(plse_ptr, b, n + 1, n + 1 < end, N, PAIRED)
+        ok_h = head < tl.where(live, D, 0)
+        ok_t = tail < tl.where(live, D, 0)
+        row = b.to(tl.int64) * N + n
+        acc_h, acc_t = a_h.to(tl.float32), a_t.to(tl.float32)
+        denom = tl.zeros_like(m) + 1.0
+        for s in range(0, S):
+            vh, vt = v_h.to(tl.float32), v_t.to(tl.float32)
+            if s + 1 < S:
+                v_h = _source(table_ptr, s + 1, like_ptr, row, D, ok_h, head)
+                v_t = _source(table_ptr, s + 1, like_ptr, row, D, ok_t, tail)
+            r = tl.rsqrt((tl.sum(vh * vh, 0) + tl.sum(vt * vt, 0)) / D + eps)
+            logit = (tl.sum(q_h * vh, 0) + tl.sum(q_t * vt, 0)) * r * scale
+            m_new = tl.maximum(m, logit)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(logit - m_new)
+            denom = denom * alpha + p
+            acc_h = acc_h * alpha + p * vh
+            acc_t = acc_t * alpha + p * vt
+            m = m_new
+        ety = out_ptr.dtype.element_ty
+        tl.store(out_ptr + row * D + head, (acc_h / denom).to(ety), mask=ok_h)
+        tl.store(out_ptr + row * D + tail, (acc_t / denom).to(ety), mask=ok_t)
+        tl.store(lse_ptr + row, m + tl.log(denom), mask=live)
+        if PREFETCH:
+            a_h, v_h, a_t, v_t, m = na_h, nv_h, na_t, nv_t, nm
+        else:
+            a_h, v_h = _mix_loads(table_ptr, like_ptr, mix_ptr, b, n + 1, n + 1 < end, N, D, head)
+            a_t, v_t = _mix_loads(table_ptr, like_ptr, mix_ptr, b, n + 1, n + 1 < end, N, D, tail)
+            m = _prefix_lse(plse_ptr, b, n + 1, n + 1 < end, N, PAIRED)
+
+
+@triton.jit
+def _source(table_ptr, s, like_ptr, row, D, ok, lanes):
+    """Source s's row at ``lanes``."""
+    src = tl.load(table_ptr + s).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    return tl.load(src + row * D + lanes, mask=ok, other=0.0)
+
+
+@triton.jit
+def _mix_loads(table_ptr, like_ptr, mix_ptr, b, n, live, N, D, lanes):
+    """Row n of sample b at ``lanes``: the shared part's mix and the first own source, both in flight."""
+    ok = lanes < tl.where(live, D, 0)
+    row = b.to(tl.int64) * N + n
+    return tl.load(mix_ptr + row * D + lanes, mask=ok, other=0.0), _source(table_ptr, 0, like_ptr, row, D, ok, lanes)
+
+
+@triton.jit
+def _prefix_lse(plse_ptr, b, n, live, N, PAIRED: tl.constexpr):
+    """Row n's prefix log-sum-exp (from a (B, N, 2) state when PAIRED)."""
+    return tl.load(plse_ptr + (b.to(tl.int64) * N + n) * (2 if PAIRED else 1), mask=live, other=0.0)
+
+
+def merge_forward(table: Tensor, like: Tensor, q: Tensor, mix: Tensor, prefix_lse: Tensor, out: Tensor, lse: Tensor,
+                  sources: int, eps: float, lanes: tuple[int, int], launch: MergeLaunch, paired: bool) -> None:
+    """Launch the forward for (B, N, D) rows (``q`` broadcast to them, one query per sample), rows
+    split among programs as the backward splits them."""
+    b, n, d = out.shape
+    splits, iters = _sample_split(b, n, 1, sources)
+    head, tail = lanes if launch.split_rows else (triton.next_power_of_2(d), 1)
+    _merge_fwd_kernel[(b * splits,)](
+        table, like, q, mix, prefix_lse, out, lse, sources, n, d, q.stride(0), q.stride(2), eps, 1.0 / math.sqrt(d),
+        splits, iters, HEAD=head, TAIL=max(tail, 1), PREFETCH=launch.prefetch, PAIRED=paired, num_warps=launch.warps,
+    )  # fmt: skip
 
 
 def fits(sources: int) -> bool:

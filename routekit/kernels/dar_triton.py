@@ -583,7 +583,14 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
     o32 = torch.empty((b, n, d) if keep_o32 else (0,), dtype=torch.float32, device=like.device)
     lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
     has_prefix = prefix is not None
-    if b * n:
+    from routekit.kernels import dar_merge  # (it builds on this module)
+
+    merge = dar_merge.merge_launch("FWD") if has_prefix and not keep_o32 and (n == 1 or q.stride(1) == 0) \
+        and dar_merge.fits(len(sources)) else None
+    if b * n and merge is not None:  # a two-phase chunk's merge: its own kernel
+        dar_merge.merge_forward(_pointer_table(sources)[0], like, q, prefix.contiguous(), prefix_lse.contiguous(), out,
+                                lse, len(sources), eps, _head_tail(d), merge, _paired(prefix_lse))
+    elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
             table, like, q, out, o32, lse, prefix.contiguous() if has_prefix else lse,
@@ -628,7 +635,7 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
     per_row = n > 1 and q.stride(1) != 0
     from routekit.kernels import dar_merge  # (it builds on this module)
 
-    merge = dar_merge.merge_launch() if has_prefix and not per_row and dar_merge.fits(len(sources)) else None
+    merge = dar_merge.merge_launch("BWD") if has_prefix and not per_row and dar_merge.fits(len(sources)) else None
     splits, iters = _sample_split(b, n, 1 if merge else cfg.block_rows, len(sources))  # (merge: one-row tiles)
     dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
     grads, grad_table, grad_aligned = _grad_buffers(sources)
