@@ -360,7 +360,7 @@ def measure_routekit(chunks: int, k: int, rows: int, d: int, warps: list[int]) -
     for c in range(chunks):
         sources = pool[:c + 1]
         logits = torch.randn(c + 1, 1, rows, k, generator=gen, device="cuda") * 2
-        _, lse = dar_stream.dar_wsum(sources, logits, warps)
+        lse = dar_stream.dar_wsum(sources, logits, warps)[1][..., 0].contiguous()  # the state's log-sum-exp
         y = torch.randn(k, 1, rows, generator=gen, device="cuda")
         fwd += time_ms(lambda sources=sources, logits=logits: dar_stream.dar_wsum(sources, logits, warps))
         bwd += time_ms(lambda sources=sources, logits=logits, lse=lse, y=y:

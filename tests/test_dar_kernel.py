@@ -490,6 +490,19 @@ def test_source_logits_gradients_pass_gradcheck():
     assert torch.autograd.gradcheck(lambda v, w: source_logits(v, w, None, 1e-6), (v, w))
 
 
+def test_split_gemm_of_two_fp32_matrices_keeps_about_sixteen_bits():
+    """The source gradient's dzr @ w as one bf16 GEMM over high and low halves of both factors: within
+    2^-14 of the exact product (one bf16 GEMM would be off by ~2^-8)."""
+    from routekit.kernels.dar_logits import _mm_split
+
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randn(200, 52, generator=gen) * 3, torch.randn(52, 96, generator=gen)
+    exact = a.double() @ b.double()
+    error = ((_mm_split(a, b, torch.bfloat16).double() - exact).abs().max() / exact.abs().max()).item()
+    plain = ((a.bfloat16().double() @ b.bfloat16().double() - exact).abs().max() / exact.abs().max()).item()
+    assert error < 2**-14 < plain, (error, plain)
+
+
 def test_source_logits_stay_fp32_under_autocast():
     """Logits and their gradients are fp32 math even inside a bf16 autocast region (where a plain
     matmul would run, and round its result, in bf16)."""
@@ -523,9 +536,11 @@ def test_weighted_sum_ops_pass_torch_library_opcheck():
     sources = [torch.randn(2, 3, 24, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(3)]
     logits = torch.randn(3, 2, 3, 2, generator=gen).to(DEVICE).requires_grad_()
     torch.library.opcheck(dar_stream.dar_wsum, (sources, logits, [4, 1]))
-    mixes, lse = dar_stream.dar_wsum(sources, logits, [4, 1])
+    mixes, state = dar_stream.dar_wsum(sources, logits, [4, 1])
+    assert state.shape == (2, 2, 3, 2) and not state[..., 1].any()  # (K, B, N, 2): lse and a zero slot
+    lse = state[..., 0].detach()
     grad_mixes = [torch.randn_like(m) for m in mixes]
-    torch.library.opcheck(dar_stream.dar_wsum_backward, ([s.detach() for s in sources], logits.detach(), lse.detach(),
+    torch.library.opcheck(dar_stream.dar_wsum_backward, ([s.detach() for s in sources], logits.detach(), lse,
                                                          grad_mixes, torch.randn_like(lse), [4, 1]))
 
 
@@ -561,6 +576,85 @@ def test_prefix_launch_override_is_parsed_or_refused_with_the_expected_form(monk
         monkeypatch.setenv("ROUTEKIT_DAR_PREFIX", bad)
         with pytest.raises(DarInputError, match="expected six integers"):
             dar_triton.prefix_launch_config(1152)
+
+
+@pytest.mark.parametrize("setting", ["4,1,1,1,0", "1,2,0,1,0", "2,4,1,0,0", "2,2,1,1,0"])
+@pytest.mark.parametrize("shared", ["fused prefix, kd", "fused prefix, kb1d", "streamed", "streamed with e(t)"])
+def test_merge_backward_kernel_equals_the_reference_over_several_rows_per_program(setting, shared, monkeypatch):
+    """The merges' own backward (``dar_merge``: one, two or four sources per tile, with or without the next
+    row's loads in flight, rows as a head and tail or padded) walking several rows per program (the query
+    gradient summed in registers, the last program's rows partly past N), after a fused prefix (p_A g
+    written) and after a weighted sum (its state carries g . o and the merge's lse back); a merge of more
+    sources than it takes falls back to the generic kernel, which does either too. The forward of the
+    merges runs through ``dar_merge``'s kernel with the same setting."""
+    from routekit.kernels import dar_merge
+
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", setting)
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_FWD", setting)
+    split = dar_triton._sample_split
+    few = lambda b, n, r, s=1: split(b, n, r, s, programs=4)  # noqa: E731
+    monkeypatch.setattr(dar_triton, "_sample_split", few)
+    monkeypatch.setattr(dar_merge, "_sample_split", few)
+    calls, forwards = [], []
+    launch, launch_fwd = dar_merge.merge_backward, dar_merge.merge_forward
+    monkeypatch.setattr(dar_merge, "merge_backward", lambda *a: calls.append(a[11]) or launch(*a))
+    monkeypatch.setattr(dar_merge, "merge_forward", lambda *a: forwards.append(a[7]) or launch_fwd(*a))
+    query_shape = shared.rpartition(", ")[2] if shared.startswith("fused") else "kd"
+    case = ChunkCase(shared=3, own=(1, 3, 4, 5), b=2, n=5, d=10, dtype=torch.float32, query_shape=query_shape, seed=9)
+    if shared.startswith("fused"):
+        names, got, want = ("outputs", "grad shared", "grad own", "grad queries"), chunk_outputs(case, "triton"), \
+            chunk_outputs(case, None)
+    else:
+        timestep = shared.endswith("e(t)")
+        names = ("outputs", "grad shared", "grad own", "grad w", "grad e(t)")[:4 + timestep]
+        got, want = streamed_chunk_outputs(case, "triton", timestep), streamed_chunk_outputs(case, None, timestep)
+    for name, g, w in zip(names, got, want, strict=True):
+        assert_close(g, w, CHUNK_TOLERANCE[torch.float32], f"{name} ({setting}, {shared})")
+    assert sorted(calls) == sorted(forwards) == [1, 3, 4]  # the merge of 5 sources took the generic kernels
+
+
+def test_a_mix_no_merge_reads_gets_no_gradient_and_the_rest_stay_right():
+    """A weighted sum of two mixes whose second no merge reads (autograd hands it zero gradients): the
+    sources' and logits' gradients are the reference's, finite (no exp(logit - 0) weights, no inf * 0)."""
+    gen = torch.Generator().manual_seed(12)
+    sources = [(torch.randn(2, 3, 16, generator=gen) * 3).to(DEVICE).requires_grad_() for _ in range(3)]
+    own = [torch.randn(2, 3, 16, generator=gen).to(DEVICE).requires_grad_()]
+    logits = torch.randn(3, 2, 3, 2, generator=gen)
+    logits[..., 1] += 100  # exp(100) overflows fp32: the unread mix's weights must stay a softmax
+    logits = logits.to(DEVICE).requires_grad_()
+    query = torch.randn(16, generator=gen).to(DEVICE)
+    grad = torch.randn(2, 3, 16, generator=gen).to(DEVICE)
+
+    def gradients(kernel):
+        mixes, lse = dar_weighted_sum(sources, logits, kernel)
+        out = dar_aggregate(own, query, kernel=kernel, out_dtype=torch.float32, prefix=(mixes[0], lse[0]))
+        return torch.autograd.grad((out * grad).sum(), [*sources, *own, logits])
+
+    for i, (g, w) in enumerate(zip(gradients("triton"), gradients("torch"), strict=True)):
+        assert torch.isfinite(g).all(), f"gradient {i} not finite"
+        assert_close(g, w, 1e-5, f"gradient {i}")
+
+
+def test_the_reference_refuses_a_triton_weighted_sums_state():
+    mix = torch.randn(2, 3, 8, device=DEVICE)
+    with pytest.raises(DarInputError, match=r"must be \(B, N\) = \(2, 3\).*kernel='triton'"):
+        dar_aggregate([mix], torch.zeros(8, device=DEVICE), kernel="torch",
+                      prefix=(mix, torch.zeros(2, 3, 2, device=DEVICE)))
+
+
+def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):
+    from routekit.kernels import dar_merge
+
+    monkeypatch.delenv("ROUTEKIT_DAR_MERGE_BWD", raising=False)
+    assert dar_merge.merge_launch() == dar_merge.DEFAULTS["BWD"]
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "generic")
+    assert dar_merge.merge_launch() is None
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", "2,4,0,1,1")
+    assert dar_merge.merge_launch() == dar_merge.MergeLaunch(2, 4, False, True, True)
+    for bad in ("3,1,1,1,0", "4,3,1,1,0", "4,1,1,1", "padded", "4,1,1,0,1,1"):
+        monkeypatch.setenv("ROUTEKIT_DAR_MERGE_BWD", bad)
+        with pytest.raises(DarInputError, match="expected 'generic' or five integers"):
+            dar_merge.merge_launch()
 
 
 @pytest.mark.parametrize(("query", "route"), [("static", False), ("static_t", False), ("static", True)])

@@ -92,6 +92,9 @@ def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6, 
     logits = _logits(values, query, eps)
     if prefix is not None:
         mix, lse = prefix
+        if lse.shape != mix.shape[:-1]:
+            raise DarInputError(f"prefix lse of shape {tuple(lse.shape)} must be (B, N) = {tuple(mix.shape[:-1])}; a "
+                                "Triton weighted sum's (B, N, 2) state merges only with kernel='triton'")
         values = torch.cat([mix.float()[None], values])
         logits = torch.cat([lse.float()[None], logits])
     weights = torch.softmax(logits, dim=0)

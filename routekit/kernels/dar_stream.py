@@ -11,9 +11,12 @@ through that GEMM's backward, once per source.
 
 Rows are held as a power-of-two head and tail of lanes (1024 + 128 at D=1152, ``_head_tail``):
 the backward on one warp went from 22.0 to 15.9 ms over DiT-XL/2's 14 chunks at batch 256.
-In backward the merges hand the mixes the same pair as to the fused prefix (``dar_triton``'s
-docstring): p_A g as a mix's gradient and -p_A (g . o) in place of its log-sum-exp's, so a
-logit's gradient is p (g . v + y) without the mix.
+In backward the mixes need nothing written for them: a merge hands back its own gradient g as its
+mix's gradient and, through the state (K, B, N, 2) that stands in for the mixes' log-sum-exps, the
+row values g . o and L - l (its own log-sum-exp L less the mix's l; zero where no merge reads the
+mix). With P = exp(logit - L) (the source's weight within the merge, p_A folded in), a source's
+gradient is sum_k P_k g_k and a logit's P (g . v - g . o), without the mix and without a p_A g
+tensor per merge (8.5 GB less written per DiT-XL/2 b256 step).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from routekit.kernels.dar_reference import DarInputError, check_logits
-from routekit.kernels.dar_triton import _contiguous, _from_env, _head_tail, _pointer_table, _prefix_grads
+from routekit.kernels.dar_triton import _contiguous, _from_env, _head_tail, _pointer_table
 
 # From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit.md): forward 4 warps, backward 1.
 FWD_WARPS, BWD_WARPS = 4, 1
@@ -55,7 +58,7 @@ def _source_row(table_ptr, s, like_ptr, offs_h, ok_h, offs_t, ok_t):
 
 
 @triton.jit
-def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, K, R, D,
+def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, state_ptr, S, K, R, D,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
     """One row per program: its K mixes over the S sources, the next source in flight."""
     row = tl.program_id(0).to(tl.int64)
@@ -85,14 +88,14 @@ def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse_ptr, S, 
     mix = tl.load(mix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
     tl.store(mix[:, None] + offs_h[None, :], acc_h.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & ok_h[None, :])
     tl.store(mix[:, None] + offs_t[None, :], acc_t.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & ok_t[None, :])
-    tl.store(lse_ptr + ks * R + row, m + tl.log(denom), mask=k_ok)
+    tl.store(state_ptr + (ks * R + row) * 2, m + tl.log(denom), mask=k_ok)  # the state's log-sum-exp slot
 
 
 @triton.jit
 def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dmix_table_ptr, y_ptr, dl_ptr,
                      S, K, R, D, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
     """One row per program: the K mixes' gradients held, each source's gradient written once and
-    its K logit gradients p (g . v + y)."""
+    its K logit gradients p (g . v + y), p = exp(logit - lse)."""
     row = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < K
@@ -123,34 +126,36 @@ def _lane_split(d: int) -> tuple[int, int]:
 
 @torch.library.custom_op("routekit::dar_wsum", mutates_args=())
 def dar_wsum(sources: list[Tensor], logits: Tensor, warps: list[int]) -> tuple[list[Tensor], Tensor]:
-    """K mixes (in the sources' dtype) and their log-sum-exps (K, B, N) from fp32 logits (S, B, N, K)."""
+    """K mixes (in the sources' dtype) and their states (K, B, N, 2) from fp32 logits (S, B, N, K): a
+    state holds the mix's log-sum-exp and a zero whose gradient brings the merge's own back (see above)."""
     sources = _contiguous(sources)
     like = sources[0]
     s, b, n, k = logits.shape
     d = like.shape[-1]
     mixes = [torch.empty_like(like) for _ in range(k)]
-    lse = torch.empty((k, b, n), dtype=torch.float32, device=like.device)
+    state = torch.zeros((k, b, n, 2), dtype=torch.float32, device=like.device)
     if b * n:
         head, tail = _lane_split(d)
         _wsum_fwd_kernel[(b * n,)](
-            _pointer_table(sources)[0], like, logits.contiguous(), _pointer_table(mixes)[0], lse, s, k, b * n, d,
+            _pointer_table(sources)[0], like, logits.contiguous(), _pointer_table(mixes)[0], state, s, k, b * n, d,
             BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail,
             num_warps=warps[0],
         )  # fmt: skip
-    return mixes, lse
+    return mixes, state
 
 
 @dar_wsum.register_fake
 def _(sources, logits, warps):
     like = sources[0]
     return [like.new_empty(like.shape) for _ in range(logits.shape[-1])], \
-        like.new_empty((logits.shape[-1], *like.shape[:2]), dtype=torch.float32)
+        like.new_empty((logits.shape[-1], *like.shape[:2], 2), dtype=torch.float32)
 
 
 @torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=())
 def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_mixes: list[Tensor], y: Tensor,
                       warps: list[int]) -> tuple[list[Tensor], Tensor]:
-    """(gradient of each source along the weights, gradient of the logits (S, B, N, K))."""
+    """(gradient of each source along the weights, gradient of the logits (S, B, N, K)), for mixes'
+    gradients g_k weighted by exp(logit - lse_k) and row factors y (both (K, B, N))."""
     sources = _contiguous(sources)
     like = sources[0]
     s, b, n, k = logits.shape
@@ -179,10 +184,14 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.warps = warps
 
 
-def _backward(ctx, grad_mixes, grad_lse):
-    logits, lse, *sources = ctx.saved_tensors
-    grad_mixes, y = _prefix_grads(grad_mixes, grad_lse, sources[0], lse)
-    grads, dlogits = dar_wsum_backward(sources, logits, lse, grad_mixes, y, ctx.warps)
+def _backward(ctx, grad_mixes, grad_state):
+    logits, state, *sources = ctx.saved_tensors
+    # a mix no merge read has a zero gradient and a zero slot: its weights stay this sum's softmax, finite
+    grad_mixes = [torch.zeros_like(sources[0]) if g is None else g for g in grad_mixes]
+    if grad_state is None:
+        grad_state = torch.zeros_like(state)
+    lse = state[..., 0] + grad_state[..., 1]  # each merge's own log-sum-exp
+    grads, dlogits = dar_wsum_backward(sources, logits, lse, grad_mixes, -grad_state[..., 0], ctx.warps)
     return grads, dlogits, None
 
 

@@ -153,12 +153,12 @@ def _dar_fwd_kernel(
     table_ptr, like_ptr, q_ptr, out_ptr, o32_ptr, lse_ptr, prefix_ptr, prefix_lse_ptr,
     S, R, N, D, stride_qb, stride_qn, stride_qd, eps, scale,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    STORE_O32: tl.constexpr, FUSED_REDUCE: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    STORE_O32: tl.constexpr, FUSED_REDUCE: tl.constexpr, HAS_PREFIX: tl.constexpr, PAIRED: tl.constexpr,
 ):  # fmt: skip
     rows, row_ok, mask, offs = _row_block(tl.program_id(0), R, D, BLOCK_R, BLOCK_D)
     q = _load_rows(q_ptr, rows, mask, N, stride_qb, stride_qn, stride_qd, BLOCK_D)
     if HAS_PREFIX:  # the chunk's shared part, already mixed: the online softmax's starting state
-        m = tl.load(prefix_lse_ptr + rows, mask=row_ok, other=0.0)
+        m = tl.load(prefix_lse_ptr + rows * (2 if PAIRED else 1), mask=row_ok, other=0.0)
         denom = tl.full([BLOCK_R], 1.0, tl.float32)
         acc = tl.load(prefix_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -179,7 +179,7 @@ def _dar_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, dq_ptr, prefix_lse_ptr, dprefix_ptr, y_ptr,
     S, R, N, D, stride_qb, stride_qn, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, SPLITS, ITERS,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, HAS_PREFIX: tl.constexpr, DQ_PER_ROW: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, HAS_PREFIX: tl.constexpr, DQ_PER_ROW: tl.constexpr, PAIRED: tl.constexpr,
 ):  # fmt: skip
     # this program: ITERS row tiles of sample b (the query gradient of a query shared by those
     # rows is summed here, one (D,) row per program, unless DQ_PER_ROW)
@@ -193,7 +193,10 @@ def _dar_bwd_kernel(
         o = tl.load(o_ptr + offs, mask=mask, other=0.0)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         g_dot_o = tl.sum(g * o, 1)
-        if HAS_PREFIX:  # what the prefix's backward needs (see the module docstring)
+        if HAS_PREFIX and PAIRED:  # a weighted sum's state: g . o and this merge's lse less the mix's (dar_stream)
+            tl.store(y_ptr + rows * 2, g_dot_o, mask=row_ok)
+            tl.store(y_ptr + rows * 2 + 1, lse - tl.load(prefix_lse_ptr + rows * 2, mask=row_ok, other=0.0), mask=row_ok)
+        elif HAS_PREFIX:  # what the fused prefix's backward needs (see the module docstring)
             p_a = tl.where(row_ok, tl.exp(tl.load(prefix_lse_ptr + rows, mask=row_ok, other=0.0) - lse), 0.0)
             tl.store(dprefix_ptr + offs, (p_a[:, None] * g).to(dprefix_ptr.dtype.element_ty), mask=mask)
             tl.store(y_ptr + rows, -p_a * g_dot_o, mask=row_ok)
@@ -580,14 +583,22 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
     o32 = torch.empty((b, n, d) if keep_o32 else (0,), dtype=torch.float32, device=like.device)
     lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
     has_prefix = prefix is not None
-    if b * n:
+    from routekit.kernels import dar_merge  # (it builds on this module)
+
+    merge = dar_merge.merge_launch("FWD") if has_prefix and not keep_o32 and (n == 1 or q.stride(1) == 0) \
+        and dar_merge.fits(len(sources)) else None
+    if b * n and merge is not None:  # a two-phase chunk's merge: its own kernel
+        dar_merge.merge_forward(_pointer_table(sources)[0], like, q, prefix.contiguous(), prefix_lse.contiguous(), out,
+                                lse, len(sources), eps, _head_tail(d), merge, _paired(prefix_lse))
+    elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
             table, like, q, out, o32, lse, prefix.contiguous() if has_prefix else lse,
             prefix_lse.contiguous() if has_prefix else lse,
             len(sources), b * n, n, d, *q.stride(), eps, 1.0 / math.sqrt(d),
             BLOCK_R=cfg.block_rows, BLOCK_S=cfg.fwd_sources, BLOCK_D=triton.next_power_of_2(d), ALIGNED=aligned,
-            STORE_O32=keep_o32, FUSED_REDUCE=cfg.fused_reduce, HAS_PREFIX=has_prefix, num_warps=cfg.fwd_warps,
+            STORE_O32=keep_o32, FUSED_REDUCE=cfg.fused_reduce, HAS_PREFIX=has_prefix,
+            PAIRED=has_prefix and _paired(prefix_lse), num_warps=cfg.fwd_warps,
         )  # fmt: skip
     return out, o32, lse
 
@@ -618,13 +629,21 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
     cfg = Launch.from_list(launch)
     q = torch.broadcast_to(query, (b, n, d))
     has_prefix = prefix_lse is not None
-    dprefix = like.new_empty((b, n, d) if has_prefix else (0,))
-    y = like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32)
-    splits, iters = _sample_split(b, n, cfg.block_rows, len(sources))
+    paired = has_prefix and _paired(prefix_lse)
+    dprefix = like.new_empty((b, n, d) if has_prefix and not paired else (0,))
+    y = like.new_empty(_y_shape(b, n, prefix_lse), dtype=torch.float32)
     per_row = n > 1 and q.stride(1) != 0
+    from routekit.kernels import dar_merge  # (it builds on this module)
+
+    merge = dar_merge.merge_launch("BWD") if has_prefix and not per_row and dar_merge.fits(len(sources)) else None
+    splits, iters = _sample_split(b, n, 1 if merge else cfg.block_rows, len(sources))  # (merge: one-row tiles)
     dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
     grads, grad_table, grad_aligned = _grad_buffers(sources)
-    if b * n:
+    if b * n and merge is not None:  # a two-phase chunk's merge: all its sources in one tile
+        dar_merge.merge_backward(_pointer_table(sources)[0], grad_table, like, q, grad_out, out.contiguous(), lse,
+                                 prefix_lse.contiguous(), dprefix, y, dq, len(sources), splits, iters, eps,
+                                 _head_tail(d), merge, paired)
+    elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_bwd_kernel[(b * splits,)](
             table, grad_table, like, q, grad_out, out.contiguous(), lse, dq,
@@ -632,7 +651,7 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
             len(sources), b * n, n, d, *q.stride(), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
             BLOCK_R=cfg.block_rows, BLOCK_S=cfg.bwd_sources, BLOCK_D=triton.next_power_of_2(d),
             ALIGNED=aligned and grad_aligned, FUSED_REDUCE=cfg.fused_reduce, HAS_PREFIX=has_prefix,
-            DQ_PER_ROW=per_row, num_warps=cfg.bwd_warps,
+            DQ_PER_ROW=per_row, PAIRED=paired, num_warps=cfg.bwd_warps,
         )  # fmt: skip
     else:
         dq.zero_()
@@ -644,8 +663,9 @@ def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, o
                        eps: float, launch: list[int], prefix_lse: Tensor | None = None,
                        ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
     """(gradient of each source, contiguous, or all of them stacked in one tensor (``_shared_grads``);
-    gradient of the query, fp32, in the query's shape; with a prefix: p_A g for the prefix mix and
-    -p_A (g . o) for its log-sum-exp, else empty)."""
+    gradient of the query, fp32, in the query's shape; with a fused prefix's (B, N) lse: p_A g for the
+    prefix mix and -p_A (g . o) for its log-sum-exp; with a weighted sum's (B, N, 2) state: empty and
+    (g . o, this merge's lse less the mix's) for the state; else both empty)."""
     return _mix_backward(sources, query, grad_out, out, lse, eps, launch, prefix_lse)
 
 
@@ -659,12 +679,27 @@ def _(sources, query, grad_out, out, lse, eps, launch, prefix_lse=None):
     grads = [like.new_empty((len(sources), *like.shape))] if _shared_grads(sources) else \
         [t.new_empty(t.shape) for t in sources]
     return (grads, query.new_empty(query.shape, dtype=torch.float32),
-            like.new_empty((b, n, d) if has_prefix else (0,)),
-            like.new_empty((b, n) if has_prefix else (0,), dtype=torch.float32))
+            like.new_empty((b, n, d) if has_prefix and not _paired(prefix_lse) else (0,)),
+            like.new_empty(_y_shape(b, n, prefix_lse), dtype=torch.float32))
 
 
-def _save(ctx, sources, query, eps, launch, out, o32, lse, prefix_lse) -> None:
+def _paired(prefix_lse: Tensor) -> bool:
+    """Whether a prefix's lse is a weighted sum's (B, N, 2) state (``dar_stream``) rather than a (B, N)
+    log-sum-exp (``dar_prefix_fused``): the merge then hands back its own gradient as the mix's and
+    (g . o, its lse less the mix's) through the state, instead of writing p_A g."""
+    return prefix_lse.dim() == 3
+
+
+def _y_shape(b: int, n: int, prefix_lse: Tensor | None) -> tuple[int, ...]:
+    """Shape of what a merge's backward hands its prefix's lse: (B, N, 2), (B, N), or none."""
+    if prefix_lse is None:
+        return (0,)
+    return (b, n, 2) if _paired(prefix_lse) else (b, n)
+
+
+def _save(ctx, sources, query, eps, launch, out, o32, lse, prefix, prefix_lse) -> None:
     ctx.has_prefix = prefix_lse is not None
+    ctx.prefix_dtype = prefix.dtype if ctx.has_prefix else None
     ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse, prefix_lse if ctx.has_prefix else lse,
                           *sources)  # lse stands in for an absent prefix lse
     ctx.eps, ctx.launch = eps, launch
@@ -678,12 +713,17 @@ def _gradients(ctx, grad_out: Tensor, backward) -> tuple[list[Tensor], Tensor, T
                                      prefix_lse if ctx.has_prefix else None)
     if _shared_grads(sources):
         grads = list(grads[0].unbind(0))
-    return grads, dq.to(query.dtype), *((dprefix, y) if ctx.has_prefix else (None, None))
+    if not ctx.has_prefix:
+        return grads, dq.to(query.dtype), None, None
+    if _paired(prefix_lse):  # the mix's gradient is the merge's own (see _paired)
+        dprefix = grad_out.to(ctx.prefix_dtype)
+    return grads, dq.to(query.dtype), dprefix, y
 
 
 def _setup_context(ctx, inputs, output) -> None:
     sources, query, eps, _, _, launch, *prefix = inputs  # the prefix arguments are dropped when None
-    _save(ctx, sources, query, eps, launch, *output, prefix[1] if prefix and prefix[0] is not None else None)
+    mix, mix_lse = prefix if prefix and prefix[0] is not None else (None, None)
+    _save(ctx, sources, query, eps, launch, *output, mix, mix_lse)
 
 
 def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
@@ -705,7 +745,7 @@ class _EagerMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse, *sources):
         out, o32, lse = _mix(list(sources), query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse)
-        _save(ctx, sources, query, eps, launch, out, o32, lse, prefix_lse)
+        _save(ctx, sources, query, eps, launch, out, o32, lse, prefix, prefix_lse)
         return out
 
     @staticmethod
