@@ -1,0 +1,93 @@
+"""Compile every DAR Triton kernel for the H200 (sm_90) at DiT-XL/2's launch settings, without a GPU.
+
+The CPU interpreter runs kernel bodies as Python, so code the GPU compiler rejects (a tuple holding a
+dtype, a name rebound to another type in a loop) passes the interpreted tests and fails only on the
+GPU. Run without TRITON_INTERPRET (``tests/test_dar_kernel.py`` does, in a subprocess); prints each
+kernel and exits 1 naming those that failed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from routekit.kernels import dar_merge, dar_stream, dar_triton  # noqa: E402
+
+D = 1152
+BF16_POINTERS = {"like_ptr", "g_ptr", "o_ptr", "out_ptr", "prefix_ptr", "dprefix_ptr", "mix_ptr"}
+
+
+def compile_sm90(kernel, constexprs: dict, warps: int) -> None:
+    """Compile ``kernel`` for sm_90: bf16 sources and mixes, int64 pointer tables, fp32 elsewhere."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i64" if "table" in name else "*bf16" if name in BF16_POINTERS else "*fp32"
+        else:
+            signature[name] = "fp32" if name in ("eps", "scale") else "i32"
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def cases():
+    """(label, kernel, constexprs, warps) for the kernels routekit launches on the H200."""
+    launch = dar_triton.launch_config(D, 65536)
+    prefix = dar_triton.prefix_launch_config(D)
+    head, tail = dar_triton._head_tail(D)
+    common = {"BLOCK_R": launch.block_rows, "BLOCK_D": triton.next_power_of_2(D), "ALIGNED": True,
+              "FUSED_REDUCE": launch.fused_reduce}
+    for has_prefix, paired in ((False, False), (True, False), (True, True)):
+        yield (f"aggregation forward, prefix={has_prefix}, paired={paired}", dar_triton._dar_fwd_kernel,
+               {**common, "BLOCK_S": launch.fwd_sources, "STORE_O32": False, "HAS_PREFIX": has_prefix, "PAIRED": paired},
+               launch.fwd_warps)
+        yield (f"aggregation backward, prefix={has_prefix}, paired={paired}", dar_triton._dar_bwd_kernel,
+               {**common, "BLOCK_S": launch.bwd_sources, "HAS_PREFIX": has_prefix, "DQ_PER_ROW": False, "PAIRED": paired},
+               launch.bwd_warps)
+    yield ("fused prefix forward", dar_triton._dar_prefix_fwd_kernel,
+           {**common, "BLOCK_S": launch.fwd_sources, "BLOCK_D": head, "FUSED_REDUCE": launch.fused_reduce,
+            "BLOCK_T": tail}, prefix.fwd_warps)
+    yield ("fused prefix backward", dar_triton._dar_prefix_bwd_kernel,
+           {**common, "BLOCK_K": 4, "DQ_PER_ROW": False, "FUSED_REDUCE": prefix.fused_reduce,
+            "RELOAD_Q": prefix.reload_query}, prefix.bwd_warps)
+    for paired in (False, True):
+        bwd, fwd = dar_merge.merge_launch("BWD"), dar_merge.merge_launch("FWD")
+        yield (f"merge backward, paired={paired}", dar_merge._merge_bwd_kernel,
+               {"BLOCK_S": bwd.tile, "HEAD": head, "TAIL": tail, "PREFETCH": bwd.prefetch,
+                "FUSED_REDUCE": bwd.fused_reduce, "PAIRED": paired}, bwd.warps)
+        yield (f"merge forward, paired={paired}", dar_merge._merge_fwd_kernel,
+               {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired}, fwd.warps)
+    fwd_warps, bwd_warps = dar_stream.launch_warps()
+    yield ("weighted sum forward", dar_stream._wsum_fwd_kernel,
+           {"BLOCK_K": 4, "BLOCK_S": 16, "HEAD": head, "TAIL": tail}, fwd_warps)
+    yield ("weighted sum backward", dar_stream._wsum_bwd_kernel, {"BLOCK_K": 4, "HEAD": head, "TAIL": tail}, bwd_warps)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the interpreter does not compile")
+    warnings.filterwarnings("ignore")
+    failed = []
+    for label, kernel, constexprs, warps in cases():
+        try:
+            compile_sm90(kernel, constexprs, warps)
+            print("ok    ", label)
+        except Exception as exc:  # report every kernel, then fail
+            print("FAILED", label, f"{type(exc).__name__}: {str(exc)[-800:]}")
+            failed.append(label)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
