@@ -5,7 +5,9 @@ fresh summary), 14 chunks a step: in the step the merges' backward was 28.0 ms (
 against the forward's ~3. Each setting of ROUTEKIT_DAR_MERGE_BWD (``generic``: ``_dar_bwd_kernel``;
 else ``dar_merge``'s warps, sources per tile, prefetch, split rows, fused reduce) is checked
 against the generic kernel and timed per source count (GPU kernel time, profiler); the step's share
-is 14 x (t1 + t2 + t3 + t1).
+is 14 x (t1 + t2 + t3 + t1). The shared part comes as a weighted sum's (B, N, 2) state, as the
+streamed schedule makes it (``dar_merge_probe_0941d86.md`` ran before that handoff: a (B, N) lse, and
+each merge wrote p_A g).
 
     python benchmarks/dar_merge_probe.py                    # H200: results/dar_merge_probe.{json,md}
     python benchmarks/dar_merge_probe.py --quick            # tiny shapes, CPU (TRITON_INTERPRET=1): checks only
@@ -28,7 +30,6 @@ from benchmarks.common import device_or_exit, header, machine, write  # noqa: E4
 from benchmarks.dar_kernel import device_ms  # noqa: E402
 from routekit.kernels import dar_triton  # noqa: E402
 
-# ROUTEKIT_DAR_MERGE_BWD settings: "generic" or warps,prefetch,split_rows,fused_reduce
 # ROUTEKIT_DAR_MERGE_BWD settings: "generic" or warps,tile,prefetch,split_rows,fused_reduce
 SETTINGS = ["generic", "4,1,1,1,0", "4,1,0,1,0", "2,1,1,1,0", "1,1,1,1,0", "8,1,1,1,0", "4,1,1,0,0", "4,2,1,1,0",
             "4,4,1,1,0", "4,1,1,1,1", "8,1,1,0,1"]
@@ -38,8 +39,8 @@ TOLERANCE = 2e-2  # bf16 gradients, relative to the largest
 
 
 def inputs(b: int, n: int, d: int, sources: int, device: str, seed: int = 0) -> dict:
-    """One merge's backward operands: its sources, a shared query, the shared part's lse and a
-    forward through the generic merge for out and lse."""
+    """One merge's backward operands as the streamed schedule makes them: its sources, a shared query,
+    the weighted sum's (B, N, 2) state, and out and lse from a forward through the merge."""
     gen = torch.Generator(device).manual_seed(seed)
     dtype = torch.bfloat16
 
@@ -49,7 +50,8 @@ def inputs(b: int, n: int, d: int, sources: int, device: str, seed: int = 0) -> 
     own = [rand(b, n, d) for _ in range(sources)]
     query = torch.randn(d, generator=gen, device=device) * 0.1
     prefix = rand(b, n, d)
-    prefix_lse = torch.randn(b, n, generator=gen, device=device) + math.log(8)
+    lse0 = torch.randn(b, n, generator=gen, device=device) + math.log(8)
+    prefix_lse = torch.stack([lse0, torch.zeros_like(lse0)], -1)  # the state: lse and the return slot
     cfg = dar_triton.launch_config(d, b * n)
     out, _, lse = dar_triton._mix(own, query, 1e-6, dtype, False, cfg.as_list(), prefix, prefix_lse)
     return {"sources": own, "query": query, "grad_out": rand(b, n, d), "out": out, "lse": lse, "eps": 1e-6,
@@ -66,7 +68,7 @@ def backward(operands: dict, setting: str) -> list[torch.Tensor]:
 
 def max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-12)).item()
-               for g, w in zip(got, want))
+               for g, w in zip(got, want) if w.numel())  # (p_A g is empty after a weighted sum)
 
 
 def main() -> None:
@@ -90,7 +92,7 @@ def main() -> None:
                     row["ms"] = {s: device_ms(lambda ops=ops, setting=setting: backward(ops, setting), iters=10)
                                  for s, ops in cases.items()}
                     row["step_ms"] = CHUNKS * sum(row["ms"][s] for s in OWN)
-                    moved = CHUNKS * sum(3 + 2 * s for s in OWN) * b * n * d * 2  # g, o, p_A g; sources read, grads written
+                    moved = CHUNKS * sum(2 + 2 * s for s in OWN) * b * n * d * 2  # g, o; sources read, grads written
                     row["tb_per_s"] = moved / row["step_ms"] / 1e9
             except Exception as exc:  # a setting that fails to compile must not lose the others
                 row["status"] = f"{type(exc).__name__}: {str(exc)[:160]}"
@@ -108,7 +110,7 @@ def main() -> None:
     lines = ["# Merges' backward per kernel and launch (DiT-XL/2 b256: 65536 rows, D=1152, bf16)", "", header(info), "",
              "Settings: ROUTEKIT_DAR_MERGE_BWD (`generic` = `_dar_bwd_kernel`; else `dar_merge` warps, sources per "
              "tile, prefetch, split rows, fused reduce). Step share = 14 chunks x (t1 + t2 + t3 + t1); TB/s over "
-             "(3 + 2S) rows of bytes per merge.", "",
+             "(2 + 2S) rows of bytes per merge.", "",
              "| setting | S=1 ms | S=2 ms | S=3 ms | step share ms | TB/s | max rel. error vs generic |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
