@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import summarise
 
 
@@ -80,3 +82,27 @@ def test_merge_probe_checks_every_setting_against_the_generic_kernel_on_cpu(tmp_
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     rows = json.loads((tmp_path / "dar_merge_probe_quick.json").read_text())["rows"]
     assert len(rows) > 1 and all(r["max_error"] < 1e-5 for r in rows), rows
+
+
+def test_kernel_diff_pairs_inductors_numbered_kernels_and_sets_routekits_apart(tmp_path):
+    from benchmarks import kernel_diff
+
+    def row(variant, kernels):
+        return {"variant": variant, "all_kernels": [{"kind": "kernel", "kernel": k, "ms": ms, "calls": 1.0}
+                                                    for k, ms in kernels] + [{"kind": "op", "kernel": "aten::mm",
+                                                                              "ms": 99.0, "calls": 1.0}]}
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"rows": [
+        row("vanilla", [("triton_poi_fused_add_7", 2.0), ("gemm", 10.0)]),
+        row("dar_static_c4", [("triton_poi_fused_add_31", 1.5), ("triton_poi_fused_add_32", 1.0), ("gemm", 10.0),
+                              ("_merge_bwd_kernel", 3.0), ("_wsum_fwd_kernel", 1.0)])]}))
+    dar, vanilla = kernel_diff.kernel_times(path, "dar_static_c4"), kernel_diff.kernel_times(path, "vanilla")
+    assert dar["triton_poi_fused_add"] == [2.5, 2.0] and vanilla["triton_poi_fused_add"] == [2.0, 1.0]
+    text = kernel_diff.diff(dar, vanilla, top=3)
+    assert "**16.5 ms** against 12.0 (+4.5 ms, +37.5%)" in text
+    assert "routekit's Triton kernels 4.0 ms" in text and "everything else +0.5 ms" in text
+    assert "| +3.00 | 3.00 | 1 | 0.00 | 0 | `_merge_bwd_kernel` |" in text
+    path.write_text(json.dumps({"rows": [{"variant": "vanilla"}]}))
+    with pytest.raises(SystemExit, match="--gpu-busy"):
+        kernel_diff.kernel_times(path, "vanilla")
