@@ -92,7 +92,9 @@ def dar_prefix(sources: Sources, queries: Tensor, eps: float = 1e-6, kernel: str
 def dar_weighted_sum(sources: Sources, logits: Tensor, kernel: str = "auto") -> tuple[list[Tensor], Tensor]:
     """``dar_prefix`` from the sources' logits, given as fp32 (S, B, N, K) (``source_logits`` of each
     source for the K queries): K mixes and their log-sum-exps (K, B, N), merged as ``dar_prefix``'s
-    by ``dar_aggregate(..., kernel=kernel, prefix=(mixes[k], lse[k]))`` with the same kernel."""
+    by ``dar_aggregate(..., kernel=kernel, prefix=(mixes[k], lse[k]))`` with the same kernel. The
+    Triton kernel returns a (K, B, N, 2) state instead ([..., 0] the log-sum-exps; the other slot
+    carries the merges' values back in backward: ``dar_stream``), passed on the same way."""
     like = sources[0] if not isinstance(sources, Tensor) else sources
     if _use_triton(sources, like, like.shape[-1], kernel):
         return _triton("dar_stream").weighted_sum_triton(list(sources), logits)
