@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
 from benchmarks.dar_kernel import time_ms  # noqa: E402
-from routekit.kernels.dar_stream import _lane_split, _lanes, _source_row  # noqa: E402
-from routekit.kernels.dar_triton import _pointer_table, _row_block  # noqa: E402
+from routekit.kernels.dar_stream import _lanes, _source_row  # noqa: E402
+from routekit.kernels.dar_triton import _lane_split, _pointer_table, _row_block  # noqa: E402
 
 # (warps, rows per program, forward with one program per (row, query), rows as a 1024 + 128 head and tail
 # instead of 2048 padded lanes, pipeliner stages (0: the next source held in registers)); measured: rows 1

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from routekit.kernels.dar_reference import DarInputError
-from routekit.kernels.dar_triton import _add3, _sample_split
+from routekit.kernels.dar_triton import FUSED_REDUCE, _add3, _lane_split, _sample_split
 
 MAX_SOURCES = 4
 """Most own sources this kernel takes: a chunk of S=4 gives its merges 1-3 sources and a summary."""
@@ -77,6 +77,12 @@ def merge_launch(direction: str = "BWD") -> MergeLaunch | None:
 
 
 @triton.jit
+def _query_row(q_ptr, b, stride_qb, stride_qd, D, lanes):
+    """Sample b's query at ``lanes``, fp32 (one query per sample: the rows of a sample share it)."""
+    return tl.load(q_ptr + b.to(tl.int64) * stride_qb + lanes * stride_qd, mask=lanes < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _tile(table_ptr, s0, S, like_ptr, row, D, ok, lanes, BLOCK_S: tl.constexpr):
     """Sources s0 .. s0+BLOCK_S-1 of this row at ``lanes`` (those past S masked off)."""
     idx = s0 + tl.arange(0, BLOCK_S)
@@ -124,8 +130,7 @@ def _merge_bwd_kernel(
     ety = like_ptr.dtype.element_ty
     head = tl.arange(0, HEAD)
     tail = HEAD + tl.arange(0, TAIL)
-    q_h = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head * stride_qd, mask=head < D, other=0.0).to(tl.float32)
-    q_t = tl.load(q_ptr + b.to(tl.int64) * stride_qb + tail * stride_qd, mask=tail < D, other=0.0).to(tl.float32)
+    q_h, q_t = _query_row(q_ptr, b, stride_qb, stride_qd, D, head), _query_row(q_ptr, b, stride_qb, stride_qd, D, tail)
     dq_h = tl.zeros([HEAD], tl.float32)
     dq_t = tl.zeros([TAIL], tl.float32)
     n0 = split * ITERS
@@ -204,8 +209,7 @@ def _merge_fwd_kernel(
     b, split = pid // SPLITS, pid % SPLITS
     head = tl.arange(0, HEAD)
     tail = HEAD + tl.arange(0, TAIL)
-    q_h = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head * stride_qd, mask=head < D, other=0.0).to(tl.float32)
-    q_t = tl.load(q_ptr + b.to(tl.int64) * stride_qb + tail * stride_qd, mask=tail < D, other=0.0).to(tl.float32)
+    q_h, q_t = _query_row(q_ptr, b, stride_qb, stride_qd, D, head), _query_row(q_ptr, b, stride_qb, stride_qd, D, tail)
     n0 = split * ITERS
     end = tl.minimum(N, n0 + ITERS)
     a_h, v_h = _mix_loads(table_ptr, like_ptr, mix_ptr, b, n0, n0 < end, N, D, head)
@@ -270,16 +274,21 @@ def _prefix_lse(plse_ptr, b, n, live, N, PAIRED: tl.constexpr):
     return tl.load(plse_ptr + (b.to(tl.int64) * N + n) * (2 if PAIRED else 1), mask=live, other=0.0)
 
 
+def _row_lanes(d: int, launch: MergeLaunch) -> tuple[int, int]:
+    """A row's (head, tail) lanes: 1024 + 128 at D=1152 with ``split_rows``, else padded (one masked tail lane)."""
+    return _lane_split(d) if launch.split_rows else (triton.next_power_of_2(d), 1)
+
+
 def merge_forward(table: Tensor, like: Tensor, q: Tensor, mix: Tensor, prefix_lse: Tensor, out: Tensor, lse: Tensor,
-                  sources: int, eps: float, lanes: tuple[int, int], launch: MergeLaunch, paired: bool) -> None:
+                  sources: int, eps: float, launch: MergeLaunch, paired: bool) -> None:
     """Launch the forward for (B, N, D) rows (``q`` broadcast to them, one query per sample), rows
     split among programs as the backward splits them."""
     b, n, d = out.shape
     splits, iters = _sample_split(b, n, 1, sources)
-    head, tail = lanes if launch.split_rows else (triton.next_power_of_2(d), 1)
+    head, tail = _row_lanes(d, launch)
     _merge_fwd_kernel[(b * splits,)](
         table, like, q, mix, prefix_lse, out, lse, sources, n, d, q.stride(0), q.stride(2), eps, 1.0 / math.sqrt(d),
-        splits, iters, HEAD=head, TAIL=max(tail, 1), PREFETCH=launch.prefetch, PAIRED=paired, num_warps=launch.warps,
+        splits, iters, HEAD=head, TAIL=tail, PREFETCH=launch.prefetch, PAIRED=paired, num_warps=launch.warps,
     )  # fmt: skip
 
 
@@ -290,17 +299,16 @@ def fits(sources: int) -> bool:
 
 def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, grad_out: Tensor, out: Tensor,
                    lse: Tensor, prefix_lse: Tensor, dprefix: Tensor, y: Tensor, dq: Tensor, sources: int,
-                   splits: int, iters: int, eps: float, lanes: tuple[int, int], launch: MergeLaunch,
-                   paired: bool) -> None:
+                   splits: int, iters: int, eps: float, launch: MergeLaunch, paired: bool) -> None:
     """Launch the kernel for (B, N, D) rows: ``q`` broadcast to (B, N, D) with one query per sample,
-    ``dq`` (B * splits, D) fp32 per-program query gradients, ``lanes`` a row's (head, tail) split,
-    ``paired``: the prefix lse is a weighted sum's (B, N, 2) state (``dar_triton._paired``)."""
+    ``dq`` (B * splits, D) fp32 per-program query gradients, ``paired``: the prefix lse is a weighted
+    sum's (B, N, 2) state (``dar_triton._paired``)."""
     b, n, d = out.shape
-    head, tail = lanes if launch.split_rows else (triton.next_power_of_2(d), 1)
+    head, tail = _row_lanes(d, launch)
     _merge_bwd_kernel[(b * splits,)](
         table, grad_table, like, q, grad_out, out, lse, prefix_lse, dprefix, y, dq,
         sources, n, d, q.stride(0), q.stride(2), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
-        BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=max(tail, 1),
-        PREFETCH=launch.prefetch, FUSED_REDUCE=launch.fused_reduce and os.environ.get("TRITON_INTERPRET") != "1",
-        PAIRED=paired, num_warps=launch.warps,
+        BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=tail,
+        PREFETCH=launch.prefetch, FUSED_REDUCE=launch.fused_reduce and FUSED_REDUCE, PAIRED=paired,
+        num_warps=launch.warps,
     )  # fmt: skip

@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from routekit.kernels.dar_reference import DarInputError, check_logits
-from routekit.kernels.dar_triton import _contiguous, _from_env, _head_tail, _pointer_table
+from routekit.kernels.dar_triton import _contiguous, _from_env, _lane_split, _pointer_table
 
 # From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit.md): forward 4 warps, backward 1.
 FWD_WARPS, BWD_WARPS = 4, 1
@@ -117,11 +117,6 @@ def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dm
         out = tl.load(grad_table_ptr + s).to(tl.pointer_type(like_ptr.dtype.element_ty))
         tl.store(out + offs_h, tl.sum(p[:, None] * g_h, 0).to(like_ptr.dtype.element_ty), mask=ok_h)
         tl.store(out + offs_t, tl.sum(p[:, None] * g_t, 0).to(like_ptr.dtype.element_ty), mask=ok_t)
-
-
-def _lane_split(d: int) -> tuple[int, int]:
-    head, tail = _head_tail(d)
-    return head, max(tail, 1)  # a one-lane tail past D, masked off, where the row needs none
 
 
 @torch.library.custom_op("routekit::dar_wsum", mutates_args=())

@@ -571,6 +571,27 @@ def prefix_launch_config(d: int) -> PrefixLaunch:
 PREFIX_QUERIES, PREFIX_FWD_WARPS, PREFIX_BWD_WARPS, PREFIX_RELOAD_QUERY, PREFIX_SPLIT_ROWS = 4, 1, 4, False, True
 
 
+def _dar_merge():
+    """The merges' kernels module (imported on use: it builds on this one)."""
+    from routekit.kernels import dar_merge
+
+    return dar_merge
+
+
+def _per_row(q: Tensor) -> bool:
+    """Whether a query broadcast to (B, N, D) differs between a sample's rows."""
+    return q.shape[1] > 1 and q.stride(1) != 0
+
+
+def _merge_launch(direction: str, prefix_lse: Tensor | None, q: Tensor, sources: int):
+    """``dar_merge``'s launch for a merge (a prefix, one query per sample, few own sources), or None
+    where the generic kernel runs (or ROUTEKIT_DAR_MERGE_<direction>=generic asks for it)."""
+    dar_merge = _dar_merge()
+    if prefix_lse is None or _per_row(q) or not dar_merge.fits(sources):
+        return None
+    return dar_merge.merge_launch(direction)
+
+
 def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
          launch: list[int], prefix: Tensor | None, prefix_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The forward of ``dar_fused``, callable without the custom-op dispatch."""
@@ -583,13 +604,10 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
     o32 = torch.empty((b, n, d) if keep_o32 else (0,), dtype=torch.float32, device=like.device)
     lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
     has_prefix = prefix is not None
-    from routekit.kernels import dar_merge  # (it builds on this module)
-
-    merge = dar_merge.merge_launch("FWD") if has_prefix and not keep_o32 and (n == 1 or q.stride(1) == 0) \
-        and dar_merge.fits(len(sources)) else None
+    merge = None if keep_o32 else _merge_launch("FWD", prefix_lse, q, len(sources))
     if b * n and merge is not None:  # a two-phase chunk's merge: its own kernel
-        dar_merge.merge_forward(_pointer_table(sources)[0], like, q, prefix.contiguous(), prefix_lse.contiguous(), out,
-                                lse, len(sources), eps, _head_tail(d), merge, _paired(prefix_lse))
+        _dar_merge().merge_forward(_pointer_table(sources)[0], like, q, prefix.contiguous(), prefix_lse.contiguous(),
+                                   out, lse, len(sources), eps, merge, _paired(prefix_lse))
     elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
@@ -632,17 +650,15 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
     paired = has_prefix and _paired(prefix_lse)
     dprefix = like.new_empty((b, n, d) if has_prefix and not paired else (0,))
     y = like.new_empty(_y_shape(b, n, prefix_lse), dtype=torch.float32)
-    per_row = n > 1 and q.stride(1) != 0
-    from routekit.kernels import dar_merge  # (it builds on this module)
-
-    merge = dar_merge.merge_launch("BWD") if has_prefix and not per_row and dar_merge.fits(len(sources)) else None
+    per_row = _per_row(q)
+    merge = _merge_launch("BWD", prefix_lse, q, len(sources))
     splits, iters = _sample_split(b, n, 1 if merge else cfg.block_rows, len(sources))  # (merge: one-row tiles)
     dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
     grads, grad_table, grad_aligned = _grad_buffers(sources)
     if b * n and merge is not None:  # a two-phase chunk's merge: all its sources in one tile
-        dar_merge.merge_backward(_pointer_table(sources)[0], grad_table, like, q, grad_out, out.contiguous(), lse,
-                                 prefix_lse.contiguous(), dprefix, y, dq, len(sources), splits, iters, eps,
-                                 _head_tail(d), merge, paired)
+        _dar_merge().merge_backward(_pointer_table(sources)[0], grad_table, like, q, grad_out, out.contiguous(), lse,
+                                    prefix_lse.contiguous(), dprefix, y, dq, len(sources), splits, iters, eps, merge,
+                                    paired)
     elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_bwd_kernel[(b * splits,)](
@@ -762,6 +778,13 @@ def _head_tail(d: int) -> tuple[int, int]:
     return (head, tail) if tail and head + tail < triton.next_power_of_2(d) else (triton.next_power_of_2(d), 0)
 
 
+def _lane_split(d: int) -> tuple[int, int]:
+    """``_head_tail`` for kernels that always take a tail: a one-lane tail past D, masked off, where the
+    row needs none."""
+    head, tail = _head_tail(d)
+    return head, max(tail, 1)
+
+
 def _prefix_operands(sources: list[Tensor], queries: Tensor, launch: list[int], prefix_launch: list[int],
                      ) -> tuple[list[Tensor], Tensor, Launch, PrefixLaunch]:
     """What both prefix ops start from: contiguous sources, the queries broadcast to (K, B, N, D),
@@ -841,16 +864,11 @@ def _prefix_setup_context(ctx, inputs, output) -> None:
     ctx.eps, ctx.launch, ctx.prefix_launch = eps, launch, prefix_launch
 
 
-def _prefix_grads(grad_mixes, grad_lse, like: Tensor, lse: Tensor) -> tuple[list[Tensor], Tensor]:
-    """A shared part's incoming gradients with zeros for any autograd left None (a mix or the
-    log-sum-exps no merge used): the mixes' (p_A g) and the row factors y the merges hand over."""
-    return [torch.zeros_like(like) if g is None else g for g in grad_mixes], \
-        torch.zeros_like(lse) if grad_lse is None else grad_lse
-
-
 def _prefix_backward(ctx, grad_mixes, grad_lse):
     queries, lse, *sources = ctx.saved_tensors
-    grad_mixes, y = _prefix_grads(grad_mixes, grad_lse, sources[0], lse)
+    # zeros for what autograd left None (a mix or the log-sum-exps no merge used)
+    grad_mixes = [torch.zeros_like(sources[0]) if g is None else g for g in grad_mixes]
+    y = torch.zeros_like(lse) if grad_lse is None else grad_lse
     grads, dq = dar_prefix_fused_backward(sources, queries, grad_mixes, y, lse, ctx.eps, ctx.launch,
                                           ctx.prefix_launch)
     return grads, dq.to(queries.dtype) if ctx.needs_input_grad[1] else None, None, None, None
