@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@contextlib.contextmanager
+def restored_env(name: str) -> Iterator[None]:
+    """Leave the environment variable ``name`` as it was found (set or unset), whatever a sweep sets it to."""
+    saved = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def commit(mark_dirty: bool = False) -> str:

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
+from benchmarks.common import device_or_exit, header, machine, restored_env, write  # noqa: E402
 from benchmarks.dar_kernel import device_ms  # noqa: E402
 from routekit.kernels import dar_triton  # noqa: E402
 
@@ -80,9 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     device = device_or_exit(args.quick)
     b, n, d = (2, 5, 24) if args.quick else (256, 256, 1152)
-    saved = os.environ.get("ROUTEKIT_DAR_MERGE_BWD")
     rows, cases = [], {s: inputs(b, n, d, s, device, seed=s) for s in sorted(set(OWN))}
-    try:
+    with restored_env("ROUTEKIT_DAR_MERGE_BWD"):
         want = {s: backward(ops, "generic") for s, ops in cases.items()}
         for setting in args.settings:
             row = {"setting": setting}
@@ -98,11 +97,6 @@ def main() -> None:
                 row["status"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             rows.append(row)
             print(row, flush=True)
-    finally:
-        if saved is None:
-            os.environ.pop("ROUTEKIT_DAR_MERGE_BWD", None)
-        else:
-            os.environ["ROUTEKIT_DAR_MERGE_BWD"] = saved
     bad = [r for r in rows if r.get("max_error", 1.0) > TOLERANCE]
     timed = [r for r in rows if "step_ms" in r and r not in bad]
     best = min(timed, key=lambda r: r["step_ms"]) if timed else None

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import device_or_exit, header, machine, write  # noqa: E402
+from benchmarks.common import device_or_exit, header, machine, restored_env, write  # noqa: E402
 from benchmarks.dar_kernel import device_kernels, device_ms, free_memory, synchronize, time_ms  # noqa: E402
 from routekit.dar import sum_sources  # noqa: E402
 from routekit.kernels import dar_aggregate, dar_prefix, dar_weighted_sum, source_logits  # noqa: E402
@@ -141,12 +141,11 @@ def sweep(args, leaves, query, grads, variable: str = "ROUTEKIT_DAR_PREFIX", set
     (the fused prefix's ``PrefixLaunch``, or the merges' ``Launch``); a setting that fails to compile is
     reported, not fatal."""
     rows = []
-    saved = os.environ.get(variable)
 
     def forward():
         return dar_step(leaves[0], leaves[1:], query, args.chunk, schedule, args.kernel)
 
-    try:
+    with restored_env(variable):
         for setting in settings:
             os.environ[variable] = ",".join(map(str, setting))
             try:
@@ -158,11 +157,6 @@ def sweep(args, leaves, query, grads, variable: str = "ROUTEKIT_DAR_PREFIX", set
                 row = {"launch": list(setting), "status": f"{type(exc).__name__}: {str(exc)[:120]}"}
             rows.append(row)
             print("sweep", variable, row, flush=True)
-    finally:
-        if saved is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = saved
     return rows
 
 
