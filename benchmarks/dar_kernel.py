@@ -48,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=256, help="N: 256 patches of a 32x32 latent, patch 2")
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--graphed", type=int, nargs="*", default=[32], metavar="BATCH",
+                        help="batches at which each variant is also timed as CUDA-graph replays (no host work)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fused kernel's launch-config sweep")
     parser.add_argument("--quick", action="store_true", help="tiny shapes that run on CPU in seconds")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -98,6 +100,31 @@ def device_kernels(fn: Callable[[], object], iters: int = 20) -> dict[str, float
             fn()
         synchronize()
     return {e.key: e.self_device_time_total / 1e3 / iters for e in prof.key_averages() if e.self_device_time_total}
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph, as its replay: the GPU's work without the host's, which is
+    how a host-bound step runs under torch.compile's reduce-overhead mode. Warmed up on a side
+    stream first, as torch.cuda.make_graphed_callables does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def graphed_ms(fn, sources, query, grad) -> dict[str, float]:
+    """Forward and forward+backward times of ``fn`` as CUDA-graph replays (backward = the difference)."""
+    fwd = time_ms(graphed(lambda: fn(sources, query)))
+    free_memory()
+    total = time_ms(graphed(lambda: fwd_bwd(fn, sources, query, grad)))
+    free_memory()
+    return {"graph_fwd_ms": fwd, "graph_fwd_bwd_ms": total, "graph_bwd_ms": total - fwd}
 
 
 def free_memory() -> None:
@@ -168,8 +195,9 @@ def memory(fn, sources, query, grad) -> dict[str, float | None]:
     return result
 
 
-def measure(fn, sources, query, grad) -> dict[str, object]:
-    """Timing and memory of one variant; an OOM or a failure is recorded, not raised."""
+def measure(fn, sources, query, grad, graph: bool = False) -> dict[str, object]:
+    """Timing and memory of one variant (with ``graph``, also as CUDA-graph replays); an OOM or a
+    failure is recorded, not raised."""
     try:
         for _ in range(2):  # compile (torch.compile, Triton JIT) outside the timed region
             fwd_bwd(fn, sources, query, grad)
@@ -179,8 +207,11 @@ def measure(fn, sources, query, grad) -> dict[str, object]:
         gpu_total = device_ms(lambda: fwd_bwd(fn, sources, query, grad))
         gpu = {} if gpu_fwd is None else {"gpu_fwd_ms": gpu_fwd, "gpu_fwd_bwd_ms": gpu_total,
                                           "gpu_bwd_ms": gpu_total - gpu_fwd}
-        return {"status": "ok", "fwd_ms": fwd, "fwd_bwd_ms": total, "bwd_ms": total - fwd, **gpu,
-                **memory(fn, sources, query, grad)}  # fmt: skip
+        result = {"status": "ok", "fwd_ms": fwd, "fwd_bwd_ms": total, "bwd_ms": total - fwd, **gpu,
+                  **memory(fn, sources, query, grad)}  # fmt: skip
+        if graph and torch.cuda.is_available():
+            result.update(graphed_ms(fn, sources, query, grad))
+        return result
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
     except Exception as exc:  # a compile failure must not lose the other variants' numbers
@@ -290,7 +321,7 @@ def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, ob
     fns = {"naive": dar_aggregate_reference, "compiled": compiled, "fused": dar_aggregate_triton}
     results = {}
     for name in VARIANTS:
-        results[name] = measure(fns[name], sources, query, grad)
+        results[name] = measure(fns[name], sources, query, grad, graph=batch in args.graphed)
         print(f"batch {batch}: {name} {results[name]}", flush=True)
     record["variants"] = results
     source_bytes = args.sources * batch * args.tokens * args.dim * sources[0].element_size()
@@ -301,7 +332,7 @@ def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, ob
         }
     record["speedup"] = {
         f"{prefix}{phase}_vs_{other}": speedup(results, phase, other, prefix)
-        for prefix in ("", "gpu_")
+        for prefix in ("", "gpu_", "graph_")
         for phase in ("fwd", "bwd")
         for other in ("naive", "compiled")
     }
@@ -340,11 +371,12 @@ def markdown(report: dict) -> str:
             cells = [res[k] for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")]
             cells += [res[k] for k in ("fwd_peak_gib", "fwd_retained_gib", "fwd_bwd_peak_gib")]
             lines.append(f"| {record['batch']} | {name} | " + " | ".join(fmt(c, 3) for c in cells) + " |")
-    lines += ["", "| batch | fused speed-up | fwd | bwd | fwd, GPU time | bwd, GPU time |", "|---|---|---|---|---|---|"]
+    lines += ["", "| batch | fused speed-up | fwd | bwd | fwd, GPU time | bwd, GPU time | fwd, CUDA graph "
+              "| bwd, CUDA graph |", "|---|---|---|---|---|---|---|---|"]
     for record in report["batches"]:
         sp = record["speedup"]
         for other in ("naive", "compiled"):
-            cells = [fmt(sp.get(f"{p}{phase}_vs_{other}")) for p in ("", "gpu_") for phase in ("fwd", "bwd")]
+            cells = [fmt(sp.get(f"{p}{phase}_vs_{other}")) for p in ("", "gpu_", "graph_") for phase in ("fwd", "bwd")]
             cells = [c if c == "—" else f"{c}×" for c in cells]
             lines.append(f"| {record['batch']} | vs {other} | " + " | ".join(cells) + " |")
     gpu_rows = [(r["batch"], name, res) for r in report["batches"] for name, res in r["variants"].items()
@@ -354,6 +386,14 @@ def markdown(report: dict) -> str:
                   "| batch | variant | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]
         lines += [f"| {b} | {name} | {res['gpu_fwd_ms']:.3f} | {res['gpu_bwd_ms']:.3f} | {res['gpu_fwd_bwd_ms']:.3f} |"
                   for b, name, res in gpu_rows]
+    graph_rows = [(r["batch"], name, res) for r in report["batches"] for name, res in r["variants"].items()
+                  if "graph_fwd_ms" in res]
+    if graph_rows:
+        lines += ["", "Each variant's forward and forward+backward captured in a CUDA graph and timed as replays "
+                  "(medians, ms): the host's launch work gone for all three alike; the speed-ups' last two columns "
+                  "use it:", "", "| batch | variant | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]
+        lines += [f"| {b} | {name} | {res['graph_fwd_ms']:.3f} | {res['graph_bwd_ms']:.3f} | "
+                  f"{res['graph_fwd_bwd_ms']:.3f} |" for b, name, res in graph_rows]
     lines += ["", "Fused kernel vs reference (max abs / max relative to the reference's largest value):", ""]
     for record in report["batches"]:
         corr = record["correctness"]

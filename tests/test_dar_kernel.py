@@ -223,6 +223,42 @@ def test_pointer_tables_are_built_once_per_set_of_addresses_and_stay_right(monke
         assert_close(torch.stack(got), torch.stack(expected), TOLERANCE[torch.float32], "grad sources")
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_a_captured_cuda_graph_stays_right_after_its_tables_leave_the_cache(monkeypatch):
+    """A forward and backward captured in a CUDA graph (as torch.compile's reduce-overhead mode
+    does) replays right on new input values, even after every cached pointer table was evicted and
+    the pinned host memory its table copies came from was handed out again."""
+    monkeypatch.setattr(dar_triton, "_TABLES", {})
+    monkeypatch.setattr(dar_triton, "_GRAPH_TABLES", [])
+    sources, query, grad = Case(6, 2, 5, 48, torch.float32, "d", True, 2.0, seed=11).tensors()
+    leaves = [v.clone().requires_grad_() for v in sources]
+    q = query.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside the capture, as torch.cuda.make_graphed_callables does
+            torch.autograd.grad(triton_kernel(leaves, q), [*leaves, q], grad)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_kernel(leaves, q)
+        grads = torch.autograd.grad(out, [*leaves, q], grad)
+    dar_triton._TABLES.clear()
+    junk = [torch.full((64,), -1, dtype=torch.int64).pin_memory() for _ in range(16)]
+    new_sources, new_query, _ = Case(6, 2, 5, 48, torch.float32, "d", True, 2.0, seed=12).tensors()
+    with torch.no_grad():
+        for leaf, value in zip(leaves, new_sources):
+            leaf.copy_(value)
+        q.copy_(new_query)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = run(dar_aggregate_reference, new_sources, new_query, grad, as_list=True)
+    got = (out, torch.stack(grads[:-1]), grads[-1])
+    for name, g, w in zip(("output", "grad sources", "grad query"), got, expected):
+        assert_close(g, w, TOLERANCE[torch.float32], name)
+    del junk
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_without_autograd_gives_the_same_output(dtype):
     """Under no_grad nothing is saved for backward and bf16 skips the fp32 output copy."""
@@ -501,6 +537,19 @@ def test_split_gemm_of_two_fp32_matrices_keeps_about_sixteen_bits():
     error = ((_mm_split(a, b, torch.bfloat16).double() - exact).abs().max() / exact.abs().max()).item()
     plain = ((a.bfloat16().double() @ b.bfloat16().double() - exact).abs().max() / exact.abs().max()).item()
     assert error < 2**-14 < plain, (error, plain)
+    low = _mm_split(a, b, torch.bfloat16, torch.bfloat16)  # ROUTEKIT_DAR_SOURCE_GRAD_OUT=low: one rounding more
+    assert low.dtype == torch.bfloat16
+    assert ((low.double() - exact).abs() <= exact.abs() * 2**-8 + 2**-14 * exact.abs().max()).all()
+
+
+def test_source_gradient_output_setting_is_refused_unless_known(monkeypatch):
+    from routekit.kernels import dar_logits
+
+    monkeypatch.setenv("ROUTEKIT_DAR_SOURCE_GRAD_OUT", "low")
+    assert dar_logits._source_grad_out() == "low"
+    monkeypatch.setenv("ROUTEKIT_DAR_SOURCE_GRAD_OUT", "bf16")
+    with pytest.raises(DarInputError, match="'bf16'.*fp32, low"):
+        dar_logits._source_grad_out()
 
 
 def test_source_logits_stay_fp32_under_autocast():
@@ -707,3 +756,38 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
     for name, got in (("eager", outputs(fused)), ("compiled", outputs(compiled))):
         for i, (g, w) in enumerate(zip(got, want)):
             assert_close(g, w, 1e-4, f"{name} output/gradient {i}")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_a_dit_with_dar_trains_under_cuda_graphs_as_without():
+    """torch.compile's reduce-overhead mode captures DAR's Triton ops in CUDA graphs and replays
+    them step after step on new inputs: each step's loss and gradients equal the reference path's."""
+    import routekit as rk
+    from backbones import dit
+
+    torch.manual_seed(0)
+    model = dit.DiT(depth=3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,
+                    class_dropout=0.0).to(DEVICE)
+    example = (torch.randn(2, 2, 4, 4, device=DEVICE), torch.rand(2, device=DEVICE), torch.tensor([1, 3], device=DEVICE))
+
+    def with_dar(kernel):
+        out = rk.apply(model, residual=rk.DAR(query="static_t", chunk=2, kernel=kernel), example_inputs=example)
+        with torch.no_grad():
+            out.routekit.dar.query.normal_(generator=torch.Generator(DEVICE).manual_seed(1))
+        return out.train()
+
+    def outputs(m, inputs):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = m(*inputs).square().mean()
+        params = [p for p in m.parameters() if p.requires_grad]
+        return [t.detach().clone() for t in (loss, *torch.autograd.grad(loss, params))]  # replays reuse memory
+
+    reference = with_dar("torch")
+    torch._dynamo.reset()
+    graphed = torch.compile(with_dar("triton"), mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    for step in range(4):
+        inputs = (torch.randn(2, 2, 4, 4, device=DEVICE, generator=gen), torch.rand(2, device=DEVICE, generator=gen),
+                  torch.randint(0, 5, (2,), device=DEVICE, generator=gen))
+        for i, (g, w) in enumerate(zip(outputs(graphed, inputs), outputs(reference, inputs))):
+            assert_close(g, w, 1e-4, f"step {step}, output/gradient {i}")

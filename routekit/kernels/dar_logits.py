@@ -9,16 +9,20 @@ The backward sends the logits' gradients to the source, the queries and e(t).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
+
+from routekit.kernels.dar_reference import DarInputError
 
 
 def _source_grad(dzr: Tensor, w: Tensor, temb: Tensor | None, c: Tensor, v: Tensor) -> Tensor:
     """dv = dzr @ w (+ rowsum(dzr) e(t)) - c v, in v's dtype: the logits' gradient back to the source
     (dzr = dz r, c = rowsum(dz z) r^2, both per row)."""
     if dzr.is_cuda and v.dtype in _LOW:  # dv is rounded to v's dtype: ~16-bit halves of both factors suffice
-        along_q = _mm_split(dzr.flatten(0, 1), w.to(dzr.dtype), v.dtype).view(v.shape)
+        out = v.dtype if _source_grad_out() == "low" else torch.float32
+        along_q = _mm_split(dzr.flatten(0, 1), w.to(dzr.dtype), v.dtype, out).view(v.shape)
     else:
         along_q = (dzr.flatten(0, 1) @ w.to(dzr.dtype)).view(v.shape)
     if temb is not None:
@@ -27,6 +31,17 @@ def _source_grad(dzr: Tensor, w: Tensor, temb: Tensor | None, c: Tensor, v: Tens
 
 
 _LOW = (torch.bfloat16, torch.float16)
+SOURCE_GRAD_OUT = ("fp32", "low")
+
+
+def _source_grad_out() -> str:
+    """The source gradient GEMM's output on CUDA for a bf16/fp16 source: "fp32" (default) or "low" (the
+    source's dtype: half the bytes written and read back, one more rounding before ``- c v``);
+    ROUTEKIT_DAR_SOURCE_GRAD_OUT chooses, for A/B."""
+    value = os.environ.get("ROUTEKIT_DAR_SOURCE_GRAD_OUT") or "fp32"
+    if value not in SOURCE_GRAD_OUT:
+        raise DarInputError(f"ROUTEKIT_DAR_SOURCE_GRAD_OUT={value!r}: expected one of {', '.join(SOURCE_GRAD_OUT)}")
+    return value
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -47,8 +62,8 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return a.to(dtype) @ b.to(dtype)
 
 
-def _mm_split(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """a @ b for two fp32 matrices as one ``dtype`` GEMM with fp32 output: each split into a high and a
+def _mm_split(a: Tensor, b: Tensor, dtype: torch.dtype, out: torch.dtype = torch.float32) -> Tensor:
+    """a @ b for two fp32 matrices as one ``dtype`` GEMM with ``out`` output: each split into a high and a
     low half, a_hi b_hi + a_hi b_lo + a_lo b_hi (the dropped a_lo b_lo is ~2^-16 of the product) stacked
     along the inner dimension. On tensor cores instead of an fp32 FFMA GEMM (the source gradient's
     dzr @ w, K = the source's later queries, took 0.24 ms per source at DiT-XL/2 b256)."""
@@ -56,8 +71,8 @@ def _mm_split(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     a_lo, b_lo = (a - a_hi.float()).to(dtype), (b - b_hi.float()).to(dtype)
     a3, b3 = torch.cat([a_hi, a_hi, a_lo], 1), torch.cat([b_hi, b_lo, b_hi], 0)
     if a.is_cuda:
-        return torch.mm(a3, b3, out_dtype=torch.float32)
-    return a3.float() @ b3.float()  # the same products (exact in fp32) where mm has no out_dtype: tests
+        return torch.mm(a3, b3) if out == dtype else torch.mm(a3, b3, out_dtype=out)
+    return (a3.float() @ b3.float()).to(out)  # the same products (exact in fp32) where mm has no out_dtype: tests
 
 
 class _SourceLogits(torch.autograd.Function):

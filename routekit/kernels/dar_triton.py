@@ -438,20 +438,33 @@ ROW_LOOP_MAX_SOURCES = 8
 # depends only on its key, so a hit is always right, whatever tensor now lives at those addresses.
 _TABLES: dict[tuple, tuple[Tensor, bool]] = {}
 TABLE_CACHE_SIZE = 1024
+# Tables a CUDA graph reads, kept for the life of the process: a graph replays the kernels on the
+# table it was captured with, and one built during capture also replays the copy from its pinned
+# host buffer. Evicted from _TABLES, either would be freed and handed out again, and a replay would
+# read its pointers from someone else's data. A few hundred bytes per table a captured step uses.
+_GRAPH_TABLES: list[tuple[Tensor, Tensor]] = []
 
 
 def _table_of(ptrs: list[int], device: torch.device) -> tuple[Tensor, bool]:
     """Int64 tensor of ``ptrs`` on ``device``, and whether all are 16-byte aligned."""
     key = (device, *ptrs)
     hit = _TABLES.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if hit is not None:
+        if capturing:  # the graph will read this table: it must outlive an eviction
+            _GRAPH_TABLES.append((hit[0], hit[0]))
         return hit
+    aligned = all(p % 16 == 0 for p in ptrs)
     table = torch.tensor(ptrs, dtype=torch.int64)
     if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
+        host = table.pin_memory()
+        table = host.to(device, non_blocking=True)
+        if capturing:  # not cached: its copy runs only when the graph does
+            _GRAPH_TABLES.append((host, table))
+            return table, aligned
     if len(_TABLES) >= TABLE_CACHE_SIZE:
         del _TABLES[next(iter(_TABLES))]  # the oldest
-    _TABLES[key] = table, all(p % 16 == 0 for p in ptrs)
+    _TABLES[key] = table, aligned
     return _TABLES[key]
 
 
