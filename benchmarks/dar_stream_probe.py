@@ -174,7 +174,7 @@ def _wsum_fwd_query_ht_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, lse
     the source loop is left to Triton's pipeliner (``tl.range(num_stages=STAGES)``, the loads staged
     through shared memory) instead of holding the next source in registers."""
     row, k, ss, p, lse = _query_probs(logit_ptr, S, K, R, BLOCK_S)
-    head, head_ok, tail, tail_ok = _lanes(row, D, HEAD, TAIL)
+    head, head_ok, tail, tail_ok = _lanes(row, 0, D, D, HEAD, TAIL)
     acc_h = tl.zeros([HEAD], tl.float32)
     acc_t = tl.zeros([TAIL], tl.float32)
     if STAGES == 0:
@@ -218,7 +218,7 @@ def _wsum_bwd_ht_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, dmix_tab
     row = tl.program_id(0).to(tl.int64)
     p, ks, ss = _row_probs(logit_ptr, row, S, K, R, BLOCK_K, BLOCK_S)
     k_ok = ks < K
-    head, head_ok, tail, tail_ok = _lanes(row, D, HEAD, TAIL)
+    head, head_ok, tail, tail_ok = _lanes(row, 0, D, D, HEAD, TAIL)
     dmix_ptr = tl.load(dmix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
     dmix_h = tl.load(dmix_ptr[:, None] + head[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
     dmix_t = tl.load(dmix_ptr[:, None] + tail[None, :], mask=k_ok[:, None] & tail_ok[None, :],
@@ -345,8 +345,16 @@ def measure(chunks: int, k: int, rows: int, d: int, warps: int, rows_per_program
             "wsum_bwd_gbps": (2 * reads + chunks * k) * unit / bwd * 1e3}
 
 
-# (forward warps, backward warps) of routekit's own weighted-sum ops (ROUTEKIT_DAR_WSUM)
-ROUTEKIT_SWEEP = [(4, 1), (2, 1), (8, 1), (4, 2), (2, 2)]
+# (forward warps, backward warps, forward split, backward split) of routekit's own weighted-sum ops
+# (ROUTEKIT_DAR_WSUM); each phase varied with the other at its default
+ROUTEKIT_SWEEP = [(4, 1, 1, 1), (4, 1, 2, 4), (2, 2, 2, 2), (1, 2, 4, 4), (4, 1, 4, 8), (2, 1, 4, 4)]
+
+
+def fastest(runs: list[dict]) -> str:
+    """ROUTEKIT_DAR_WSUM of the fastest forward with the fastest backward (each timed on its own)."""
+    fwd = min(runs, key=lambda r: r["fwd_ms"])
+    bwd = min(runs, key=lambda r: r["bwd_ms"])
+    return f"{fwd['fwd_warps']},{bwd['bwd_warps']},{fwd['fwd_split']},{bwd['bwd_split']}"
 
 
 def measure_routekit(chunks: int, k: int, rows: int, d: int, warps: list[int]) -> dict[str, object]:
@@ -365,7 +373,8 @@ def measure_routekit(chunks: int, k: int, rows: int, d: int, warps: list[int]) -
         fwd += time_ms(lambda sources=sources, logits=logits: dar_stream.dar_wsum(sources, logits, warps))
         bwd += time_ms(lambda sources=sources, logits=logits, lse=lse, y=y:
                        dar_stream.dar_wsum_backward(sources, logits, lse, dmixes, y, warps))
-    return {"fwd_warps": warps[0], "bwd_warps": warps[1], "fwd_ms": fwd, "bwd_ms": bwd}
+    return {"fwd_warps": warps[0], "bwd_warps": warps[1], "fwd_split": warps[2], "bwd_split": warps[3],
+            "fwd_ms": fwd, "bwd_ms": bwd}
 
 
 def main() -> None:
@@ -374,6 +383,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results")
     parser.add_argument("--routekit", action="store_true",
                         help="time routekit's dar_wsum ops over ROUTEKIT_SWEEP instead (dar_stream_routekit.*)")
+    parser.add_argument("--best-file", type=Path, default=None,
+                        help="with --routekit: write the fastest forward and backward as a ROUTEKIT_DAR_WSUM value")
     args = parser.parse_args()
     device = device_or_exit(args.quick)
     errors = check(device)
@@ -386,11 +397,18 @@ def main() -> None:
         runs = [measure_routekit(14, 4, 256 * 256, 1152, list(w)) for w in ROUTEKIT_SWEEP]
         for row in runs:
             print(row, flush=True)
-        lines = ["# routekit's weighted sums (dar_stream) at DiT-XL/2 b256, by warps", "", header(machine()),
+        lines = ["# routekit's weighted sums (dar_stream) at DiT-XL/2 b256, by launch", "", header(machine()),
                  "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; ms summed over the "
-                 "chunks (do_bench medians).", "", "| fwd warps | bwd warps | fwd ms | bwd ms |", "|---:|---:|---:|---:|"]
-        lines += [f"| {r['fwd_warps']} | {r['bwd_warps']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} |" for r in runs]
-        write("dar_stream_routekit", {"machine": machine(), "runs": runs}, "\n".join(lines) + "\n", args.out)
+                 "chunks (do_bench medians). Split: programs per row, each a slice of its lanes.", "",
+                 "| fwd warps | bwd warps | fwd split | bwd split | fwd ms | bwd ms |", "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['fwd_warps']} | {r['bwd_warps']} | {r['fwd_split']} | {r['bwd_split']} | {r['fwd_ms']:.2f} | "
+                  f"{r['bwd_ms']:.2f} |" for r in runs]
+        best = fastest(runs)
+        lines += ["", f"Fastest forward with fastest backward: `ROUTEKIT_DAR_WSUM={best}`."]
+        write("dar_stream_routekit", {"machine": machine(), "runs": runs, "fastest": best}, "\n".join(lines) + "\n",
+              args.out)
+        if args.best_file:
+            args.best_file.write_text(best + "\n")
         return
     report = {"machine": machine(), "check": errors, "runs": []}
     for warps, rows_per_program, per_query, head_tail, stages in SWEEP:

@@ -68,10 +68,15 @@ def cases():
                 "FUSED_REDUCE": bwd.fused_reduce, "PAIRED": paired}, bwd.warps)
         yield (f"merge forward, paired={paired}", dar_merge._merge_fwd_kernel,
                {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired}, fwd.warps)
-    fwd_warps, bwd_warps = dar_stream.launch_warps()
-    yield ("weighted sum forward", dar_stream._wsum_fwd_kernel,
-           {"BLOCK_K": 4, "BLOCK_S": 16, "HEAD": head, "TAIL": tail}, fwd_warps)
-    yield ("weighted sum backward", dar_stream._wsum_bwd_kernel, {"BLOCK_K": 4, "HEAD": head, "TAIL": tail}, bwd_warps)
+    fwd_warps, bwd_warps, fwd_split, bwd_split = dar_stream.launch_warps()
+    for split in sorted({fwd_split, 2}):
+        _, h, t = dar_stream._slices(D, split)
+        yield (f"weighted sum forward, split {split}", dar_stream._wsum_fwd_kernel,
+               {"BLOCK_K": 4, "BLOCK_S": 16, "HEAD": h, "TAIL": t, "SPLIT": split}, fwd_warps)
+    for split in sorted({bwd_split, 2}):
+        _, h, t = dar_stream._slices(D, split)
+        yield (f"weighted sum backward, split {split}", dar_stream._wsum_bwd_kernel,
+               {"BLOCK_K": 4, "HEAD": h, "TAIL": t, "SPLIT": split}, bwd_warps)
 
 
 def main() -> int:

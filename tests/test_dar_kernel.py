@@ -517,6 +517,32 @@ def test_streamed_chunk_from_source_logits_equals_one_aggregation_over_all_sourc
         assert_close(g, w, CHUNK_TOLERANCE[case.dtype], f"{kernel} {name} of {case}")
 
 
+@pytest.mark.parametrize("setting", ["4,1,2,2", "2,1,4,4", "1,2,1,2"])
+def test_weighted_sums_split_into_slices_of_rows_equal_the_reference(setting, monkeypatch):
+    """ROUTEKIT_DAR_WSUM's splits: each row's lanes cut among programs (D=10 by 4: slices of 3 with a
+    head of 2 and a tail of 1, the last slice past D masked), the logits' gradient summed over slices."""
+    monkeypatch.setenv("ROUTEKIT_DAR_WSUM", setting)
+    case = ChunkCase(shared=5, own=(1, 2, 3, 1), b=2, n=3, d=10, dtype=torch.float32, query_shape="kd", seed=21)
+    got = streamed_chunk_outputs(case, "triton", True)
+    want = streamed_chunk_outputs(case, None, True)
+    for name, g, w in zip(("outputs", "grad shared", "grad own", "grad w", "grad e(t)"), got, want, strict=True):
+        assert_close(g, w, CHUNK_TOLERANCE[torch.float32], f"{name} ({setting})")
+
+
+def test_weighted_sum_launch_is_parsed_or_refused_with_the_expected_form(monkeypatch):
+    from routekit.kernels import dar_stream
+
+    monkeypatch.delenv("ROUTEKIT_DAR_WSUM", raising=False)
+    assert dar_stream.launch_warps() == [dar_stream.FWD_WARPS, dar_stream.BWD_WARPS, dar_stream.FWD_SPLIT,
+                                         dar_stream.BWD_SPLIT]
+    monkeypatch.setenv("ROUTEKIT_DAR_WSUM", "4,1,1,2")
+    assert dar_stream.launch_warps() == [4, 1, 1, 2]
+    for bad in ("4,1", "4,1,3,1", "0,1,1,1"):
+        monkeypatch.setenv("ROUTEKIT_DAR_WSUM", bad)
+        with pytest.raises(DarInputError, match="fwd_warps,bwd_warps,fwd_split,bwd_split"):
+            dar_stream.launch_warps()
+
+
 def test_source_logits_gradients_pass_gradcheck():
     gen = torch.Generator().manual_seed(3)
     v = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64).requires_grad_()
@@ -584,13 +610,13 @@ def test_weighted_sum_ops_pass_torch_library_opcheck():
     gen = torch.Generator().manual_seed(4)
     sources = [torch.randn(2, 3, 24, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(3)]
     logits = torch.randn(3, 2, 3, 2, generator=gen).to(DEVICE).requires_grad_()
-    torch.library.opcheck(dar_stream.dar_wsum, (sources, logits, [4, 1]))
-    mixes, state = dar_stream.dar_wsum(sources, logits, [4, 1])
+    torch.library.opcheck(dar_stream.dar_wsum, (sources, logits, [4, 1, 2, 2]))
+    mixes, state = dar_stream.dar_wsum(sources, logits, [4, 1, 2, 2])
     assert state.shape == (2, 2, 3, 2) and not state[..., 1].any()  # (K, B, N, 2): lse and a zero slot
     lse = state[..., 0].detach()
     grad_mixes = [torch.randn_like(m) for m in mixes]
     torch.library.opcheck(dar_stream.dar_wsum_backward, ([s.detach() for s in sources], logits.detach(), lse,
-                                                         grad_mixes, torch.randn_like(lse), [4, 1]))
+                                                         grad_mixes, torch.randn_like(lse), [4, 1, 2, 2]))
 
 
 def test_prefix_queries_must_be_k_by_d_or_four_d():
@@ -702,7 +728,7 @@ def test_every_kernel_compiles_for_the_h200():
     script = Path(__file__).with_name("sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok ") == 14, done.stdout
+    assert done.stdout.count("ok ") == 16, done.stdout
 
 
 def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):

@@ -27,28 +27,42 @@ import triton.language as tl
 from torch import Tensor
 
 from routekit.kernels.dar_reference import DarInputError, check_logits
-from routekit.kernels.dar_triton import _contiguous, _from_env, _lane_split, _pointer_table
+from routekit.kernels.dar_triton import OP_TAGS, _contiguous, _from_env, _lane_split, _pointer_table
 
-# From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit.md): forward 4 warps, backward 1.
-FWD_WARPS, BWD_WARPS = 4, 1
+# From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit.md): forward 4 warps, backward 1,
+# a row to a program in both directions.
+FWD_WARPS, BWD_WARPS, FWD_SPLIT, BWD_SPLIT = 4, 1, 1, 1
 
 
 def launch_warps() -> list[int]:
-    """[forward warps, backward warps]; ROUTEKIT_DAR_WSUM="fwd,bwd" overrides them for tuning."""
+    """[forward warps, backward warps, forward split, backward split]: a split of P gives each row P
+    programs, each a 1/P slice of its lanes (the backward's K mixes' gradients are held in registers,
+    all of a row's on one warp, which leaves a few warps per SM). ROUTEKIT_DAR_WSUM="fwd,bwd,fsplit,bsplit"
+    overrides them for tuning."""
     def build(values: list[int]) -> list[int]:
-        if min(values) < 1:
-            raise DarInputError(f"warps must be at least 1, got {values}")
+        if min(values) < 1 or any(v & (v - 1) for v in values[2:]):
+            raise DarInputError(f"warps must be at least 1 and splits powers of two, got {values}")
         return values
 
-    return _from_env("ROUTEKIT_DAR_WSUM", build, 2, "fwd_warps,bwd_warps, e.g. 4,1") or [FWD_WARPS, BWD_WARPS]
+    return _from_env("ROUTEKIT_DAR_WSUM", build, 4, "fwd_warps,bwd_warps,fwd_split,bwd_split, e.g. 4,1,1,2") or [
+        FWD_WARPS, BWD_WARPS, FWD_SPLIT, BWD_SPLIT]
+
+
+def _slices(d: int, split: int) -> tuple[int, int, int]:
+    """(slice width, head lanes, tail lanes) for rows of d lanes cut into ``split`` slices."""
+    width = triton.cdiv(d, split)
+    return width, *_lane_split(width)
 
 
 @triton.jit
-def _lanes(row, D, HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """A row's offsets and masks as HEAD + TAIL lanes (TAIL lanes past D are masked off)."""
+def _lanes(row, part, W, D, HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """Slice ``part`` (of width W) of a row: offsets and masks as HEAD + TAIL lanes (lanes past the
+    slice or past D masked off)."""
     head = tl.arange(0, HEAD)
     tail = HEAD + tl.arange(0, TAIL)
-    return row * D + head, head < D, row * D + tail, tail < D
+    start = part * W
+    return (row * D + start + head, (head < W) & (start + head < D),
+            row * D + start + tail, (tail < W) & (start + tail < D))
 
 
 @triton.jit
@@ -58,10 +72,13 @@ def _source_row(table_ptr, s, like_ptr, offs_h, ok_h, offs_t, ok_t):
 
 
 @triton.jit
-def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, state_ptr, S, K, R, D,
-                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """One row per program: its K mixes over the S sources, the next source in flight."""
-    row = tl.program_id(0).to(tl.int64)
+def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, state_ptr, S, K, R, D, W,
+                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                     SPLIT: tl.constexpr):
+    """A slice of a row per program (SPLIT programs a row): its K mixes over the S sources, the next
+    source in flight."""
+    pid = tl.program_id(0)
+    row, part = (pid // SPLIT).to(tl.int64), pid % SPLIT
     ks = tl.arange(0, BLOCK_K)
     ss = tl.arange(0, BLOCK_S)
     k_ok = ks < K
@@ -74,7 +91,7 @@ def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, state_ptr, S
     denom = tl.sum(p, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     p = p / denom[None, :]
-    offs_h, ok_h, offs_t, ok_t = _lanes(row, D, HEAD, TAIL)
+    offs_h, ok_h, offs_t, ok_t = _lanes(row, part, W, D, HEAD, TAIL)
     acc_h = tl.zeros([BLOCK_K, HEAD], tl.float32)
     acc_t = tl.zeros([BLOCK_K, TAIL], tl.float32)
     h_next, t_next = _source_row(table_ptr, 0, like_ptr, offs_h, ok_h, offs_t, ok_t)
@@ -88,20 +105,25 @@ def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, state_ptr, S
     mix = tl.load(mix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
     tl.store(mix[:, None] + offs_h[None, :], acc_h.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & ok_h[None, :])
     tl.store(mix[:, None] + offs_t[None, :], acc_t.to(like_ptr.dtype.element_ty), mask=k_ok[:, None] & ok_t[None, :])
-    tl.store(state_ptr + (ks * R + row) * 2, m + tl.log(denom), mask=k_ok)  # the state's log-sum-exp slot
+    first = (ks * 0 + part) == 0  # (not `& (part == 0)`: the interpreter's `&` with a scalar gives ints)
+    tl.store(state_ptr + (ks * R + row) * 2, m + tl.log(denom), mask=k_ok & first)  # the state's lse slot
 
 
 @triton.jit
 def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dmix_table_ptr, y_ptr, dl_ptr,
-                     S, K, R, D, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """One row per program: the K mixes' gradients held, each source's gradient written once and
-    its K logit gradients p (g . v + y), p = exp(logit - lse)."""
-    row = tl.program_id(0).to(tl.int64)
+                     S, K, R, D, W, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
+                     SPLIT: tl.constexpr):
+    """A slice of a row per program (SPLIT programs a row): the K mixes' gradients held, each source's
+    gradient written once and its K logit gradients p (g . v + y), p = exp(logit - lse). Split, a slice
+    writes its share, p (g . v over its lanes) (the first slice's with p y), to its own (S, R, K) part
+    of dl_ptr, for the caller to sum."""
+    pid = tl.program_id(0)
+    row, part = (pid // SPLIT).to(tl.int64), pid % SPLIT
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < K
     lse = tl.load(lse_ptr + ks * R + row, mask=k_ok, other=0.0)
-    y = tl.load(y_ptr + ks * R + row, mask=k_ok, other=0.0)
-    offs_h, ok_h, offs_t, ok_t = _lanes(row, D, HEAD, TAIL)
+    y = tl.load(y_ptr + ks * R + row, mask=k_ok & ((ks * 0 + part) == 0), other=0.0)  # the first slice's
+    offs_h, ok_h, offs_t, ok_t = _lanes(row, part, W, D, HEAD, TAIL)
     dmix = tl.load(dmix_table_ptr + ks, mask=k_ok, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
     g_h = tl.load(dmix[:, None] + offs_h[None, :], mask=k_ok[:, None] & ok_h[None, :], other=0.0).to(tl.float32)
     g_t = tl.load(dmix[:, None] + offs_t[None, :], mask=k_ok[:, None] & ok_t[None, :], other=0.0).to(tl.float32)
@@ -113,13 +135,13 @@ def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dm
         at = (s * R + row) * K + ks
         p = tl.where(k_ok, tl.exp(tl.load(logit_ptr + at, mask=k_ok, other=0.0) - lse), 0.0)
         gv = tl.sum(g_h * h[None, :], 1) + tl.sum(g_t * t[None, :], 1)
-        tl.store(dl_ptr + at, p * (gv + y), mask=k_ok)
+        tl.store(dl_ptr + (part * S).to(tl.int64) * R * K + at, p * (gv + y), mask=k_ok)
         out = tl.load(grad_table_ptr + s).to(tl.pointer_type(like_ptr.dtype.element_ty))
         tl.store(out + offs_h, tl.sum(p[:, None] * g_h, 0).to(like_ptr.dtype.element_ty), mask=ok_h)
         tl.store(out + offs_t, tl.sum(p[:, None] * g_t, 0).to(like_ptr.dtype.element_ty), mask=ok_t)
 
 
-@torch.library.custom_op("routekit::dar_wsum", mutates_args=())
+@torch.library.custom_op("routekit::dar_wsum", mutates_args=(), tags=OP_TAGS)
 def dar_wsum(sources: list[Tensor], logits: Tensor, warps: list[int]) -> tuple[list[Tensor], Tensor]:
     """K mixes (in the sources' dtype) and their states (K, B, N, 2) from fp32 logits (S, B, N, K): a
     state holds the mix's log-sum-exp and a zero whose gradient brings the merge's own back (see above)."""
@@ -130,11 +152,12 @@ def dar_wsum(sources: list[Tensor], logits: Tensor, warps: list[int]) -> tuple[l
     mixes = [torch.empty_like(like) for _ in range(k)]
     state = torch.zeros((k, b, n, 2), dtype=torch.float32, device=like.device)
     if b * n:
-        head, tail = _lane_split(d)
-        _wsum_fwd_kernel[(b * n,)](
+        split = warps[2]
+        width, head, tail = _slices(d, split)
+        _wsum_fwd_kernel[(b * n * split,)](
             _pointer_table(sources)[0], like, logits.contiguous(), _pointer_table(mixes)[0], state, s, k, b * n, d,
-            BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail,
-            num_warps=warps[0],
+            width, BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail,
+            SPLIT=split, num_warps=warps[0],
         )  # fmt: skip
     return mixes, state
 
@@ -146,7 +169,7 @@ def _(sources, logits, warps):
         like.new_empty((logits.shape[-1], *like.shape[:2], 2), dtype=torch.float32)
 
 
-@torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=())
+@torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=(), tags=OP_TAGS)
 def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_mixes: list[Tensor], y: Tensor,
                       warps: list[int]) -> tuple[list[Tensor], Tensor]:
     """(gradient of each source along the weights, gradient of the logits (S, B, N, K)), for mixes'
@@ -156,16 +179,19 @@ def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_m
     s, b, n, k = logits.shape
     d = like.shape[-1]
     grads = [torch.empty_like(t) for t in sources]
-    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    split = warps[3]
+    dlogits = logits.new_empty((split, *logits.shape) if split > 1 else logits.shape)  # split: a share a slice
     grad_mixes = [g.to(like.dtype).contiguous() for g in grad_mixes]
     if b * n:
-        head, tail = _lane_split(d)
-        _wsum_bwd_kernel[(b * n,)](
+        width, head, tail = _slices(d, split)
+        _wsum_bwd_kernel[(b * n * split,)](
             _pointer_table(sources)[0], _pointer_table(grads)[0], like, logits.contiguous(), lse.contiguous(),
-            _pointer_table(grad_mixes)[0], y.contiguous(), dlogits, s, k, b * n, d,
-            BLOCK_K=triton.next_power_of_2(k), HEAD=head, TAIL=tail, num_warps=warps[1],
+            _pointer_table(grad_mixes)[0], y.contiguous(), dlogits, s, k, b * n, d, width,
+            BLOCK_K=triton.next_power_of_2(k), HEAD=head, TAIL=tail, SPLIT=split, num_warps=warps[1],
         )  # fmt: skip
-    return grads, dlogits
+    else:
+        dlogits.zero_()
+    return grads, dlogits if split == 1 else dlogits.sum(0)
 
 
 @dar_wsum_backward.register_fake

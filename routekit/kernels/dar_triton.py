@@ -443,6 +443,12 @@ TABLE_CACHE_SIZE = 1024
 # host buffer. Evicted from _TABLES, either would be freed and handed out again, and a replay would
 # read its pointers from someone else's data. A few hundred bytes per table a captured step uses.
 _GRAPH_TABLES: list[tuple[Tensor, Tensor]] = []
+# The ops' tag for torch.compile: CUDA-graph unsafe, because the tables above outlive a call. Under
+# reduce-overhead mode a graph's warm-up allocates from that graph's memory pool, which may hold
+# nothing but the graph's outputs, and a cached table would stay there; Inductor runs tagged ops
+# between CUDA-graph partitions instead (tests/test_dar_kernel.py, reduce-overhead training).
+# Capturing by hand (torch.cuda.graph) is safe: see _GRAPH_TABLES.
+OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 def _table_of(ptrs: list[int], device: torch.device) -> tuple[Tensor, bool]:
@@ -634,7 +640,7 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
     return out, o32, lse
 
 
-@torch.library.custom_op("routekit::dar_fused", mutates_args=())
+@torch.library.custom_op("routekit::dar_fused", mutates_args=(), tags=OP_TAGS)
 def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
               launch: list[int], prefix: Tensor | None = None, prefix_lse: Tensor | None = None,
               ) -> tuple[Tensor, Tensor, Tensor]:
@@ -687,7 +693,7 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
     return grads, _query_gradient(dq, query.shape, b, n, splits, per_row), dprefix, y
 
 
-@torch.library.custom_op("routekit::dar_fused_backward", mutates_args=())
+@torch.library.custom_op("routekit::dar_fused_backward", mutates_args=(), tags=OP_TAGS)
 def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
                        eps: float, launch: list[int], prefix_lse: Tensor | None = None,
                        ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
@@ -807,7 +813,7 @@ def _prefix_operands(sources: list[Tensor], queries: Tensor, launch: list[int], 
     return sources, q, Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
 
 
-@torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=())
+@torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=(), tags=OP_TAGS)
 def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch: list[int],
                      prefix_launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """K partial mixes (one per query, in the sources' dtype) and their log-sum-exps (K, B, N)."""
@@ -835,7 +841,7 @@ def _(sources, queries, eps, launch, prefix_launch):
         like.new_empty((queries.shape[0], *like.shape[:2]), dtype=torch.float32)
 
 
-@torch.library.custom_op("routekit::dar_prefix_fused_backward", mutates_args=())
+@torch.library.custom_op("routekit::dar_prefix_fused_backward", mutates_args=(), tags=OP_TAGS)
 def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes: list[Tensor], y: Tensor,
                               lse: Tensor, eps: float, launch: list[int], prefix_launch: list[int],
                               ) -> tuple[list[Tensor], Tensor]:
