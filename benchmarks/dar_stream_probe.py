@@ -394,7 +394,12 @@ def main() -> None:
     if args.quick:
         return
     if args.routekit:
-        runs = [measure_routekit(14, 4, 256 * 256, 1152, list(w)) for w in ROUTEKIT_SWEEP]
+        runs = []
+        for w in ROUTEKIT_SWEEP:
+            try:
+                runs.append(measure_routekit(14, 4, 256 * 256, 1152, list(w)))
+            except Exception as exc:  # a launch this GPU's Triton rejects must not lose the others
+                print(f"ROUTEKIT_DAR_WSUM={','.join(map(str, w))}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         for row in runs:
             print(row, flush=True)
         lines = ["# routekit's weighted sums (dar_stream) at DiT-XL/2 b256, by launch", "", header(machine()),
