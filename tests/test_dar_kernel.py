@@ -563,7 +563,7 @@ def test_split_gemm_of_two_fp32_matrices_keeps_about_sixteen_bits():
     error = ((_mm_split(a, b, torch.bfloat16).double() - exact).abs().max() / exact.abs().max()).item()
     plain = ((a.bfloat16().double() @ b.bfloat16().double() - exact).abs().max() / exact.abs().max()).item()
     assert error < 2**-14 < plain, (error, plain)
-    low = _mm_split(a, b, torch.bfloat16, torch.bfloat16)  # ROUTEKIT_DAR_SOURCE_GRAD_OUT=low: one rounding more
+    low = _mm_split(a, b, torch.bfloat16, torch.bfloat16)  # the default on CUDA for bf16 sources: one rounding more
     assert low.dtype == torch.bfloat16
     assert ((low.double() - exact).abs() <= exact.abs() * 2**-8 + 2**-14 * exact.abs().max()).all()
 
@@ -571,8 +571,10 @@ def test_split_gemm_of_two_fp32_matrices_keeps_about_sixteen_bits():
 def test_source_gradient_output_setting_is_refused_unless_known(monkeypatch):
     from routekit.kernels import dar_logits
 
-    monkeypatch.setenv("ROUTEKIT_DAR_SOURCE_GRAD_OUT", "low")
+    monkeypatch.delenv("ROUTEKIT_DAR_SOURCE_GRAD_OUT", raising=False)
     assert dar_logits._source_grad_out() == "low"
+    monkeypatch.setenv("ROUTEKIT_DAR_SOURCE_GRAD_OUT", "fp32")
+    assert dar_logits._source_grad_out() == "fp32"
     monkeypatch.setenv("ROUTEKIT_DAR_SOURCE_GRAD_OUT", "bf16")
     with pytest.raises(DarInputError, match="'bf16'.*fp32, low"):
         dar_logits._source_grad_out()
@@ -786,14 +788,18 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_a_dit_with_dar_trains_under_cuda_graphs_as_without():
-    """torch.compile's reduce-overhead mode captures DAR's Triton ops in CUDA graphs and replays
-    them step after step on new inputs: each step's loss and gradients equal the reference path's."""
+    """torch.compile's reduce-overhead mode graphs the step around DAR's Triton ops and replays it
+    step after step on new inputs: each step's loss and gradients equal the reference path's. (Weights
+    moved off DiT's zero init, where the loss and every gradient are exactly zero.)"""
     import routekit as rk
     from backbones import dit
 
     torch.manual_seed(0)
     model = dit.DiT(depth=3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,
                     class_dropout=0.0).to(DEVICE)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
     example = (torch.randn(2, 2, 4, 4, device=DEVICE), torch.rand(2, device=DEVICE), torch.tensor([1, 3], device=DEVICE))
 
     def with_dar(kernel):

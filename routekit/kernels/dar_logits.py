@@ -35,10 +35,11 @@ SOURCE_GRAD_OUT = ("fp32", "low")
 
 
 def _source_grad_out() -> str:
-    """The source gradient GEMM's output on CUDA for a bf16/fp16 source: "fp32" (default) or "low" (the
-    source's dtype: half the bytes written and read back, one more rounding before ``- c v``);
-    ROUTEKIT_DAR_SOURCE_GRAD_OUT chooses, for A/B."""
-    value = os.environ.get("ROUTEKIT_DAR_SOURCE_GRAD_OUT") or "fp32"
+    """The source gradient GEMM's output on CUDA for a bf16/fp16 source: "low" (default: the source's
+    dtype, as autocast would give; one rounding more before ``- c v``, whose result is rounded to that
+    dtype anyway) or "fp32" (twice the bytes written and read back: ~1.7 ms a DiT-XL/2 b256 step,
+    benchmarks/results/DAR_LOG.md); ROUTEKIT_DAR_SOURCE_GRAD_OUT chooses, for A/B."""
+    value = os.environ.get("ROUTEKIT_DAR_SOURCE_GRAD_OUT") or "low"
     if value not in SOURCE_GRAD_OUT:
         raise DarInputError(f"ROUTEKIT_DAR_SOURCE_GRAD_OUT={value!r}: expected one of {', '.join(SOURCE_GRAD_OUT)}")
     return value

@@ -29,9 +29,10 @@ from torch import Tensor
 from routekit.kernels.dar_reference import DarInputError, check_logits
 from routekit.kernels.dar_triton import OP_TAGS, _contiguous, _from_env, _lane_split, _pointer_table
 
-# From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit.md): forward 4 warps, backward 1,
-# a row to a program in both directions.
-FWD_WARPS, BWD_WARPS, FWD_SPLIT, BWD_SPLIT = 4, 1, 1, 1
+# From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit_1b29539.md, a step's 14 chunks):
+# forward on one warp a quarter of a row (7.99 ms; a whole row on 4 warps 9.12), backward one warp a row (14.32
+# ms; split in 2 or 4 slices 14.86-26.82).
+FWD_WARPS, BWD_WARPS, FWD_SPLIT, BWD_SPLIT = 1, 1, 4, 1
 
 
 def launch_warps() -> list[int]:
