@@ -788,9 +788,9 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_a_dit_with_dar_trains_under_cuda_graphs_as_without():
-    """torch.compile's reduce-overhead mode graphs the step around DAR's Triton ops and replays it
-    step after step on new inputs: each step's loss and gradients equal the reference path's. (Weights
-    moved off DiT's zero init, where the loss and every gradient are exactly zero.)"""
+    """torch.compile's reduce-overhead mode captures DAR's Triton ops in its CUDA graphs and replays
+    them step after step on new inputs: each step's loss and gradients equal the reference path's.
+    (Weights moved off DiT's zero init, where the loss and every gradient are exactly zero.)"""
     import routekit as rk
     from backbones import dit
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from routekit.kernels.dar_reference import DarInputError, check_logits
-from routekit.kernels.dar_triton import OP_TAGS, _contiguous, _from_env, _lane_split, _pointer_table
+from routekit.kernels.dar_triton import _contiguous, _from_env, _lane_split, _pointer_table
 
 # From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit_1b29539.md, a step's 14 chunks):
 # forward on one warp a quarter of a row (7.99 ms; a whole row on 4 warps 9.12), backward one warp a row (14.32
@@ -142,7 +142,7 @@ def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dm
         tl.store(out + offs_t, tl.sum(p[:, None] * g_t, 0).to(like_ptr.dtype.element_ty), mask=ok_t)
 
 
-@torch.library.custom_op("routekit::dar_wsum", mutates_args=(), tags=OP_TAGS)
+@torch.library.custom_op("routekit::dar_wsum", mutates_args=())
 def dar_wsum(sources: list[Tensor], logits: Tensor, warps: list[int]) -> tuple[list[Tensor], Tensor]:
     """K mixes (in the sources' dtype) and their states (K, B, N, 2) from fp32 logits (S, B, N, K): a
     state holds the mix's log-sum-exp and a zero whose gradient brings the merge's own back (see above)."""
@@ -170,7 +170,7 @@ def _(sources, logits, warps):
         like.new_empty((logits.shape[-1], *like.shape[:2], 2), dtype=torch.float32)
 
 
-@torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=(), tags=OP_TAGS)
+@torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=())
 def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_mixes: list[Tensor], y: Tensor,
                       warps: list[int]) -> tuple[list[Tensor], Tensor]:
     """(gradient of each source along the weights, gradient of the logits (S, B, N, K)), for mixes'

@@ -40,6 +40,7 @@ is written instead of a (B, N, D) fp32 gradient per aggregation (``_sample_split
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 from dataclasses import dataclass
@@ -438,17 +439,28 @@ ROW_LOOP_MAX_SOURCES = 8
 # depends only on its key, so a hit is always right, whatever tensor now lives at those addresses.
 _TABLES: dict[tuple, tuple[Tensor, bool]] = {}
 TABLE_CACHE_SIZE = 1024
-# Tables a CUDA graph reads, kept for the life of the process: a graph replays the kernels on the
-# table it was captured with, and one built during capture also replays the copy from its pinned
-# host buffer. Evicted from _TABLES, either would be freed and handed out again, and a replay would
-# read its pointers from someone else's data. A few hundred bytes per table a captured step uses.
-_GRAPH_TABLES: list[tuple[Tensor, Tensor]] = []
-# The ops' tag for torch.compile: CUDA-graph unsafe, because the tables above outlive a call. Under
-# reduce-overhead mode a graph's warm-up allocates from that graph's memory pool, which may hold
-# nothing but the graph's outputs, and a cached table would stay there; Inductor runs tagged ops
-# between CUDA-graph partitions instead (tests/test_dar_kernel.py, reduce-overhead training).
-# Capturing by hand (torch.cuda.graph) is safe: see _GRAPH_TABLES.
-OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# What CUDA graphs read, kept for the life of the process: the cached tables a captured kernel reads,
+# and the pinned host copy of a table built during a capture (the graph replays that copy into a
+# temporary of its own pool). Freed, either could be handed out again and a replay would read its
+# pointers from someone else's data. A few hundred bytes per table a captured step uses.
+_GRAPH_TABLES: list[Tensor] = []
+_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _cached_table_storage(n: int, device: torch.device) -> Tensor:
+    """An int64 device tensor for a cached table, allocated on a helper thread: while a thread warms up
+    or captures a CUDA graph (torch.compile's reduce-overhead mode, torch.cuda.graph) its allocations
+    go to that graph's memory pool, which must hold nothing that outlives the graph's own outputs;
+    a cached table does."""
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="routekit-tables")
+    table = _HELPER.submit(torch.empty, (n,), dtype=torch.int64, device=device).result()
+    stream = torch.cuda.current_stream(device)
+    if stream != torch.cuda.default_stream(device):  # allocated for the default stream's order
+        stream.wait_stream(torch.cuda.default_stream(device))
+        table.record_stream(stream)
+    return table
 
 
 def _table_of(ptrs: list[int], device: torch.device) -> tuple[Tensor, bool]:
@@ -458,16 +470,16 @@ def _table_of(ptrs: list[int], device: torch.device) -> tuple[Tensor, bool]:
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if hit is not None:
         if capturing:  # the graph will read this table: it must outlive an eviction
-            _GRAPH_TABLES.append((hit[0], hit[0]))
+            _GRAPH_TABLES.append(hit[0])
         return hit
     aligned = all(p % 16 == 0 for p in ptrs)
     table = torch.tensor(ptrs, dtype=torch.int64)
     if device.type == "cuda":
         host = table.pin_memory()
-        table = host.to(device, non_blocking=True)
-        if capturing:  # not cached: its copy runs only when the graph does
-            _GRAPH_TABLES.append((host, table))
-            return table, aligned
+        if capturing:  # a temporary of the graph, not cached: its copy runs when the graph does
+            _GRAPH_TABLES.append(host)
+            return host.to(device, non_blocking=True), aligned
+        table = _cached_table_storage(len(ptrs), device).copy_(host, non_blocking=True)
     if len(_TABLES) >= TABLE_CACHE_SIZE:
         del _TABLES[next(iter(_TABLES))]  # the oldest
     _TABLES[key] = table, aligned
@@ -640,7 +652,7 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
     return out, o32, lse
 
 
-@torch.library.custom_op("routekit::dar_fused", mutates_args=(), tags=OP_TAGS)
+@torch.library.custom_op("routekit::dar_fused", mutates_args=())
 def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
               launch: list[int], prefix: Tensor | None = None, prefix_lse: Tensor | None = None,
               ) -> tuple[Tensor, Tensor, Tensor]:
@@ -693,7 +705,7 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
     return grads, _query_gradient(dq, query.shape, b, n, splits, per_row), dprefix, y
 
 
-@torch.library.custom_op("routekit::dar_fused_backward", mutates_args=(), tags=OP_TAGS)
+@torch.library.custom_op("routekit::dar_fused_backward", mutates_args=())
 def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
                        eps: float, launch: list[int], prefix_lse: Tensor | None = None,
                        ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
@@ -813,7 +825,7 @@ def _prefix_operands(sources: list[Tensor], queries: Tensor, launch: list[int], 
     return sources, q, Launch.from_list(launch), PrefixLaunch.from_list(prefix_launch)
 
 
-@torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=(), tags=OP_TAGS)
+@torch.library.custom_op("routekit::dar_prefix_fused", mutates_args=())
 def dar_prefix_fused(sources: list[Tensor], queries: Tensor, eps: float, launch: list[int],
                      prefix_launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """K partial mixes (one per query, in the sources' dtype) and their log-sum-exps (K, B, N)."""
@@ -841,7 +853,7 @@ def _(sources, queries, eps, launch, prefix_launch):
         like.new_empty((queries.shape[0], *like.shape[:2]), dtype=torch.float32)
 
 
-@torch.library.custom_op("routekit::dar_prefix_fused_backward", mutates_args=(), tags=OP_TAGS)
+@torch.library.custom_op("routekit::dar_prefix_fused_backward", mutates_args=())
 def dar_prefix_fused_backward(sources: list[Tensor], queries: Tensor, grad_mixes: list[Tensor], y: Tensor,
                               lse: Tensor, eps: float, launch: list[int], prefix_launch: list[int],
                               ) -> tuple[list[Tensor], Tensor]:
