@@ -3,14 +3,17 @@
 The CPU interpreter runs kernel bodies as Python, so code the GPU compiler rejects (a tuple holding a
 dtype, a name rebound to another type in a loop) passes the interpreted tests and fails only on the
 GPU. Run without TRITON_INTERPRET (``tests/test_dar_kernel.py`` does, in a subprocess); prints each
-kernel and exits 1 naming those that failed.
+kernel and exits 1 naming those that failed. ``--resources`` adds each kernel's registers a thread and
+spill stack (what limits the warps per SM), to weigh a launch change before spending GPU time on it.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -26,7 +29,7 @@ D = 1152
 BF16_POINTERS = {"like_ptr", "g_ptr", "o_ptr", "out_ptr", "prefix_ptr", "dprefix_ptr", "mix_ptr"}
 
 
-def compile_sm90(kernel, constexprs: dict, warps: int) -> None:
+def compile_sm90(kernel, constexprs: dict, warps: int):
     """Compile ``kernel`` for sm_90: bf16 sources and mixes, int64 pointer tables, fp32 elsewhere."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {}
@@ -38,7 +41,22 @@ def compile_sm90(kernel, constexprs: dict, warps: int) -> None:
         else:
             signature[name] = "fp32" if name in ("eps", "scale") else "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def resources(compiled) -> str:
+    """Registers a thread and spill stack of a compiled kernel, from its cubin (cuobjdump ships with
+    Triton): the occupancy ncu would report, without a GPU. This machine's Triton may compile a few
+    registers apart from the GPU machine's."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return f"no {tool} to read registers with"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        done = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True)
+    usage = [line.split("Resource usage:")[-1].split() for line in done.stdout.splitlines() if "REG:" in line]
+    return " ".join(f for f in (usage[0] if usage else ["(no cuobjdump report)"]) if f.startswith(("REG", "STACK")))
 
 
 def cases():
@@ -83,11 +101,12 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the interpreter does not compile")
     warnings.filterwarnings("ignore")
+    show = "--resources" in sys.argv[1:]
     failed = []
     for label, kernel, constexprs, warps in cases():
         try:
-            compile_sm90(kernel, constexprs, warps)
-            print("ok    ", label)
+            compiled = compile_sm90(kernel, constexprs, warps)
+            print("ok    ", label, f"({resources(compiled)}, {warps} warps)" if show else "")
         except Exception as exc:  # report every kernel, then fail
             print("FAILED", label, f"{type(exc).__name__}: {str(exc)[-800:]}")
             failed.append(label)

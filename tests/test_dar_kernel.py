@@ -721,16 +721,19 @@ def test_the_reference_refuses_a_triton_weighted_sums_state():
 
 def test_every_kernel_compiles_for_the_h200():
     """The interpreter runs kernel bodies as Python; the GPU compiler is stricter (call 30 lost a GPU run to
-    a tuple holding a dtype). tests/sm90_compile.py compiles each kernel for sm_90, no GPU needed."""
+    a tuple holding a dtype). tests/sm90_compile.py compiles each kernel for sm_90, no GPU needed, and with
+    --resources reads each one's registers."""
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--resources"], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert done.stdout.count("ok ") == 16, done.stdout
+    assert done.stdout.count("REG:") in (0, 16), done.stdout  # registers read from each cubin, where cuobjdump is
 
 
 def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):
