@@ -357,7 +357,7 @@ def fastest(runs: list[dict]) -> str:
     return f"{fwd['fwd_warps']},{bwd['bwd_warps']},{fwd['fwd_split']},{bwd['bwd_split']}"
 
 
-def measure_routekit(chunks: int, k: int, rows: int, d: int, warps: list[int]) -> dict[str, object]:
+def measure_routekit(chunks: int, k: int, rows: int, d: int, launch: list[int]) -> dict[str, object]:
     """routekit's ``dar_wsum`` and its backward (dar_stream) over the chunks, ms summed."""
     from routekit.kernels import dar_stream
 
@@ -368,12 +368,12 @@ def measure_routekit(chunks: int, k: int, rows: int, d: int, warps: list[int]) -
     for c in range(chunks):
         sources = pool[:c + 1]
         logits = torch.randn(c + 1, 1, rows, k, generator=gen, device="cuda") * 2
-        lse = dar_stream.dar_wsum(sources, logits, warps)[1][..., 0].contiguous()  # the state's log-sum-exp
+        lse = dar_stream.dar_wsum(sources, logits, launch)[1][..., 0].contiguous()  # the state's log-sum-exp
         y = torch.randn(k, 1, rows, generator=gen, device="cuda")
-        fwd += time_ms(lambda sources=sources, logits=logits: dar_stream.dar_wsum(sources, logits, warps))
+        fwd += time_ms(lambda sources=sources, logits=logits: dar_stream.dar_wsum(sources, logits, launch))
         bwd += time_ms(lambda sources=sources, logits=logits, lse=lse, y=y:
-                       dar_stream.dar_wsum_backward(sources, logits, lse, dmixes, y, warps))
-    return {"fwd_warps": warps[0], "bwd_warps": warps[1], "fwd_split": warps[2], "bwd_split": warps[3],
+                       dar_stream.dar_wsum_backward(sources, logits, lse, dmixes, y, launch))
+    return {"fwd_warps": launch[0], "bwd_warps": launch[1], "fwd_split": launch[2], "bwd_split": launch[3],
             "fwd_ms": fwd, "bwd_ms": bwd}
 
 
@@ -399,20 +399,23 @@ def main() -> None:
             try:
                 runs.append(measure_routekit(14, 4, 256 * 256, 1152, list(w)))
             except Exception as exc:  # a launch this GPU's Triton rejects must not lose the others
-                print(f"ROUTEKIT_DAR_WSUM={','.join(map(str, w))}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        for row in runs:
-            print(row, flush=True)
+                runs.append({**dict(zip(("fwd_warps", "bwd_warps", "fwd_split", "bwd_split"), w)),
+                             "status": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            print(runs[-1], flush=True)
         lines = ["# routekit's weighted sums (dar_stream) at DiT-XL/2 b256, by launch", "", header(machine()),
                  "14 chunks of 4 queries over 1..14 shared sources, 65536 rows, D=1152, bf16; ms summed over the "
                  "chunks (do_bench medians). Split: programs per row, each a slice of its lanes.", "",
                  "| fwd warps | bwd warps | fwd split | bwd split | fwd ms | bwd ms |", "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['fwd_warps']} | {r['bwd_warps']} | {r['fwd_split']} | {r['bwd_split']} | {r['fwd_ms']:.2f} | "
-                  f"{r['bwd_ms']:.2f} |" for r in runs]
-        best = fastest(runs)
-        lines += ["", f"Fastest forward with fastest backward: `ROUTEKIT_DAR_WSUM={best}`."]
+        lines += [f"| {r['fwd_warps']} | {r['bwd_warps']} | {r['fwd_split']} | {r['bwd_split']} | "
+                  + (f"{r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} |" if "status" not in r else f"{r['status']} | |")
+                  for r in runs]
+        timed = [r for r in runs if "status" not in r]
+        best = fastest(timed) if timed else None
+        lines += ["", f"Fastest forward with fastest backward: `ROUTEKIT_DAR_WSUM={best}`." if best else
+                  "No launch ran."]
         write("dar_stream_routekit", {"machine": machine(), "runs": runs, "fastest": best}, "\n".join(lines) + "\n",
               args.out)
-        if args.best_file:
+        if args.best_file and best:
             args.best_file.write_text(best + "\n")
         return
     report = {"machine": machine(), "check": errors, "runs": []}

@@ -86,7 +86,7 @@ def cases():
                 "FUSED_REDUCE": bwd.fused_reduce, "PAIRED": paired}, bwd.warps)
         yield (f"merge forward, paired={paired}", dar_merge._merge_fwd_kernel,
                {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired}, fwd.warps)
-    fwd_warps, bwd_warps, fwd_split, bwd_split = dar_stream.launch_warps()
+    fwd_warps, bwd_warps, fwd_split, bwd_split = dar_stream.wsum_launch()
     for split in sorted({fwd_split, 2}):
         _, h, t = dar_stream._slices(D, split)
         yield (f"weighted sum forward, split {split}", dar_stream._wsum_fwd_kernel,

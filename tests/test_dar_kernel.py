@@ -533,14 +533,14 @@ def test_weighted_sum_launch_is_parsed_or_refused_with_the_expected_form(monkeyp
     from routekit.kernels import dar_stream
 
     monkeypatch.delenv("ROUTEKIT_DAR_WSUM", raising=False)
-    assert dar_stream.launch_warps() == [dar_stream.FWD_WARPS, dar_stream.BWD_WARPS, dar_stream.FWD_SPLIT,
+    assert dar_stream.wsum_launch() == [dar_stream.FWD_WARPS, dar_stream.BWD_WARPS, dar_stream.FWD_SPLIT,
                                          dar_stream.BWD_SPLIT]
     monkeypatch.setenv("ROUTEKIT_DAR_WSUM", "4,1,1,2")
-    assert dar_stream.launch_warps() == [4, 1, 1, 2]
+    assert dar_stream.wsum_launch() == [4, 1, 1, 2]
     for bad in ("4,1", "4,1,3,1", "0,1,1,1"):
         monkeypatch.setenv("ROUTEKIT_DAR_WSUM", bad)
         with pytest.raises(DarInputError, match="fwd_warps,bwd_warps,fwd_split,bwd_split"):
-            dar_stream.launch_warps()
+            dar_stream.wsum_launch()
 
 
 def test_source_logits_gradients_pass_gradcheck():

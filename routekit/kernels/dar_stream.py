@@ -9,8 +9,9 @@ registers as the fused prefix is (benchmarks/results/dar_stream_probe.md: 1.8-2.
 ~1.1 for the fused prefix backward). The logits' gradients go back to the sources and queries
 through that GEMM's backward, once per source.
 
-Rows are held as a power-of-two head and tail of lanes (1024 + 128 at D=1152, ``_head_tail``):
-the backward on one warp went from 22.0 to 15.9 ms over DiT-XL/2's 14 chunks at batch 256.
+A program holds a row, or a slice of one (``wsum_launch``), as a power-of-two head and tail of lanes
+(1024 + 128 for a row at D=1152, ``_head_tail``): the backward on one warp went from 22.0 to 15.9 ms over
+DiT-XL/2's 14 chunks at batch 256 that way.
 In backward the mixes need nothing written for them: a merge hands back its own gradient g as its
 mix's gradient and, through the state (K, B, N, 2) that stands in for the mixes' log-sum-exps, the
 row values g . o and L - l (its own log-sum-exp L less the mix's l; zero where no merge reads the
@@ -35,7 +36,7 @@ from routekit.kernels.dar_triton import _contiguous, _from_env, _lane_split, _po
 FWD_WARPS, BWD_WARPS, FWD_SPLIT, BWD_SPLIT = 1, 1, 4, 1
 
 
-def launch_warps() -> list[int]:
+def wsum_launch() -> list[int]:
     """[forward warps, backward warps, forward split, backward split]: a split of P gives each row P
     programs, each a 1/P slice of its lanes (the backward's K mixes' gradients are held in registers,
     all of a row's on one warp, which leaves a few warps per SM). ROUTEKIT_DAR_WSUM="fwd,bwd,fsplit,bsplit"
@@ -143,7 +144,7 @@ def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dm
 
 
 @torch.library.custom_op("routekit::dar_wsum", mutates_args=())
-def dar_wsum(sources: list[Tensor], logits: Tensor, warps: list[int]) -> tuple[list[Tensor], Tensor]:
+def dar_wsum(sources: list[Tensor], logits: Tensor, launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """K mixes (in the sources' dtype) and their states (K, B, N, 2) from fp32 logits (S, B, N, K): a
     state holds the mix's log-sum-exp and a zero whose gradient brings the merge's own back (see above)."""
     sources = _contiguous(sources)
@@ -153,18 +154,18 @@ def dar_wsum(sources: list[Tensor], logits: Tensor, warps: list[int]) -> tuple[l
     mixes = [torch.empty_like(like) for _ in range(k)]
     state = torch.zeros((k, b, n, 2), dtype=torch.float32, device=like.device)
     if b * n:
-        split = warps[2]
+        split = launch[2]
         width, head, tail = _slices(d, split)
         _wsum_fwd_kernel[(b * n * split,)](
             _pointer_table(sources)[0], like, logits.contiguous(), _pointer_table(mixes)[0], state, s, k, b * n, d,
             width, BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail,
-            SPLIT=split, num_warps=warps[0],
+            SPLIT=split, num_warps=launch[0],
         )  # fmt: skip
     return mixes, state
 
 
 @dar_wsum.register_fake
-def _(sources, logits, warps):
+def _(sources, logits, launch):
     like = sources[0]
     return [like.new_empty(like.shape) for _ in range(logits.shape[-1])], \
         like.new_empty((logits.shape[-1], *like.shape[:2], 2), dtype=torch.float32)
@@ -172,7 +173,7 @@ def _(sources, logits, warps):
 
 @torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=())
 def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_mixes: list[Tensor], y: Tensor,
-                      warps: list[int]) -> tuple[list[Tensor], Tensor]:
+                      launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """(gradient of each source along the weights, gradient of the logits (S, B, N, K)), for mixes'
     gradients g_k weighted by exp(logit - lse_k) and row factors y (both (K, B, N))."""
     sources = _contiguous(sources)
@@ -180,7 +181,7 @@ def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_m
     s, b, n, k = logits.shape
     d = like.shape[-1]
     grads = [torch.empty_like(t) for t in sources]
-    split = warps[3]
+    split = launch[3]
     dlogits = logits.new_empty((split, *logits.shape) if split > 1 else logits.shape)  # split: a share a slice
     grad_mixes = [g.to(like.dtype).contiguous() for g in grad_mixes]
     if b * n:
@@ -188,7 +189,7 @@ def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_m
         _wsum_bwd_kernel[(b * n * split,)](
             _pointer_table(sources)[0], _pointer_table(grads)[0], like, logits.contiguous(), lse.contiguous(),
             _pointer_table(grad_mixes)[0], y.contiguous(), dlogits, s, k, b * n, d, width,
-            BLOCK_K=triton.next_power_of_2(k), HEAD=head, TAIL=tail, SPLIT=split, num_warps=warps[1],
+            BLOCK_K=triton.next_power_of_2(k), HEAD=head, TAIL=tail, SPLIT=split, num_warps=launch[1],
         )  # fmt: skip
     else:
         dlogits.zero_()
@@ -196,14 +197,14 @@ def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_m
 
 
 @dar_wsum_backward.register_fake
-def _(sources, logits, lse, grad_mixes, y, warps):
+def _(sources, logits, lse, grad_mixes, y, launch):
     return [t.new_empty(t.shape) for t in sources], logits.new_empty(logits.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    sources, logits, warps = inputs
+    sources, logits, launch = inputs
     ctx.save_for_backward(logits, output[1], *sources)
-    ctx.warps = warps
+    ctx.launch = launch
 
 
 def _backward(ctx, grad_mixes, grad_state):
@@ -213,7 +214,7 @@ def _backward(ctx, grad_mixes, grad_state):
     if grad_state is None:
         grad_state = torch.zeros_like(state)
     lse = state[..., 0] + grad_state[..., 1]  # each merge's own log-sum-exp
-    grads, dlogits = dar_wsum_backward(sources, logits, lse, grad_mixes, -grad_state[..., 0], ctx.warps)
+    grads, dlogits = dar_wsum_backward(sources, logits, lse, grad_mixes, -grad_state[..., 0], ctx.launch)
     return grads, dlogits, None
 
 
@@ -226,4 +227,4 @@ def weighted_sum_triton(sources: list[Tensor], logits: Tensor) -> tuple[list[Ten
     check_logits(len(sources), *sources[0].shape[:2], logits)
     if logits.dtype != torch.float32:
         raise DarInputError(f"logits must be fp32 for the Triton kernel, got {logits.dtype}")
-    return dar_wsum(sources, logits, launch_warps())
+    return dar_wsum(sources, logits, wsum_launch())
