@@ -379,21 +379,17 @@ def markdown(report: dict) -> str:
             cells = [fmt(sp.get(f"{p}{phase}_vs_{other}")) for p in ("", "gpu_", "graph_") for phase in ("fwd", "bwd")]
             cells = [c if c == "—" else f"{c}×" for c in cells]
             lines.append(f"| {record['batch']} | vs {other} | " + " | ".join(cells) + " |")
-    gpu_rows = [(r["batch"], name, res) for r in report["batches"] for name, res in r["variants"].items()
-                if "gpu_fwd_ms" in res]
-    if gpu_rows:
-        lines += ["", "GPU kernel time per call (profiler, no host work), ms; the speed-ups' last two columns use it:", "",
-                  "| batch | variant | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]
-        lines += [f"| {b} | {name} | {res['gpu_fwd_ms']:.3f} | {res['gpu_bwd_ms']:.3f} | {res['gpu_fwd_bwd_ms']:.3f} |"
-                  for b, name, res in gpu_rows]
-    graph_rows = [(r["batch"], name, res) for r in report["batches"] for name, res in r["variants"].items()
-                  if "graph_fwd_ms" in res]
-    if graph_rows:
-        lines += ["", "Each variant's forward and forward+backward captured in a CUDA graph and timed as replays "
-                  "(medians, ms): the host's launch work gone for all three alike; the speed-ups' last two columns "
-                  "use it:", "", "| batch | variant | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]
-        lines += [f"| {b} | {name} | {res['graph_fwd_ms']:.3f} | {res['graph_bwd_ms']:.3f} | "
-                  f"{res['graph_fwd_bwd_ms']:.3f} |" for b, name, res in graph_rows]
+    timings = (("gpu_", "GPU kernel time per call (profiler, no host work), ms; the speed-ups' GPU-time columns use it:"),
+               ("graph_", "Each variant's forward and forward+backward captured in a CUDA graph and timed as replays "
+                          "(medians, ms): the host's launch work gone for all three alike; the speed-ups' CUDA-graph "
+                          "columns use it:"))
+    for prefix, title in timings:
+        rows = [(r["batch"], name, res) for r in report["batches"] for name, res in r["variants"].items()
+                if f"{prefix}fwd_ms" in res]
+        if rows:
+            lines += ["", title, "", "| batch | variant | fwd | bwd | fwd+bwd |", "|---|---|---|---|---|"]
+            lines += [f"| {b} | {name} | " + " | ".join(f"{res[f'{prefix}{k}_ms']:.3f}" for k in ("fwd", "bwd", "fwd_bwd"))
+                      + " |" for b, name, res in rows]
     lines += ["", "Fused kernel vs reference (max abs / max relative to the reference's largest value):", ""]
     for record in report["batches"]:
         corr = record["correctness"]
