@@ -712,6 +712,52 @@ def test_a_mix_no_merge_reads_gets_no_gradient_and_the_rest_stay_right():
         assert_close(g, w, 1e-5, f"gradient {i}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_merge_given_its_rows_g_dot_o_equals_one_that_reads_o(dtype, monkeypatch):
+    """Under torch.compile a merge after a weighted sum gets its rows' g . o from torch ops (for Inductor
+    to fuse into the norm backward that makes g) and its kernel skips o; the eager path reads o. Both
+    give the same gradients, and each takes the path it should; a g . o handed to a merge whose kernel
+    cannot take it is refused. ROUTEKIT_DAR_MERGE_DOT=kernel turns the graph's dot off."""
+    from routekit.kernels import dar_merge
+
+    gen = torch.Generator().manual_seed(13)
+    sources = [torch.randn(2, 5, 24, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(3)]
+    own = [torch.randn(2, 5, 24, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(2)]
+    logits = torch.randn(3, 2, 5, 2, generator=gen).to(DEVICE).requires_grad_()
+    query = torch.randn(2, 1, 24, generator=gen).to(DEVICE).requires_grad_()
+    grad = torch.randn(2, 5, 24, generator=gen).to(DEVICE, dtype)
+    launch = dar_triton.launch_config(24, 10).as_list()
+    given = []
+    real = dar_merge.merge_backward
+    monkeypatch.setattr(dar_merge, "merge_backward", lambda *a: given.append(a[-1] is not None) or real(*a))
+
+    def gradients(path):
+        mixes, state = dar_weighted_sum(sources, logits, "triton")
+        args = (query, 1e-6, dtype, False, launch, mixes[1], state[1])
+        if path == "op":  # the custom op and its registered autograd: what torch.compile runs
+            out = dar_triton.dar_fused(list(own), *args[:5], *args[5:])[0]
+        else:
+            out = dar_triton._EagerMix.apply(*args, *own)
+        return torch.autograd.grad((out.float() * grad.float()).sum(), [*sources, *own, logits, query])
+
+    want = gradients("eager")
+    assert given == [False]
+    for setting, dot in (("graph", True), ("kernel", False)):
+        monkeypatch.setenv("ROUTEKIT_DAR_MERGE_DOT", setting)
+        given.clear()
+        got = gradients("op")
+        assert given == [dot], setting
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_close(g, w, CHUNK_TOLERANCE[dtype], f"gradient {i} ({setting}, {dtype})")
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_DOT", "inductor")
+    with pytest.raises(DarInputError, match="expected one of graph, kernel"):
+        dar_merge.row_dot_in_graph()
+    x = torch.randn(2, 5, 24, device=DEVICE)
+    with pytest.raises(DarInputError, match="g . o is taken only by a merge after a weighted sum"):
+        dar_triton._mix_backward([x], query.detach(), x, x, torch.zeros(2, 5, device=DEVICE), 1e-6, launch, None,
+                                 torch.zeros(2, 5, device=DEVICE))
+
+
 def test_the_reference_refuses_a_triton_weighted_sums_state():
     mix = torch.randn(2, 3, 8, device=DEVICE)
     with pytest.raises(DarInputError, match=r"must be \(B, N\) = \(2, 3\).*kernel='triton'"):
@@ -732,8 +778,8 @@ def test_every_kernel_compiles_for_the_h200():
     done = subprocess.run([sys.executable, str(script), "--resources"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok ") == 16, done.stdout
-    assert done.stdout.count("REG:") in (0, 16), done.stdout  # registers read from each cubin, where cuobjdump is
+    assert done.stdout.count("ok ") == 17, done.stdout
+    assert done.stdout.count("REG:") in (0, 17), done.stdout  # registers read from each cubin, where cuobjdump is
 
 
 def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):
@@ -762,6 +808,9 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
     torch.manual_seed(0)
     model = dit.DiT(depth=5 if route else 3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,
                     class_dropout=0.0).to(DEVICE)
+    with torch.no_grad():  # off adaLN-Zero's start, where every sublayer's output and gradient is zero
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(DEVICE) * 0.1)
     x, t, y = torch.randn(2, 2, 4, 4, device=DEVICE), torch.rand(2, device=DEVICE), torch.tensor([1, 3], device=DEVICE)
 
     def routed(kernel):
@@ -785,8 +834,9 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
     torch._dynamo.reset()
     compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
     for name, got in (("eager", outputs(fused)), ("compiled", outputs(compiled))):
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_close(g, w, 1e-4, f"{name} output/gradient {i}")
+        for i, (g, w) in enumerate(zip(got, want)):  # relative to each gradient's size (most are ~1e-2)
+            size = w.abs().max().clamp_min(1e-30)
+            assert_close(g / size, w / size, 1e-5, f"{name} output/gradient {i}")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")

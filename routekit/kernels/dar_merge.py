@@ -76,6 +76,21 @@ def merge_launch(direction: str = "BWD") -> MergeLaunch | None:
                             ) from None
 
 
+ROW_DOT = ("graph", "kernel")
+
+
+def row_dot_in_graph() -> bool:
+    """Where a merge's backward (after a weighted sum, under torch.compile) gets its rows' g . o:
+    "graph" (default: torch ops that Inductor fuses into the norm backward that makes g and reads o
+    anyway, so the merge kernel does not read o) or "kernel" (the merge kernel reads o);
+    ROUTEKIT_DAR_MERGE_DOT chooses, for A/B. Eager runs always take "kernel": there the torch ops
+    would be a pass of their own."""
+    value = os.environ.get("ROUTEKIT_DAR_MERGE_DOT") or "graph"
+    if value not in ROW_DOT:
+        raise DarInputError(f"ROUTEKIT_DAR_MERGE_DOT={value!r}: expected one of {', '.join(ROW_DOT)}")
+    return value == "graph"
+
+
 @triton.jit
 def _query_row(q_ptr, b, stride_qb, stride_qd, D, lanes):
     """Sample b's query at ``lanes``, fp32 (one query per sample: the rows of a sample share it)."""
@@ -92,13 +107,17 @@ def _tile(table_ptr, s0, S, like_ptr, row, D, ok, lanes, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n, live, N, D, stride_gb, stride_gn,
-               stride_gd, lanes, BLOCK_S: tl.constexpr):
-    """What row n of sample b needs first at ``lanes``, all in flight at once: g, o, the first source tile."""
+               stride_gd, lanes, BLOCK_S: tl.constexpr, LOAD_O: tl.constexpr):
+    """What row n of sample b needs first at ``lanes``, all in flight at once: g, o (g again, unused,
+    without LOAD_O), the first source tile."""
     ok = lanes < tl.where(live, D, 0)
     row = b.to(tl.int64) * N + n
     g = tl.load(g_ptr + b.to(tl.int64) * stride_gb + n.to(tl.int64) * stride_gn + lanes * stride_gd, mask=ok,
                 other=0.0)
-    o = tl.load(o_ptr + row * D + lanes, mask=ok, other=0.0)
+    if LOAD_O:
+        o = tl.load(o_ptr + row * D + lanes, mask=ok, other=0.0)
+    else:
+        o = g
     return g, o, _tile(table_ptr, 0, S, like_ptr, row, D, ok, lanes, BLOCK_S)
 
 
@@ -118,13 +137,14 @@ def _source_sums(q, g, v, FUSED_REDUCE: tl.constexpr):
 
 @triton.jit
 def _merge_bwd_kernel(
-    table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, plse_ptr, dprefix_ptr, y_ptr, dq_ptr,
+    table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, gdo_ptr, lse_ptr, plse_ptr, dprefix_ptr, y_ptr, dq_ptr,
     S, N, D, stride_qb, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, SPLITS, ITERS,
     BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, PREFETCH: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, PAIRED: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, PAIRED: tl.constexpr, GIVEN_DOT: tl.constexpr,
 ):  # fmt: skip
     """ITERS rows of sample b per program, each row as HEAD + TAIL lanes (TAIL lanes past D masked),
-    its sources BLOCK_S at a time, the next tile in flight while one is computed."""
+    its sources BLOCK_S at a time, the next tile in flight while one is computed. With GIVEN_DOT the
+    rows' g . o come from ``gdo_ptr`` and o is not read."""
     pid = tl.program_id(0)
     b, split = pid // SPLITS, pid % SPLITS
     ety = like_ptr.dtype.element_ty
@@ -136,24 +156,27 @@ def _merge_bwd_kernel(
     n0 = split * ITERS
     end = tl.minimum(N, n0 + ITERS)
     g_h, o_h, v_h = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n0, n0 < end, N, D, stride_gb, stride_gn,
-                               stride_gd, head, BLOCK_S)
+                               stride_gd, head, BLOCK_S, not GIVEN_DOT)
     g_t, o_t, v_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n0, n0 < end, N, D, stride_gb, stride_gn,
-                               stride_gd, tail, BLOCK_S)
+                               stride_gd, tail, BLOCK_S, not GIVEN_DOT)
     lse, plse = _row_lse(lse_ptr, plse_ptr, b, n0, n0 < end, N, PAIRED)
     for it in range(ITERS):
         n = n0 + it
         live = n < end
         if PREFETCH:  # the next row's first loads fly while this row is computed
             ng_h, no_h, nv_h = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D,
-                                          stride_gb, stride_gn, stride_gd, head, BLOCK_S)
+                                          stride_gb, stride_gn, stride_gd, head, BLOCK_S, not GIVEN_DOT)
             ng_t, no_t, nv_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D,
-                                          stride_gb, stride_gn, stride_gd, tail, BLOCK_S)
+                                          stride_gb, stride_gn, stride_gd, tail, BLOCK_S, not GIVEN_DOT)
             nlse, nplse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N, PAIRED)
         ok_h = head < tl.where(live, D, 0)
         ok_t = tail < tl.where(live, D, 0)
         row = b.to(tl.int64) * N + n
         gh, gt = g_h.to(tl.float32), g_t.to(tl.float32)
-        g_dot_o = tl.sum(gh * o_h.to(tl.float32), 0) + tl.sum(gt * o_t.to(tl.float32), 0)
+        if GIVEN_DOT:
+            g_dot_o = tl.load(gdo_ptr + row, mask=live, other=0.0)
+        else:
+            g_dot_o = tl.sum(gh * o_h.to(tl.float32), 0) + tl.sum(gt * o_t.to(tl.float32), 0)
         if PAIRED:  # a weighted sum's state: g . o and this merge's lse less the mix's (dar_stream's docstring)
             tl.store(y_ptr + row * 2, g_dot_o, mask=live)
             tl.store(y_ptr + row * 2 + 1, lse - plse, mask=live)
@@ -188,9 +211,9 @@ def _merge_bwd_kernel(
             g_h, o_h, v_h, lse, plse, g_t, o_t, v_t = ng_h, no_h, nv_h, nlse, nplse, ng_t, no_t, nv_t
         else:
             g_h, o_h, v_h = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D, stride_gb,
-                                       stride_gn, stride_gd, head, BLOCK_S)
+                                       stride_gn, stride_gd, head, BLOCK_S, not GIVEN_DOT)
             g_t, o_t, v_t = _row_loads(table_ptr, S, like_ptr, g_ptr, o_ptr, b, n + 1, n + 1 < end, N, D, stride_gb,
-                                       stride_gn, stride_gd, tail, BLOCK_S)
+                                       stride_gn, stride_gd, tail, BLOCK_S, not GIVEN_DOT)
             lse, plse = _row_lse(lse_ptr, plse_ptr, b, n + 1, n + 1 < end, N, PAIRED)
     tl.store(dq_ptr + pid.to(tl.int64) * D + head, dq_h, mask=head < D)
     tl.store(dq_ptr + pid.to(tl.int64) * D + tail, dq_t, mask=tail < D)
@@ -299,16 +322,19 @@ def fits(sources: int) -> bool:
 
 def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, grad_out: Tensor, out: Tensor,
                    lse: Tensor, prefix_lse: Tensor, dprefix: Tensor, y: Tensor, dq: Tensor, sources: int,
-                   splits: int, iters: int, eps: float, launch: MergeLaunch, paired: bool) -> None:
+                   splits: int, iters: int, eps: float, launch: MergeLaunch, paired: bool,
+                   g_dot_o: Tensor | None = None) -> None:
     """Launch the kernel for (B, N, D) rows: ``q`` broadcast to (B, N, D) with one query per sample,
     ``dq`` (B * splits, D) fp32 per-program query gradients, ``paired``: the prefix lse is a weighted
-    sum's (B, N, 2) state (``dar_triton._paired``)."""
+    sum's (B, N, 2) state (``dar_triton._paired``), ``g_dot_o``: the rows' g . o (B, N) fp32, when
+    given ``out`` is not read."""
     b, n, d = out.shape
     head, tail = _row_lanes(d, launch)
     _merge_bwd_kernel[(b * splits,)](
-        table, grad_table, like, q, grad_out, out, lse, prefix_lse, dprefix, y, dq,
+        table, grad_table, like, q, grad_out, out, lse if g_dot_o is None else g_dot_o, lse, prefix_lse, dprefix, y,
+        dq,
         sources, n, d, q.stride(0), q.stride(2), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
         BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=tail,
         PREFETCH=launch.prefetch, FUSED_REDUCE=launch.fused_reduce and FUSED_REDUCE, PAIRED=paired,
-        num_warps=launch.warps,
+        GIVEN_DOT=g_dot_o is not None, num_warps=launch.warps,
     )  # fmt: skip
