@@ -79,13 +79,12 @@ def cases():
     yield ("fused prefix backward", dar_triton._dar_prefix_bwd_kernel,
            {**common, "BLOCK_K": 4, "DQ_PER_ROW": False, "FUSED_REDUCE": prefix.fused_reduce,
             "RELOAD_Q": prefix.reload_query}, prefix.bwd_warps)
-    for paired, in_graph in ((False, "kernel"), (True, "kernel"), (True, "dot"), (True, "factors")):
+    for paired, given_dot in ((False, False), (True, False), (True, True)):
         bwd, fwd = dar_merge.merge_launch("BWD"), dar_merge.merge_launch("FWD")
-        yield (f"merge backward, paired={paired}, in graph: {in_graph}", dar_merge._merge_bwd_kernel,
+        yield (f"merge backward, paired={paired}, g.o given={given_dot}", dar_merge._merge_bwd_kernel,
                {"BLOCK_S": bwd.tile, "HEAD": head, "TAIL": tail, "PREFETCH": bwd.prefetch,
-                "FUSED_REDUCE": bwd.fused_reduce, "PAIRED": paired, "GIVEN_DOT": in_graph != "kernel",
-                "FACTORS": in_graph == "factors"}, bwd.warps)
-        if in_graph != "kernel":
+                "FUSED_REDUCE": bwd.fused_reduce, "PAIRED": paired, "GIVEN_DOT": given_dot}, bwd.warps)
+        if given_dot:
             continue
         yield (f"merge forward, paired={paired}", dar_merge._merge_fwd_kernel,
                {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired}, fwd.warps)

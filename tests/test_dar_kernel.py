@@ -713,11 +713,11 @@ def test_a_mix_no_merge_reads_gets_no_gradient_and_the_rest_stay_right():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_merge_that_leaves_part_of_its_backward_to_the_graph_equals_one_that_does_not(dtype, monkeypatch):
-    """Under torch.compile a merge after a weighted sum leaves its rows' g . o ("dot": its kernel skips
-    o), and its sources' gradients from row factors ("factors"), to torch ops for Inductor to fuse; the
-    eager path does all in the kernel. Every setting gives the same gradients and takes the path it
-    names; a g . o or row factors asked of a merge whose kernel cannot take them is refused."""
+def test_a_merge_given_its_rows_g_dot_o_equals_one_that_reads_o(dtype, monkeypatch):
+    """Under torch.compile a merge after a weighted sum gets its rows' g . o from torch ops (for Inductor
+    to fuse into the norm backward that makes g) and its kernel skips o; the eager path reads o. Both
+    give the same gradients, and each takes the path it should; a g . o handed to a merge whose kernel
+    cannot take it is refused. ROUTEKIT_DAR_MERGE_DOT=kernel turns the graph's dot off."""
     from routekit.kernels import dar_merge
 
     gen = torch.Generator().manual_seed(13)
@@ -727,10 +727,9 @@ def test_a_merge_that_leaves_part_of_its_backward_to_the_graph_equals_one_that_d
     query = torch.randn(2, 1, 24, generator=gen).to(DEVICE).requires_grad_()
     grad = torch.randn(2, 5, 24, generator=gen).to(DEVICE, dtype)
     launch = dar_triton.launch_config(24, 10).as_list()
-    taken = []
+    given = []
     real = dar_merge.merge_backward
-    monkeypatch.setattr(dar_merge, "merge_backward",
-                        lambda *a: taken.append((a[-2] is not None, a[-1])) or real(*a))
+    monkeypatch.setattr(dar_merge, "merge_backward", lambda *a: given.append(a[-1] is not None) or real(*a))
 
     def gradients(path):
         mixes, state = dar_weighted_sum(sources, logits, "triton")
@@ -742,22 +741,21 @@ def test_a_merge_that_leaves_part_of_its_backward_to_the_graph_equals_one_that_d
         return torch.autograd.grad((out.float() * grad.float()).sum(), [*sources, *own, logits, query])
 
     want = gradients("eager")
-    assert taken == [(False, False)]
-    for setting, path in (("kernel", (False, False)), ("dot", (True, False)), ("factors", (True, True))):
-        monkeypatch.setenv("ROUTEKIT_DAR_MERGE_GRAPH", setting)
-        taken.clear()
+    assert given == [False]
+    for setting, dot in (("graph", True), ("kernel", False)):
+        monkeypatch.setenv("ROUTEKIT_DAR_MERGE_DOT", setting)
+        given.clear()
         got = gradients("op")
-        assert taken == [path], setting
+        assert given == [dot], setting
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_close(g, w, CHUNK_TOLERANCE[dtype], f"gradient {i} ({setting}, {dtype})")
-    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_GRAPH", "inductor")
-    with pytest.raises(DarInputError, match="expected one of kernel, dot, factors"):
-        dar_merge.merge_in_graph()
+    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_DOT", "inductor")
+    with pytest.raises(DarInputError, match="expected one of graph, kernel"):
+        dar_merge.row_dot_in_graph()
     x = torch.randn(2, 5, 24, device=DEVICE)
-    for asked in ((torch.zeros(2, 5, device=DEVICE), False), (None, True)):
-        with pytest.raises(DarInputError, match="taken only by a merge after a weighted sum"):
-            dar_triton._mix_backward([x], query.detach(), x, x, torch.zeros(2, 5, device=DEVICE), 1e-6, launch, None,
-                                     *asked)
+    with pytest.raises(DarInputError, match="g . o is taken only by a merge after a weighted sum"):
+        dar_triton._mix_backward([x], query.detach(), x, x, torch.zeros(2, 5, device=DEVICE), 1e-6, launch, None,
+                                 torch.zeros(2, 5, device=DEVICE))
 
 
 def test_the_reference_refuses_a_triton_weighted_sums_state():
@@ -780,8 +778,8 @@ def test_every_kernel_compiles_for_the_h200():
     done = subprocess.run([sys.executable, str(script), "--resources"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok ") == 18, done.stdout
-    assert done.stdout.count("REG:") in (0, 18), done.stdout  # registers read from each cubin, where cuobjdump is
+    assert done.stdout.count("ok ") == 17, done.stdout
+    assert done.stdout.count("REG:") in (0, 17), done.stdout  # registers read from each cubin, where cuobjdump is
 
 
 def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):
@@ -799,18 +797,13 @@ def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monk
             dar_merge.merge_launch()
 
 
-@pytest.mark.parametrize(("query", "route", "in_graph"), [("static", False, "dot"), ("static", False, "factors"),
-                                                          ("static_t", False, "dot"), ("static", True, "factors")])
-def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_reference(query, route, in_graph,
-                                                                                       monkeypatch):
+@pytest.mark.parametrize(("query", "route"), [("static", False), ("static_t", False), ("static", True)])
+def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_reference(query, route):
     """DAR c2 on a small DiT, train mode: the Triton path (source logits, weighted sums, merges)
-    gives the reference path's output and gradients, eager and under torch.compile (fullgraph, the
-    merges leaving ``in_graph`` of their backward to the graph); with a route over blocks 2..3 too,
-    whose chunks read gathered shared sources with their own logits."""
+    gives the reference path's output and gradients, eager and under torch.compile (fullgraph); with a
+    route over blocks 2..3 too, whose chunks read gathered shared sources with their own logits."""
     import routekit as rk
     from backbones import dit
-
-    monkeypatch.setenv("ROUTEKIT_DAR_MERGE_GRAPH", in_graph)
 
     torch.manual_seed(0)
     model = dit.DiT(depth=5 if route else 3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,

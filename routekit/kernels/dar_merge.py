@@ -76,21 +76,19 @@ def merge_launch(direction: str = "BWD") -> MergeLaunch | None:
                             ) from None
 
 
-IN_GRAPH = ("kernel", "dot", "factors")
+ROW_DOT = ("graph", "kernel")
 
 
-def merge_in_graph() -> str:
-    """What of a merge's backward (after a weighted sum, under torch.compile) is left to torch ops, for
-    Inductor to fuse into kernels that read the same rows anyway:
-    "kernel": nothing; "dot" (default): the rows' g . o (fused into the norm backward that makes g and
-    reads o), so the merge kernel does not read o; "factors": that, and each source's gradient
-    w g + c q - c k v too, from row factors (w, c, -c k) the kernel writes instead of the (B, N, D)
-    gradient (fused where the source's gradients are summed). ROUTEKIT_DAR_MERGE_GRAPH chooses, for
-    A/B. Eager runs always take "kernel": there the torch ops would be passes of their own."""
-    value = os.environ.get("ROUTEKIT_DAR_MERGE_GRAPH") or "dot"
-    if value not in IN_GRAPH:
-        raise DarInputError(f"ROUTEKIT_DAR_MERGE_GRAPH={value!r}: expected one of {', '.join(IN_GRAPH)}")
-    return value
+def row_dot_in_graph() -> bool:
+    """Where a merge's backward (after a weighted sum, under torch.compile) gets its rows' g . o:
+    "graph" (default: torch ops that Inductor fuses into the norm backward that makes g and reads o
+    anyway, so the merge kernel does not read o) or "kernel" (the merge kernel reads o);
+    ROUTEKIT_DAR_MERGE_DOT chooses, for A/B. Eager runs always take "kernel": there the torch ops
+    would be a pass of their own."""
+    value = os.environ.get("ROUTEKIT_DAR_MERGE_DOT") or "graph"
+    if value not in ROW_DOT:
+        raise DarInputError(f"ROUTEKIT_DAR_MERGE_DOT={value!r}: expected one of {', '.join(ROW_DOT)}")
+    return value == "graph"
 
 
 @triton.jit
@@ -142,12 +140,11 @@ def _merge_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, gdo_ptr, lse_ptr, plse_ptr, dprefix_ptr, y_ptr, dq_ptr,
     S, N, D, stride_qb, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, SPLITS, ITERS,
     BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, PREFETCH: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, PAIRED: tl.constexpr, GIVEN_DOT: tl.constexpr, FACTORS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, PAIRED: tl.constexpr, GIVEN_DOT: tl.constexpr,
 ):  # fmt: skip
     """ITERS rows of sample b per program, each row as HEAD + TAIL lanes (TAIL lanes past D masked),
     its sources BLOCK_S at a time, the next tile in flight while one is computed. With GIVEN_DOT the
-    rows' g . o come from ``gdo_ptr`` and o is not read; with FACTORS each source's row gets its
-    factors (w, c, -c k) at ``grad_table_ptr`` (an (S, B * N, 3) fp32 tensor) instead of its gradient."""
+    rows' g . o come from ``gdo_ptr`` and o is not read."""
     pid = tl.program_id(0)
     b, split = pid // SPLITS, pid % SPLITS
     ety = like_ptr.dtype.element_ty
@@ -203,17 +200,11 @@ def _merge_bwd_kernel(
             w = tl.where(s_ok, tl.exp(qv * r * scale - lse), 0.0)
             c = tl.where(s_ok, w * (gv_h + gv_t - g_dot_o) * scale * r, 0.0)
             k = qv * r * r / D
-            if FACTORS:  # the gradient w g + c q - c k v, left to the graph
-                at = grad_table_ptr + (idx.to(tl.int64) * (N * (tl.num_programs(0) // SPLITS)) + row) * 3
-                tl.store(at, w, mask=s_ok)
-                tl.store(at + 1, c, mask=s_ok)
-                tl.store(at + 2, -c * k, mask=s_ok)
-            else:
-                dst = tl.load(grad_table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(ety))
-                dv_h = w[:, None] * gh[None, :] + c[:, None] * (q_h[None, :] - k[:, None] * vh)
-                dv_t = w[:, None] * gt[None, :] + c[:, None] * (q_t[None, :] - k[:, None] * vt)
-                tl.store(dst[:, None] + row * D + head[None, :], dv_h.to(ety), mask=s_ok[:, None] & ok_h[None, :])
-                tl.store(dst[:, None] + row * D + tail[None, :], dv_t.to(ety), mask=s_ok[:, None] & ok_t[None, :])
+            dst = tl.load(grad_table_ptr + tl.minimum(idx, S - 1)).to(tl.pointer_type(ety))
+            dv_h = w[:, None] * gh[None, :] + c[:, None] * (q_h[None, :] - k[:, None] * vh)
+            dv_t = w[:, None] * gt[None, :] + c[:, None] * (q_t[None, :] - k[:, None] * vt)
+            tl.store(dst[:, None] + row * D + head[None, :], dv_h.to(ety), mask=s_ok[:, None] & ok_h[None, :])
+            tl.store(dst[:, None] + row * D + tail[None, :], dv_t.to(ety), mask=s_ok[:, None] & ok_t[None, :])
             dq_h += tl.sum(c[:, None] * vh, 0)
             dq_t += tl.sum(c[:, None] * vt, 0)
         if PREFETCH:
@@ -332,12 +323,11 @@ def fits(sources: int) -> bool:
 def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, grad_out: Tensor, out: Tensor,
                    lse: Tensor, prefix_lse: Tensor, dprefix: Tensor, y: Tensor, dq: Tensor, sources: int,
                    splits: int, iters: int, eps: float, launch: MergeLaunch, paired: bool,
-                   g_dot_o: Tensor | None = None, factors: bool = False) -> None:
+                   g_dot_o: Tensor | None = None) -> None:
     """Launch the kernel for (B, N, D) rows: ``q`` broadcast to (B, N, D) with one query per sample,
     ``dq`` (B * splits, D) fp32 per-program query gradients, ``paired``: the prefix lse is a weighted
     sum's (B, N, 2) state (``dar_triton._paired``), ``g_dot_o``: the rows' g . o (B, N) fp32, when
-    given ``out`` is not read; ``factors``: ``grad_table`` is an (S, B, N, 3) fp32 tensor for each
-    source's row factors (w, c, -c k), not a table of gradients."""
+    given ``out`` is not read."""
     b, n, d = out.shape
     head, tail = _row_lanes(d, launch)
     _merge_bwd_kernel[(b * splits,)](
@@ -346,5 +336,5 @@ def merge_backward(table: Tensor, grad_table: Tensor, like: Tensor, q: Tensor, g
         sources, n, d, q.stride(0), q.stride(2), *grad_out.stride(), eps, 1.0 / math.sqrt(d), splits, iters,
         BLOCK_S=min(launch.tile, triton.next_power_of_2(sources)), HEAD=head, TAIL=tail,
         PREFETCH=launch.prefetch, FUSED_REDUCE=launch.fused_reduce and FUSED_REDUCE, PAIRED=paired,
-        GIVEN_DOT=g_dot_o is not None, FACTORS=factors, num_warps=launch.warps,
+        GIVEN_DOT=g_dot_o is not None, num_warps=launch.warps,
     )  # fmt: skip

@@ -671,7 +671,7 @@ def _(sources, query, eps, out_dtype, keep_o32, launch, prefix=None, prefix_lse=
 
 def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor, eps: float,
                   launch: list[int], prefix_lse: Tensor | None, g_dot_o: Tensor | None = None,
-                  factors: bool = False) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+                  ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
     """The body of ``dar_fused_backward``, callable without the custom-op dispatch."""
     sources = _contiguous(sources)
     like = sources[0]
@@ -686,18 +686,13 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
     merge = _merge_launch("BWD", prefix_lse, q, len(sources))
     splits, iters = _sample_split(b, n, 1 if merge else cfg.block_rows, len(sources))  # (merge: one-row tiles)
     dq = torch.empty((b * n, d) if per_row else (b * splits, d), dtype=torch.float32, device=out.device)
-    if (g_dot_o is not None or factors) and (merge is None or not paired):
-        raise DarInputError("g . o and row factors are taken only by a merge after a weighted sum "
-                            "(dar_triton._graph_part)")
-    if factors:
-        grads = [torch.empty((len(sources), b, n, 3), dtype=torch.float32, device=out.device)]
-        grad_table = grads[0]
-    else:
-        grads, grad_table, grad_aligned = _grad_buffers(sources)
+    grads, grad_table, grad_aligned = _grad_buffers(sources)
+    if g_dot_o is not None and (merge is None or not paired):
+        raise DarInputError("g . o is taken only by a merge after a weighted sum (dar_triton._takes_row_dot)")
     if b * n and merge is not None:  # a two-phase chunk's merge: all its sources in one tile
         _dar_merge().merge_backward(_pointer_table(sources)[0], grad_table, like, q, grad_out, out.contiguous(), lse,
                                     prefix_lse.contiguous(), dprefix, y, dq, len(sources), splits, iters, eps, merge,
-                                    paired, None if g_dot_o is None else g_dot_o.contiguous(), factors)
+                                    paired, None if g_dot_o is None else g_dot_o.contiguous())
     elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_bwd_kernel[(b * splits,)](
@@ -716,31 +711,24 @@ def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: T
 @torch.library.custom_op("routekit::dar_fused_backward", mutates_args=())
 def dar_fused_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor,
                        eps: float, launch: list[int], prefix_lse: Tensor | None = None,
-                       g_dot_o: Tensor | None = None, factors: bool = False,
-                       ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
-    """(gradient of each source, contiguous, or all of them stacked in one tensor (``_shared_grads``),
-    or with ``factors`` one (S, B, N, 3) fp32 tensor of each source's row factors (w, c, -c k), its
-    gradient being w g + c q - c k v; gradient of the query, fp32, in the query's shape; with a fused
-    prefix's (B, N) lse: p_A g for the prefix mix and -p_A (g . o) for its log-sum-exp; with a weighted
-    sum's (B, N, 2) state: empty and (g . o, this merge's lse less the mix's) for the state; else both
-    empty). ``g_dot_o``: the rows' g . o (B, N) fp32 from the caller (``_graph_part``); ``out`` is then
-    not read."""
-    return _mix_backward(sources, query, grad_out, out, lse, eps, launch, prefix_lse, g_dot_o, factors)
+                       g_dot_o: Tensor | None = None) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """(gradient of each source, contiguous, or all of them stacked in one tensor (``_shared_grads``);
+    gradient of the query, fp32, in the query's shape; with a fused prefix's (B, N) lse: p_A g for the
+    prefix mix and -p_A (g . o) for its log-sum-exp; with a weighted sum's (B, N, 2) state: empty and
+    (g . o, this merge's lse less the mix's) for the state; else both empty). ``g_dot_o``: the rows'
+    g . o (B, N) fp32, computed by the caller (``_takes_row_dot``); ``out`` is then not read."""
+    return _mix_backward(sources, query, grad_out, out, lse, eps, launch, prefix_lse, g_dot_o)
 
 
 @dar_fused_backward.register_fake
-def _(sources, query, grad_out, out, lse, eps, launch, prefix_lse=None, g_dot_o=None, factors=False):
+def _(sources, query, grad_out, out, lse, eps, launch, prefix_lse=None, g_dot_o=None):
     # contiguous, like the real outputs: a fake that copied a source's strides would promise
     # torch.compile a layout the kernel does not write
     b, n, d = out.shape
     like = sources[0]
     has_prefix = prefix_lse is not None
-    if factors:
-        grads = [like.new_empty((len(sources), b, n, 3), dtype=torch.float32)]
-    elif _shared_grads(sources):
-        grads = [like.new_empty((len(sources), *like.shape))]
-    else:
-        grads = [t.new_empty(t.shape) for t in sources]
+    grads = [like.new_empty((len(sources), *like.shape))] if _shared_grads(sources) else \
+        [t.new_empty(t.shape) for t in sources]
     return (grads, query.new_empty(query.shape, dtype=torch.float32),
             like.new_empty((b, n, d) if has_prefix and not _paired(prefix_lse) else (0,)),
             like.new_empty(_y_shape(b, n, prefix_lse), dtype=torch.float32))
@@ -768,33 +756,26 @@ def _save(ctx, sources, query, eps, launch, out, o32, lse, prefix, prefix_lse) -
     ctx.eps, ctx.launch = eps, launch
 
 
-def _graph_part(query: Tensor, out: Tensor, prefix_lse: Tensor | None, sources: int) -> str:
-    """What of a merge's backward the graph takes (``dar_merge.merge_in_graph``): something only for a
-    merge after a weighted sum, in the merge kernel."""
-    if (prefix_lse is None or not _paired(prefix_lse)
-            or _merge_launch("BWD", prefix_lse, torch.broadcast_to(query, out.shape), sources) is None):
-        return "kernel"
-    return _dar_merge().merge_in_graph()
+def _takes_row_dot(query: Tensor, out: Tensor, prefix_lse: Tensor | None, sources: int) -> bool:
+    """Whether a merge's backward gets its rows' g . o from the graph (``dar_merge.row_dot_in_graph``):
+    a merge after a weighted sum, in the merge kernel."""
+    return (prefix_lse is not None and _paired(prefix_lse) and _dar_merge().row_dot_in_graph()
+            and _merge_launch("BWD", prefix_lse, torch.broadcast_to(query, out.shape), sources) is not None)
 
 
-def _gradients(ctx, grad_out: Tensor, backward, in_graph: bool = False,
+def _gradients(ctx, grad_out: Tensor, backward, row_dot: bool = False,
                ) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor | None]:
     """(source gradients, query gradient, prefix-mix and prefix-lse gradients or None) from ``backward``
-    (the op or its body) and what ``_save`` kept. ``in_graph``: leave to torch ops what
-    ``_graph_part`` says (a merge's rows' g . o, its sources' gradients from row factors), for Inductor
-    to fuse into kernels that read those rows anyway: the next sublayer's norm backward, which makes g
-    and reads o; the sums of each source's gradients."""
+    (the op or its body) and what ``_save`` kept. ``row_dot``: hand a merge after a weighted sum its
+    rows' g . o as torch ops, which Inductor fuses into the kernel that makes g (the next sublayer's
+    norm backward reads o there anyway), instead of the merge kernel reading o again."""
     query, out, lse, prefix_lse, *sources = ctx.saved_tensors
     prefix_lse = prefix_lse if ctx.has_prefix else None
-    part = _graph_part(query, out, prefix_lse, len(sources)) if in_graph else "kernel"
-    g_dot_o = None if part == "kernel" else (grad_out.float() * out.float()).sum(-1)
-    grads, dq, dprefix, y = backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch, prefix_lse, g_dot_o,
-                                     part == "factors")
-    if part == "factors":  # each source's gradient w g + c q - c k v from its row factors (w, c, -c k)
-        f, g, q = grads[0].unsqueeze(-1), grad_out.float(), query.float()
-        grads = [(f[s, :, :, 0] * g + f[s, :, :, 1] * q + f[s, :, :, 2] * v.float()).to(v.dtype)
-                 for s, v in enumerate(sources)]
-    elif _shared_grads(sources):
+    g_dot_o = None
+    if row_dot and _takes_row_dot(query, out, prefix_lse, len(sources)):
+        g_dot_o = (grad_out.float() * out.float()).sum(-1)
+    grads, dq, dprefix, y = backward(sources, query, grad_out, out, lse, ctx.eps, ctx.launch, prefix_lse, g_dot_o)
+    if _shared_grads(sources):
         grads = list(grads[0].unbind(0))
     if not ctx.has_prefix:
         return grads, dq.to(query.dtype), None, None
@@ -810,7 +791,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
-    grads, dq, dprefix, y = _gradients(ctx, grad_out, dar_fused_backward, in_graph=True)
+    grads, dq, dprefix, y = _gradients(ctx, grad_out, dar_fused_backward, row_dot=True)
     grad_query = dq if ctx.needs_input_grad[1] else None
     # as many gradients as arguments were passed (None prefix arguments do not count)
     return (grads, grad_query, None, None, None, None, dprefix, y)[:len(ctx.needs_input_grad)]
