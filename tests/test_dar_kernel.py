@@ -742,6 +742,12 @@ def test_a_merge_given_its_rows_g_dot_o_equals_one_that_reads_o(dtype, monkeypat
 
     want = gradients("eager")
     assert given == [False]
+    with torch.no_grad():  # the op's schema and fake agree with its kernel when it is handed g . o
+        mixes, state = dar_weighted_sum(sources, logits, "triton")
+        out, _, lse = dar_triton.dar_fused(own, query, 1e-6, dtype, False, launch, mixes[1], state[1])
+    g_dot_o = (grad.float() * out.float()).sum(-1)
+    torch.library.opcheck(dar_triton.dar_fused_backward, ([o.detach() for o in own], query.detach(), grad, out, lse,
+                                                          1e-6, launch, state[1], g_dot_o))
     for setting, dot in (("graph", True), ("kernel", False)):
         monkeypatch.setenv("ROUTEKIT_DAR_MERGE_DOT", setting)
         given.clear()
