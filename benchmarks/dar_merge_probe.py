@@ -12,6 +12,7 @@ each merge wrote p_A g).
     python benchmarks/dar_merge_probe.py                    # H200: results/dar_merge_probe.{json,md}
     python benchmarks/dar_merge_probe.py --quick            # tiny shapes, CPU (TRITON_INTERPRET=1): checks only
     python benchmarks/dar_merge_probe.py --best-file F      # also write the fastest correct setting to F
+    python benchmarks/dar_merge_probe.py --given-dot        # merges handed their rows' g . o, as compiled steps run
 """
 
 from __future__ import annotations
@@ -54,12 +55,17 @@ def inputs(b: int, n: int, d: int, sources: int, device: str, seed: int = 0) -> 
     prefix_lse = torch.stack([lse0, torch.zeros_like(lse0)], -1)  # the state: lse and the return slot
     cfg = dar_triton.launch_config(d, b * n)
     out, _, lse = dar_triton._mix(own, query, 1e-6, dtype, False, cfg.as_list(), prefix, prefix_lse)
-    return {"sources": own, "query": query, "grad_out": rand(b, n, d), "out": out, "lse": lse, "eps": 1e-6,
-            "launch": cfg.as_list(), "prefix_lse": prefix_lse}
+    grad_out = rand(b, n, d)
+    return {"sources": own, "query": query, "grad_out": grad_out, "out": out, "lse": lse, "eps": 1e-6,
+            "launch": cfg.as_list(), "prefix_lse": prefix_lse, "g_dot_o": (grad_out.float() * out.float()).sum(-1)}
 
 
-def backward(operands: dict, setting: str) -> list[torch.Tensor]:
+def backward(operands: dict, setting: str, given_dot: bool = False) -> list[torch.Tensor]:
+    """The merge's gradients with ``setting``; ``given_dot``: the rows' g . o handed in (not the
+    generic kernel's way), as a compiled step's merges get it (``dar_triton._takes_row_dot``)."""
     os.environ["ROUTEKIT_DAR_MERGE_BWD"] = setting
+    if not given_dot or setting == "generic":
+        operands = {k: v for k, v in operands.items() if k != "g_dot_o"}
     grads, dq, dprefix, y = dar_triton._mix_backward(**operands)
     if grads[0].dim() == 4:  # stacked (small sources)
         grads = list(grads[0].unbind(0))
@@ -77,6 +83,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--best-file", type=Path, default=None, help="write the fastest correct setting here")
     parser.add_argument("--settings", nargs="*", default=SETTINGS)
+    parser.add_argument("--given-dot", action="store_true", help="hand the merge kernels their rows' g . o (o not read)")
     args = parser.parse_args()
     device = device_or_exit(args.quick)
     b, n, d = (2, 5, 24) if args.quick else (256, 256, 1152)
@@ -86,12 +93,15 @@ def main() -> None:
         for setting in args.settings:
             row = {"setting": setting}
             try:
-                row["max_error"] = max(max_error(backward(ops, setting), want[s]) for s, ops in cases.items())
+                given = args.given_dot and setting != "generic"
+                row["max_error"] = max(max_error(backward(ops, setting, given), want[s]) for s, ops in cases.items())
                 if not args.quick:
-                    row["ms"] = {s: device_ms(lambda ops=ops, setting=setting: backward(ops, setting), iters=10)
+                    row["ms"] = {s: device_ms(lambda ops=ops, setting=setting, given=given: backward(ops, setting, given),
+                                              iters=10)
                                  for s, ops in cases.items()}
                     row["step_ms"] = CHUNKS * sum(row["ms"][s] for s in OWN)
-                    moved = CHUNKS * sum(2 + 2 * s for s in OWN) * b * n * d * 2  # g, o; sources read, grads written
+                    rows_read = 1 if given else 2  # g (and o); then sources read, grads written
+                    moved = CHUNKS * sum(rows_read + 2 * s for s in OWN) * b * n * d * 2
                     row["tb_per_s"] = moved / row["step_ms"] / 1e9
             except Exception as exc:  # a setting that fails to compile must not lose the others
                 row["status"] = f"{type(exc).__name__}: {str(exc)[:160]}"
@@ -104,7 +114,8 @@ def main() -> None:
     lines = ["# Merges' backward per kernel and launch (DiT-XL/2 b256: 65536 rows, D=1152, bf16)", "", header(info), "",
              "Settings: ROUTEKIT_DAR_MERGE_BWD (`generic` = `_dar_bwd_kernel`; else `dar_merge` warps, sources per "
              "tile, prefetch, split rows, fused reduce). Step share = 14 chunks x (t1 + t2 + t3 + t1); TB/s over "
-             "(2 + 2S) rows of bytes per merge.", "",
+             + ("(1 + 2S) rows of bytes per merge: `--given-dot`, each merge but the generic one handed its rows' "
+                "g . o, o not read." if args.given_dot else "(2 + 2S) rows of bytes per merge."), "",
              "| setting | S=1 ms | S=2 ms | S=3 ms | step share ms | TB/s | max rel. error vs generic |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -69,16 +69,17 @@ def test_stream_probe_kernels_match_torch_under_the_interpreter():
     assert set(errors) == {"mix", "lse", "dl", "dv"} and max(errors.values()) < 1e-5, errors
 
 
-def test_merge_probe_checks_every_setting_against_the_generic_kernel_on_cpu(tmp_path):
+@pytest.mark.parametrize("given_dot", [[], ["--given-dot"]])
+def test_merge_probe_checks_every_setting_against_the_generic_kernel_on_cpu(tmp_path, given_dot):
     """The merges' probe times a setting only if its gradients match the generic kernel's; --quick checks
-    them all under the interpreter (a mismatch makes it exit non-zero)."""
+    them all under the interpreter (a mismatch makes it exit non-zero), also handed their rows' g . o."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "dar_merge_probe.py"
-    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path), *given_dot],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     rows = json.loads((tmp_path / "dar_merge_probe_quick.json").read_text())["rows"]
     assert len(rows) > 1 and all(r["max_error"] < 1e-5 for r in rows), rows
