@@ -79,15 +79,16 @@ def cases():
     yield ("fused prefix backward", dar_triton._dar_prefix_bwd_kernel,
            {**common, "BLOCK_K": 4, "DQ_PER_ROW": False, "FUSED_REDUCE": prefix.fused_reduce,
             "RELOAD_Q": prefix.reload_query}, prefix.bwd_warps)
-    for paired, given_dot in ((False, False), (True, False), (True, True)):
-        bwd, fwd = dar_merge.merge_launch("BWD"), dar_merge.merge_launch("FWD")
-        yield (f"merge backward, paired={paired}, g.o given={given_dot}", dar_merge._merge_bwd_kernel,
-               {"BLOCK_S": bwd.tile, "HEAD": head, "TAIL": tail, "PREFETCH": bwd.prefetch,
-                "FUSED_REDUCE": bwd.fused_reduce, "PAIRED": paired, "GIVEN_DOT": given_dot}, bwd.warps)
-        if given_dot:
-            continue
+    bwd, fwd = dar_merge.merge_launch("BWD"), dar_merge.merge_launch("FWD")
+    merge_bwd = {"BLOCK_S": bwd.tile, "HEAD": head, "TAIL": tail, "PREFETCH": bwd.prefetch,
+                 "FUSED_REDUCE": bwd.fused_reduce}
+    for paired in (False, True):
+        yield (f"merge backward, paired={paired}", dar_merge._merge_bwd_kernel,
+               {**merge_bwd, "PAIRED": paired, "GIVEN_DOT": False}, bwd.warps)
         yield (f"merge forward, paired={paired}", dar_merge._merge_fwd_kernel,
                {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired}, fwd.warps)
+    yield ("merge backward, paired=True, handed g . o (compiled steps)", dar_merge._merge_bwd_kernel,
+           {**merge_bwd, "PAIRED": True, "GIVEN_DOT": True}, bwd.warps)
     fwd_warps, bwd_warps, fwd_split, bwd_split = dar_stream.wsum_launch()
     for split in sorted({fwd_split, 2}):
         _, h, t = dar_stream._slices(D, split)
