@@ -55,7 +55,7 @@ def backward_pieces(sources, query, grad) -> None:
         print("pieces: skipped (routekit without _table_of)")
         return
     launch = dt.launch_config(D, B * N).as_list()
-    out, o32, lse = dt._mix(sources, query, 1e-6, sources[0].dtype, False, launch, None, None)
+    out, o32, lse, _ = dt._mix(sources, query, 1e-6, sources[0].dtype, False, launch, None, None)
     stacked = torch.empty((S, B, N, D), dtype=sources[0].dtype, device="cuda")
     ready = list(stacked.unbind(0))
 

@@ -231,7 +231,7 @@ def sweep(sources, query, grad) -> list[dict[str, object]]:
 
     default = dt.launch_config(sources[0].shape[-1], sources[0].shape[0] * sources[0].shape[1])
     values, q = [s.detach() for s in sources], query.detach()
-    _, saved, lse = dt.dar_fused(values, q, 1e-6, values[0].dtype, True, default.as_list())
+    _, saved, lse, _ = dt.dar_fused(values, q, 1e-6, values[0].dtype, True, default.as_list())
 
     def forward(launch):
         return dt.dar_fused(values, q, 1e-6, values[0].dtype, True, launch.as_list())

@@ -54,7 +54,7 @@ def inputs(b: int, n: int, d: int, sources: int, device: str, seed: int = 0) -> 
     lse0 = torch.randn(b, n, generator=gen, device=device) + math.log(8)
     prefix_lse = torch.stack([lse0, torch.zeros_like(lse0)], -1)  # the state: lse and the return slot
     cfg = dar_triton.launch_config(d, b * n)
-    out, _, lse = dar_triton._mix(own, query, 1e-6, dtype, False, cfg.as_list(), prefix, prefix_lse)
+    out, _, lse, _ = dar_triton._mix(own, query, 1e-6, dtype, False, cfg.as_list(), prefix, prefix_lse)
     grad_out = rand(b, n, d)
     return {"sources": own, "query": query, "grad_out": grad_out, "out": out, "lse": lse, "eps": 1e-6,
             "launch": cfg.as_list(), "prefix_lse": prefix_lse, "g_dot_o": (grad_out.float() * out.float()).sum(-1)}

@@ -39,7 +39,7 @@ def compile_sm90(kernel, constexprs: dict, warps: int):
         elif name.endswith("_ptr"):
             signature[name] = "*i64" if "table" in name else "*bf16" if name in BF16_POINTERS else "*fp32"
         else:
-            signature[name] = "fp32" if name in ("eps", "scale") else "i32"
+            signature[name] = "fp32" if name in ("eps", "scale", "norm_eps") else "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
@@ -86,7 +86,9 @@ def cases():
         yield (f"merge backward, paired={paired}", dar_merge._merge_bwd_kernel,
                {**merge_bwd, "PAIRED": paired, "GIVEN_DOT": False}, bwd.warps)
         yield (f"merge forward, paired={paired}", dar_merge._merge_fwd_kernel,
-               {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired}, fwd.warps)
+               {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired, "STATS": False}, fwd.warps)
+    yield ("merge forward, paired=True, with its rows' norm statistics (compiled steps)", dar_merge._merge_fwd_kernel,
+           {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": True, "STATS": True}, fwd.warps)
     yield ("merge backward, paired=True, handed g . o (compiled steps)", dar_merge._merge_bwd_kernel,
            {**merge_bwd, "PAIRED": True, "GIVEN_DOT": True}, bwd.warps)
     fwd_warps, bwd_warps, fwd_split, bwd_split = dar_stream.wsum_launch()

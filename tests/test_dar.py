@@ -563,6 +563,32 @@ def test_every_aggregation_reads_contiguous_sources(monkeypatch):
     assert len(layouts) == 4 and all(all(found) for found in layouts), layouts
 
 
+@pytest.mark.parametrize("affine", [False, True])
+def test_a_parameter_free_norm_that_reads_a_merge_is_folded_into_it(monkeypatch, affine):
+    """DiT's LayerNorms (no weight or bias) that read a two-phase chunk's merges become one call with the
+    merge (``layer_norm_of_mix``: under torch.compile the merge kernel gives the norm its rows' statistics),
+    which on the reference path is exactly the module's LayerNorm of the merge; norms with parameters stay
+    modules (an FSDP unit around one must still run its forward)."""
+    import routekit.dar
+
+    model = tiny_dit(depth=3)
+    if affine:
+        for block in model.blocks:
+            block.norm1, block.norm2 = nn.LayerNorm(32, eps=1e-6), nn.LayerNorm(32, eps=1e-6)
+        model.final_layer.norm_final = nn.LayerNorm(32, eps=1e-6)
+    x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(4))
+    folded = dar(model, (x, t, y), query="static", chunk=2)
+    randomise_queries(folded, 1)
+    source = program_source(folded, True)
+    assert source.count("layer_norm_of_mix(") == (0 if affine else 6), source
+    assert source.count("norm2(") + source.count("norm_final(") == (4 if affine else 0)
+    monkeypatch.setattr(routekit.dar, "fold_norms", lambda graph, model: 0)
+    unfolded = dar(model, (x, t, y), query="static", chunk=2)
+    unfolded.load_state_dict(folded.state_dict())
+    for train in (True, False):
+        assert torch.equal(run(folded, (x, t, y), train), run(unfolded, (x, t, y), train))
+
+
 @pytest.mark.parametrize("chunk", [None, 2])  # one aggregation per sublayer; two-phase chunks
 def test_mixes_come_out_in_the_sublayers_dtype_under_autocast(monkeypatch, chunk):
     """Under bf16 autocast the sublayers give bf16 and so does every mix, though DiT's stream (patch

@@ -370,7 +370,7 @@ def test_custom_ops_pass_torch_library_opcheck(out_dtype, shared_grads, monkeypa
     launch = [1, 2, 1, 2, 1, 0]  # one row, two sources per tile: the last tile is half padding
     args = (sources, query, 1e-6, out_dtype, True, launch)
     torch.library.opcheck(dar_triton.dar_fused, args)
-    out, o32, lse = dar_triton.dar_fused(*args)
+    out, o32, lse, _ = dar_triton.dar_fused(*args)
     saved = o32 if o32.numel() else out
     backward_args = ([s.detach() for s in sources], query.detach(), grad.to(out_dtype), saved.detach(), lse.detach(),
                      1e-6, launch)
@@ -744,7 +744,7 @@ def test_a_merge_given_its_rows_g_dot_o_equals_one_that_reads_o(dtype, monkeypat
     assert given == [False]
     with torch.no_grad():  # the op's schema and fake agree with its kernel when it is handed g . o
         mixes, state = dar_weighted_sum(sources, logits, "triton")
-        out, _, lse = dar_triton.dar_fused(own, query, 1e-6, dtype, False, launch, mixes[1], state[1])
+        out, _, lse, _ = dar_triton.dar_fused(own, query, 1e-6, dtype, False, launch, mixes[1], state[1])
     g_dot_o = (grad.float() * out.float()).sum(-1)
     torch.library.opcheck(dar_triton.dar_fused_backward, ([o.detach() for o in own], query.detach(), grad, out, lse,
                                                           1e-6, launch, state[1], g_dot_o))
@@ -762,6 +762,58 @@ def test_a_merge_given_its_rows_g_dot_o_equals_one_that_reads_o(dtype, monkeypat
     with pytest.raises(DarInputError, match="g . o is taken only by a merge after a weighted sum"):
         dar_triton._mix_backward([x], query.detach(), x, x, torch.zeros(2, 5, device=DEVICE), 1e-6, launch, None,
                                  torch.zeros(2, 5, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_merge_gives_its_rows_layer_norm_statistics_and_their_gradients(dtype, monkeypatch):
+    """Under torch.compile the LayerNorm that reads a merge (``dar.layer_norm_of_mix``) takes each row's
+    mean and 1/std from the merge kernel and is pointwise: the statistics equal those of the stored rows,
+    and output and gradients equal a LayerNorm of the reference path's merge. ROUTEKIT_DAR_NORM_STATS=graph
+    turns it off (a LayerNorm of the merge's output), other values are refused."""
+    from routekit.dar import layer_norm_of_mix
+    from routekit.kernels import dar_merge
+
+    gen = torch.Generator().manual_seed(17)
+    sources = [torch.randn(2, 5, 24, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(3)]
+    own = [(torch.randn(2, 5, 24, generator=gen) * 3 + 1).to(DEVICE, dtype).requires_grad_() for _ in range(2)]
+    logits = torch.randn(3, 2, 5, 2, generator=gen).to(DEVICE).requires_grad_()
+    query = torch.randn(2, 1, 24, generator=gen).to(DEVICE).requires_grad_()
+    grad = torch.randn(2, 5, 24, generator=gen).to(DEVICE)
+    stats = []
+    real = dar_merge.merge_forward
+    monkeypatch.setattr(dar_merge, "merge_forward", lambda *a: stats.append(a[11]) or real(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as inside a trace: the custom ops
+
+    def normed(kernel):
+        mixes, state = dar_weighted_sum(sources, logits, kernel)
+        out = layer_norm_of_mix(own, query, mixes[1], state[1], 1e-5, 1e-6, kernel)
+        return [out, *torch.autograd.grad((out.float() * grad).sum(), [*sources, *own, logits, query])]
+
+    want = normed("torch")
+    got = normed("triton")
+    (kept,) = stats
+    mixes, state = dar_weighted_sum(sources, logits, "triton")
+    rows = dar_aggregate(own, query, kernel="triton", prefix=(mixes[1], state[1])).float()
+    var, mean = torch.var_mean(rows, -1, correction=0)
+    assert_close(kept[..., 0], mean, 1e-5, "row means")
+    assert_close(kept[..., 1], torch.rsqrt(var + 1e-5), 1e-5, "row 1/std")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype, i
+        assert_close(g.float(), w.float(), CHUNK_TOLERANCE[dtype], f"output/gradient {i} ({dtype})")
+    launch = dar_triton.launch_config(24, 10).as_list()
+    detached = ([o.detach() for o in own], query.detach(), 1e-6, dtype, False, launch, mixes[1].detach(),
+                state[1].detach(), 1e-5)
+    torch.library.opcheck(dar_triton.dar_fused, detached)
+    with pytest.raises(DarInputError, match="row statistics come only from a merge's kernel"):
+        dar_triton._mix(*detached[:6], None, None, 1e-5)
+    monkeypatch.setenv("ROUTEKIT_DAR_NORM_STATS", "graph")
+    stats.clear()
+    for i, (g, w) in enumerate(zip(normed("triton"), want, strict=True)):
+        assert_close(g.float(), w.float(), CHUNK_TOLERANCE[dtype], f"output/gradient {i} (graph, {dtype})")
+    assert stats == [None]
+    monkeypatch.setenv("ROUTEKIT_DAR_NORM_STATS", "kernel")
+    with pytest.raises(DarInputError, match="expected one of merge, graph"):
+        dar_merge.norm_stats_in_merge()
 
 
 def test_the_reference_refuses_a_triton_weighted_sums_state():
@@ -784,8 +836,8 @@ def test_every_kernel_compiles_for_the_h200():
     done = subprocess.run([sys.executable, str(script), "--resources"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok ") == 17, done.stdout
-    assert done.stdout.count("REG:") in (0, 17), done.stdout  # registers read from each cubin, where cuobjdump is
+    assert done.stdout.count("ok ") == 18, done.stdout
+    assert done.stdout.count("REG:") in (0, 18), done.stdout  # registers read from each cubin, where cuobjdump is
 
 
 def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):

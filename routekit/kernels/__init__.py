@@ -22,8 +22,9 @@ from routekit.kernels.dar_reference import (
     weighted_sum_reference,
 )
 
-__all__ = ["DarInputError", "UnknownKernelError", "dar_aggregate", "dar_aggregate_reference", "dar_prefix",
-           "dar_prefix_reference", "dar_weighted_sum", "source_logits", "weighted_sum_reference", "KERNELS"]
+__all__ = ["DarInputError", "UnknownKernelError", "dar_aggregate", "dar_aggregate_reference", "dar_merge_stats",
+           "dar_prefix", "dar_prefix_reference", "dar_weighted_sum", "source_logits", "weighted_sum_reference",
+           "KERNELS"]
 
 KERNELS = ("auto", "triton", "torch")
 """Valid ``kernel`` names for ``dar_aggregate``."""
@@ -74,6 +75,17 @@ def dar_aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, kernel: st
     if _use_triton(sources, query, d, kernel):
         return _triton().dar_aggregate_triton(sources, query, eps, out_dtype=out_dtype, prefix=prefix)
     return dar_aggregate_reference(sources, query, eps, out_dtype=out_dtype, prefix=prefix)
+
+
+def dar_merge_stats(sources: Sources, query: Tensor, eps: float, kernel: str, *, prefix: tuple[Tensor, Tensor],
+                    norm_eps: float) -> tuple[Tensor, Tensor] | None:
+    """``dar_aggregate(sources, query, eps, kernel, prefix=prefix)`` and its rows' LayerNorm statistics
+    (mean, 1/sqrt(var + norm_eps)) as (B, N, 2) fp32, where the merge kernel computes them from the rows
+    it holds (Triton, under torch.compile); None elsewhere, where a LayerNorm of the result costs the same."""
+    d = check_dar_inputs(sources, query)[3]
+    if not _use_triton(sources, query, d, kernel):
+        return None
+    return _triton().merge_with_stats(sources, query, eps, prefix, norm_eps)
 
 
 def dar_prefix(sources: Sources, queries: Tensor, eps: float = 1e-6, kernel: str = "auto",

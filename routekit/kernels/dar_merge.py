@@ -91,6 +91,20 @@ def row_dot_in_graph() -> bool:
     return value == "graph"
 
 
+NORM_STATS = ("merge", "graph")
+
+
+def norm_stats_in_merge() -> bool:
+    """Where a LayerNorm that reads a merge (``dar.layer_norm_of_mix``, under torch.compile) gets its rows'
+    mean and 1/std: "merge" (default: the merge kernel computes them from the row it holds, and the norm
+    is pointwise) or "graph" (a LayerNorm of the stored output, a reduction pass of Inductor's);
+    ROUTEKIT_DAR_NORM_STATS chooses, for A/B. Read when the graph is traced."""
+    value = os.environ.get("ROUTEKIT_DAR_NORM_STATS") or "merge"
+    if value not in NORM_STATS:
+        raise DarInputError(f"ROUTEKIT_DAR_NORM_STATS={value!r}: expected one of {', '.join(NORM_STATS)}")
+    return value == "merge"
+
+
 @triton.jit
 def _query_row(q_ptr, b, stride_qb, stride_qd, D, lanes):
     """Sample b's query at ``lanes``, fp32 (one query per sample: the rows of a sample share it)."""
@@ -221,13 +235,14 @@ def _merge_bwd_kernel(
 
 @triton.jit
 def _merge_fwd_kernel(
-    table_ptr, like_ptr, q_ptr, mix_ptr, plse_ptr, out_ptr, lse_ptr,
-    S, N, D, stride_qb, stride_qd, eps, scale, SPLITS, ITERS,
-    HEAD: tl.constexpr, TAIL: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
+    table_ptr, like_ptr, q_ptr, mix_ptr, plse_ptr, out_ptr, lse_ptr, stats_ptr,
+    S, N, D, stride_qb, stride_qd, eps, scale, norm_eps, SPLITS, ITERS,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr, STATS: tl.constexpr,
 ):  # fmt: skip
     """A merge's forward, ITERS rows of sample b per program as the backward walks them: the online
     softmax starts from the shared part (its mix, weight 1 at its lse) and takes the own sources one at
-    a time, the next source in flight (and the next row's mix and first source, with PREFETCH)."""
+    a time, the next source in flight (and the next row's mix and first source, with PREFETCH). With
+    STATS, also each stored row's mean and 1/sqrt(var + norm_eps) (its LayerNorm's, ``stats_ptr`` (B, N, 2))."""
     pid = tl.program_id(0)
     b, split = pid // SPLITS, pid % SPLITS
     head = tl.arange(0, HEAD)
@@ -265,9 +280,17 @@ def _merge_fwd_kernel(
             acc_t = acc_t * alpha + p * vt
             m = m_new
         ety = out_ptr.dtype.element_ty
-        tl.store(out_ptr + row * D + head, (acc_h / denom).to(ety), mask=ok_h)
-        tl.store(out_ptr + row * D + tail, (acc_t / denom).to(ety), mask=ok_t)
+        y_h, y_t = (acc_h / denom).to(ety), (acc_t / denom).to(ety)
+        tl.store(out_ptr + row * D + head, y_h, mask=ok_h)
+        tl.store(out_ptr + row * D + tail, y_t, mask=ok_t)
         tl.store(lse_ptr + row, m + tl.log(denom), mask=live)
+        if STATS:  # of the row as stored (rounded), two passes over it in registers
+            yh, yt = y_h.to(tl.float32), y_t.to(tl.float32)
+            mean = (tl.sum(yh, 0) + tl.sum(yt, 0)) / D
+            ch, ct = tl.where(ok_h, yh - mean, 0.0), tl.where(ok_t, yt - mean, 0.0)
+            var = (tl.sum(ch * ch, 0) + tl.sum(ct * ct, 0)) / D
+            tl.store(stats_ptr + row * 2, mean, mask=live)
+            tl.store(stats_ptr + row * 2 + 1, tl.rsqrt(var + norm_eps), mask=live)
         if PREFETCH:
             a_h, v_h, a_t, v_t, m = na_h, nv_h, na_t, nv_t, nm
         else:
@@ -303,15 +326,18 @@ def _row_lanes(d: int, launch: MergeLaunch) -> tuple[int, int]:
 
 
 def merge_forward(table: Tensor, like: Tensor, q: Tensor, mix: Tensor, prefix_lse: Tensor, out: Tensor, lse: Tensor,
-                  sources: int, eps: float, launch: MergeLaunch, paired: bool) -> None:
+                  sources: int, eps: float, launch: MergeLaunch, paired: bool, stats: Tensor | None = None,
+                  norm_eps: float = 0.0) -> None:
     """Launch the forward for (B, N, D) rows (``q`` broadcast to them, one query per sample), rows
-    split among programs as the backward splits them."""
+    split among programs as the backward splits them; ``stats`` (B, N, 2) fp32: filled with each output
+    row's mean and 1/sqrt(var + norm_eps)."""
     b, n, d = out.shape
     splits, iters = _sample_split(b, n, 1, sources)
     head, tail = _row_lanes(d, launch)
     _merge_fwd_kernel[(b * splits,)](
-        table, like, q, mix, prefix_lse, out, lse, sources, n, d, q.stride(0), q.stride(2), eps, 1.0 / math.sqrt(d),
-        splits, iters, HEAD=head, TAIL=tail, PREFETCH=launch.prefetch, PAIRED=paired, num_warps=launch.warps,
+        table, like, q, mix, prefix_lse, out, lse, lse if stats is None else stats, sources, n, d, q.stride(0),
+        q.stride(2), eps, 1.0 / math.sqrt(d), norm_eps, splits, iters, HEAD=head, TAIL=tail,
+        PREFETCH=launch.prefetch, PAIRED=paired, STATS=stats is not None, num_warps=launch.warps,
     )  # fmt: skip
 
 

@@ -624,7 +624,8 @@ def _merge_launch(direction: str, prefix_lse: Tensor | None, q: Tensor, sources:
 
 
 def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
-         launch: list[int], prefix: Tensor | None, prefix_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+         launch: list[int], prefix: Tensor | None, prefix_lse: Tensor | None, norm_eps: float | None = None,
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward of ``dar_fused``, callable without the custom-op dispatch."""
     sources = _contiguous(sources)
     like = sources[0]
@@ -636,9 +637,13 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
     lse = torch.empty((b, n), dtype=torch.float32, device=like.device)
     has_prefix = prefix is not None
     merge = None if keep_o32 else _merge_launch("FWD", prefix_lse, q, len(sources))
+    if norm_eps is not None and merge is None:
+        raise DarInputError("row statistics come only from a merge's kernel (dar_triton._stats_from_merge)")
+    stats = torch.empty((b, n, 2) if norm_eps is not None else (0,), dtype=torch.float32, device=like.device)
     if b * n and merge is not None:  # a two-phase chunk's merge: its own kernel
         _dar_merge().merge_forward(_pointer_table(sources)[0], like, q, prefix.contiguous(), prefix_lse.contiguous(),
-                                   out, lse, len(sources), eps, merge, _paired(prefix_lse))
+                                   out, lse, len(sources), eps, merge, _paired(prefix_lse),
+                                   None if norm_eps is None else stats, norm_eps or 0.0)
     elif b * n:
         table, aligned = _pointer_table(sources)
         _dar_fwd_kernel[(triton.cdiv(b * n, cfg.block_rows),)](
@@ -649,24 +654,25 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
             STORE_O32=keep_o32, FUSED_REDUCE=cfg.fused_reduce, HAS_PREFIX=has_prefix,
             PAIRED=has_prefix and _paired(prefix_lse), num_warps=cfg.fwd_warps,
         )  # fmt: skip
-    return out, o32, lse
+    return out, o32, lse, stats
 
 
 @torch.library.custom_op("routekit::dar_fused", mutates_args=())
 def dar_fused(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtype, keep_o32: bool,
               launch: list[int], prefix: Tensor | None = None, prefix_lse: Tensor | None = None,
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp).
+              norm_eps: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, fp32 copy of out when ``keep_o32`` else an empty tensor, per-row log-sum-exp, and with
+    ``norm_eps`` each out row's mean and 1/sqrt(var + norm_eps) (B, N, 2), else an empty tensor).
     With ``prefix``/``prefix_lse`` (from ``dar_prefix_fused``) the mix continues theirs."""
-    return _mix(sources, query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse)
+    return _mix(sources, query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse, norm_eps)
 
 
 @dar_fused.register_fake
-def _(sources, query, eps, out_dtype, keep_o32, launch, prefix=None, prefix_lse=None):
+def _(sources, query, eps, out_dtype, keep_o32, launch, prefix=None, prefix_lse=None, norm_eps=None):
     b, n, d = sources[0].shape
     new = sources[0].new_empty
     return new((b, n, d), dtype=out_dtype), new((b, n, d) if keep_o32 else (0,), dtype=torch.float32), \
-        new((b, n), dtype=torch.float32)
+        new((b, n), dtype=torch.float32), new((b, n, 2) if norm_eps is not None else (0,), dtype=torch.float32)
 
 
 def _mix_backward(sources: list[Tensor], query: Tensor, grad_out: Tensor, out: Tensor, lse: Tensor, eps: float,
@@ -748,11 +754,11 @@ def _y_shape(b: int, n: int, prefix_lse: Tensor | None) -> tuple[int, ...]:
     return (b, n, 2) if _paired(prefix_lse) else (b, n)
 
 
-def _save(ctx, sources, query, eps, launch, out, o32, lse, prefix, prefix_lse) -> None:
+def _save(ctx, sources, query, eps, launch, out, o32, lse, stats, prefix, prefix_lse) -> None:
     ctx.has_prefix = prefix_lse is not None
     ctx.prefix_dtype = prefix.dtype if ctx.has_prefix else None
     ctx.save_for_backward(query, out if o32.numel() == 0 else o32, lse, prefix_lse if ctx.has_prefix else lse,
-                          *sources)  # lse stands in for an absent prefix lse
+                          stats, *sources)  # lse stands in for an absent prefix lse
     ctx.eps, ctx.launch = eps, launch
 
 
@@ -763,14 +769,30 @@ def _takes_row_dot(query: Tensor, out: Tensor, prefix_lse: Tensor | None, source
             and _merge_launch("BWD", prefix_lse, torch.broadcast_to(query, out.shape), sources) is not None)
 
 
-def _gradients(ctx, grad_out: Tensor, backward, row_dot: bool = False,
+def _through_stats(grad_out: Tensor | None, grad_stats: Tensor, out: Tensor, stats: Tensor) -> Tensor:
+    """The output's whole gradient when its rows' (mean, r = 1/sqrt(var + eps)) were outputs too:
+    d mean / d o = 1/D, d r / d o = -r^3 (o - mean) / D. Torch ops: under torch.compile Inductor fuses
+    them into the kernel that makes both gradients (the norm's backward), as a LayerNorm backward."""
+    o = out.float()
+    mean, r = stats[..., :1], stats[..., 1:]
+    d = out.shape[-1]
+    g = grad_stats[..., :1] / d - grad_stats[..., 1:] * r * r * r * (o - mean) / d
+    return (g if grad_out is None else grad_out.float() + g).to(out.dtype)
+
+
+def _gradients(ctx, grad_out: Tensor | None, backward, row_dot: bool = False, grad_stats: Tensor | None = None,
                ) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor | None]:
     """(source gradients, query gradient, prefix-mix and prefix-lse gradients or None) from ``backward``
     (the op or its body) and what ``_save`` kept. ``row_dot``: hand a merge after a weighted sum its
     rows' g . o as torch ops, which Inductor fuses into the kernel that makes g (the next sublayer's
-    norm backward reads o there anyway), instead of the merge kernel reading o again."""
-    query, out, lse, prefix_lse, *sources = ctx.saved_tensors
+    norm backward reads o there anyway), instead of the merge kernel reading o again. ``grad_stats``:
+    the gradient of the rows' statistics, when the forward gave them."""
+    query, out, lse, prefix_lse, stats, *sources = ctx.saved_tensors
     prefix_lse = prefix_lse if ctx.has_prefix else None
+    if grad_stats is not None and stats.numel():
+        grad_out = _through_stats(grad_out, grad_stats, out, stats)
+    elif grad_out is None:
+        grad_out = torch.zeros_like(out)
     g_dot_o = None
     if row_dot and _takes_row_dot(query, out, prefix_lse, len(sources)):
         g_dot_o = (grad_out.float() * out.float()).sum(-1)
@@ -785,16 +807,16 @@ def _gradients(ctx, grad_out: Tensor, backward, row_dot: bool = False,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    sources, query, eps, _, _, launch, *prefix = inputs  # the prefix arguments are dropped when None
-    mix, mix_lse = prefix if prefix and prefix[0] is not None else (None, None)
+    sources, query, eps, _, _, launch, *prefix = inputs  # the trailing arguments are dropped when not passed
+    mix, mix_lse = prefix[:2] if len(prefix) >= 2 and prefix[0] is not None else (None, None)
     _save(ctx, sources, query, eps, launch, *output, mix, mix_lse)
 
 
-def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse):
-    grads, dq, dprefix, y = _gradients(ctx, grad_out, dar_fused_backward, row_dot=True)
+def _backward(ctx, grad_out: Tensor, _grad_o32, _grad_lse, grad_stats):
+    grads, dq, dprefix, y = _gradients(ctx, grad_out, dar_fused_backward, row_dot=True, grad_stats=grad_stats)
     grad_query = dq if ctx.needs_input_grad[1] else None
-    # as many gradients as arguments were passed (None prefix arguments do not count)
-    return (grads, grad_query, None, None, None, None, dprefix, y)[:len(ctx.needs_input_grad)]
+    # as many gradients as arguments were passed (trailing arguments not passed do not count)
+    return (grads, grad_query, None, None, None, None, dprefix, y, None)[:len(ctx.needs_input_grad)]
 
 
 dar_fused.register_autograd(_backward, setup_context=_setup_context)
@@ -808,8 +830,8 @@ class _EagerMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse, *sources):
-        out, o32, lse = _mix(list(sources), query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse)
-        _save(ctx, sources, query, eps, launch, out, o32, lse, prefix, prefix_lse)
+        out, o32, lse, stats = _mix(list(sources), query, eps, out_dtype, keep_o32, launch, prefix, prefix_lse)
+        _save(ctx, sources, query, eps, launch, out, o32, lse, stats, prefix, prefix_lse)
         return out
 
     @staticmethod
@@ -958,6 +980,24 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     if torch.compiler.is_compiling():
         return dar_fused(sources, query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse)[0]
     return _EagerMix.apply(query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse, *sources)
+
+
+def merge_with_stats(sources: Sources, query: Tensor, eps: float, prefix: tuple[Tensor, Tensor],
+                     norm_eps: float) -> tuple[Tensor, Tensor] | None:
+    """``dar_aggregate_triton(sources, query, eps, prefix=prefix)`` and its rows' (mean, 1/sqrt(var +
+    norm_eps)) (B, N, 2) fp32, from the merge kernel, which holds each row when it stores it: a LayerNorm
+    of the output is then pointwise, not another pass that reads it twice (``dar.layer_norm_of_mix``).
+    None where that kernel does not run the merge, outside torch.compile (an eager LayerNorm is one
+    fast kernel already) or with ROUTEKIT_DAR_NORM_STATS=graph (``dar_merge.norm_stats_in_merge``)."""
+    if not torch.compiler.is_compiling() or not _dar_merge().norm_stats_in_merge():
+        return None
+    sources, out_dtype, rows = _checked(sources, query, None)
+    mix, lse = prefix
+    if _merge_launch("FWD", lse, torch.broadcast_to(query, sources[0].shape), len(sources)) is None:
+        return None
+    launch = launch_config(sources[0].shape[-1], rows)
+    out, _, _, stats = dar_fused(sources, query, eps, out_dtype, False, launch.as_list(), mix, lse, norm_eps)
+    return out, stats
 
 
 def dar_prefix_triton(sources: Sources, queries: Tensor, eps: float = 1e-6, *, launch: Launch | None = None,
