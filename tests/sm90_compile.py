@@ -85,10 +85,9 @@ def cases():
     for paired in (False, True):
         yield (f"merge backward, paired={paired}", dar_merge._merge_bwd_kernel,
                {**merge_bwd, "PAIRED": paired, "GIVEN_DOT": False}, bwd.warps)
-        yield (f"merge forward, paired={paired}", dar_merge._merge_fwd_kernel,
-               {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired, "STATS": False}, fwd.warps)
-    yield ("merge forward, paired=True, with its rows' norm statistics (compiled steps)", dar_merge._merge_fwd_kernel,
-           {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": True, "STATS": True}, fwd.warps)
+        for stats in (False, True):  # with stats: its rows' norm statistics, in compiled steps
+            yield (f"merge forward, paired={paired}, stats={stats}", dar_merge._merge_fwd_kernel,
+                   {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired, "STATS": stats}, fwd.warps)
     yield ("merge backward, paired=True, handed g . o (compiled steps)", dar_merge._merge_bwd_kernel,
            {**merge_bwd, "PAIRED": True, "GIVEN_DOT": True}, bwd.warps)
     fwd_warps, bwd_warps, fwd_split, bwd_split = dar_stream.wsum_launch()

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -764,12 +765,14 @@ def test_a_merge_given_its_rows_g_dot_o_equals_one_that_reads_o(dtype, monkeypat
                                  torch.zeros(2, 5, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_merge_gives_its_rows_layer_norm_statistics_and_their_gradients(dtype, monkeypatch):
+@pytest.mark.parametrize(("dtype", "shared"), [(torch.float32, "stream"), (torch.bfloat16, "stream"),
+                                               (torch.bfloat16, "fused")])
+def test_a_merge_gives_its_rows_layer_norm_statistics_and_their_gradients(dtype, shared, monkeypatch):
     """Under torch.compile the LayerNorm that reads a merge (``dar.layer_norm_of_mix``) takes each row's
     mean and 1/std from the merge kernel and is pointwise: the statistics equal those of the stored rows,
-    and output and gradients equal a LayerNorm of the reference path's merge. ROUTEKIT_DAR_NORM_STATS=graph
-    turns it off (a LayerNorm of the merge's output), other values are refused."""
+    and output and gradients equal a LayerNorm of the reference path's merge, after a weighted sum or a
+    fused prefix. ROUTEKIT_DAR_NORM_STATS=graph turns it off (a LayerNorm of the merge's output), other
+    values are refused."""
     from routekit.dar import layer_norm_of_mix
     from routekit.kernels import dar_merge
 
@@ -784,15 +787,23 @@ def test_a_merge_gives_its_rows_layer_norm_statistics_and_their_gradients(dtype,
     monkeypatch.setattr(dar_merge, "merge_forward", lambda *a: stats.append(a[11]) or real(*a))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as inside a trace: the custom ops
 
+    queries = torch.randn(2, 24, generator=gen).to(DEVICE).requires_grad_()
+
+    def shared_part(kernel):
+        if shared == "stream":
+            return dar_weighted_sum(sources, logits, kernel)
+        return dar_prefix(sources, queries, kernel=kernel)
+
     def normed(kernel):
-        mixes, state = dar_weighted_sum(sources, logits, kernel)
+        mixes, state = shared_part(kernel)
         out = layer_norm_of_mix(own, query, mixes[1], state[1], 1e-5, 1e-6, kernel)
-        return [out, *torch.autograd.grad((out.float() * grad).sum(), [*sources, *own, logits, query])]
+        leaves = [*sources, *own, logits if shared == "stream" else queries, query]
+        return [out, *torch.autograd.grad((out.float() * grad).sum(), leaves)]
 
     want = normed("torch")
     got = normed("triton")
     (kept,) = stats
-    mixes, state = dar_weighted_sum(sources, logits, "triton")
+    mixes, state = shared_part("triton")
     rows = dar_aggregate(own, query, kernel="triton", prefix=(mixes[1], state[1])).float()
     var, mean = torch.var_mean(rows, -1, correction=0)
     assert_close(kept[..., 0], mean, 1e-5, "row means")
@@ -816,6 +827,36 @@ def test_a_merge_gives_its_rows_layer_norm_statistics_and_their_gradients(dtype,
         dar_merge.norm_stats_in_merge()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA autocast and Inductor's GPU kernels")
+def test_a_folded_norm_under_cuda_autocast_gives_what_the_layer_norm_gave(monkeypatch):
+    """Compiled by Inductor under CUDA autocast, where F.layer_norm computes and returns fp32, the folded
+    norm (statistics from the merge kernel) returns fp32 and the values of a LayerNorm of the merge."""
+    from routekit.dar import layer_norm_of_mix
+    from routekit.kernels import dar_merge
+
+    gen = torch.Generator(DEVICE).manual_seed(23)
+    sources = [torch.randn(2, 5, 24, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(3)]
+    own = [torch.randn(2, 5, 24, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 3 + 1 for _ in range(2)]
+    logits = torch.randn(3, 2, 5, 2, generator=gen, device=DEVICE)
+    query = torch.randn(2, 1, 24, generator=gen, device=DEVICE)
+    with_stats = []
+    real = dar_merge.merge_forward
+    monkeypatch.setattr(dar_merge, "merge_forward", lambda *a: with_stats.append(a[11] is not None) or real(*a))
+
+    def folded():
+        mixes, state = dar_weighted_sum(sources, logits, "triton")
+        return layer_norm_of_mix(own, query, mixes[1], state[1], 1e-5, 1e-6, "triton")
+
+    torch._dynamo.reset()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = torch.compile(folded, fullgraph=True)()
+        mixes, state = dar_weighted_sum(sources, logits, "triton")
+        want = F.layer_norm(dar_aggregate(own, query, kernel="triton", prefix=(mixes[1], state[1])), (24,), eps=1e-5)
+    assert with_stats[0] and not with_stats[-1], with_stats
+    assert got.dtype == want.dtype == torch.float32
+    assert_close(got, want, 1e-5, "folded norm")
+
+
 def test_the_reference_refuses_a_triton_weighted_sums_state():
     mix = torch.randn(2, 3, 8, device=DEVICE)
     with pytest.raises(DarInputError, match=r"must be \(B, N\) = \(2, 3\).*kernel='triton'"):
@@ -836,8 +877,8 @@ def test_every_kernel_compiles_for_the_h200():
     done = subprocess.run([sys.executable, str(script), "--resources"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok ") == 18, done.stdout
-    assert done.stdout.count("REG:") in (0, 18), done.stdout  # registers read from each cubin, where cuobjdump is
+    assert done.stdout.count("ok ") == 19, done.stdout
+    assert done.stdout.count("REG:") in (0, 19), done.stdout  # registers read from each cubin, where cuobjdump is
 
 
 def test_merge_backward_setting_is_parsed_or_refused_with_the_expected_form(monkeypatch):

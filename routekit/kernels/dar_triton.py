@@ -638,7 +638,7 @@ def _mix(sources: list[Tensor], query: Tensor, eps: float, out_dtype: torch.dtyp
     has_prefix = prefix is not None
     merge = None if keep_o32 else _merge_launch("FWD", prefix_lse, q, len(sources))
     if norm_eps is not None and merge is None:
-        raise DarInputError("row statistics come only from a merge's kernel (dar_triton._stats_from_merge)")
+        raise DarInputError("row statistics come only from a merge's kernel (dar_triton.merge_with_stats)")
     stats = torch.empty((b, n, 2) if norm_eps is not None else (0,), dtype=torch.float32, device=like.device)
     if b * n and merge is not None:  # a two-phase chunk's merge: its own kernel
         _dar_merge().merge_forward(_pointer_table(sources)[0], like, q, prefix.contiguous(), prefix_lse.contiguous(),
