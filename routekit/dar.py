@@ -106,18 +106,25 @@ def layer_norm_of_mix(sources: list[torch.Tensor], query: torch.Tensor, prefix_m
     return ((h.float() - stats[..., :1]) * stats[..., 1:]).to(dtype)
 
 
+def _plain_layer_norm(module: nn.Module | None) -> bool:
+    """An nn.LayerNorm over the last dim without parameters, running torch's own forward (not a subclass's,
+    e.g. one that casts to fp32) and no hooks: what ``layer_norm_of_mix`` computes in its place. Norms with
+    a weight or bias stay modules: an FSDP unit around one must still run its forward."""
+    return (isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
+            and len(module.normalized_shape) == 1 and not any(True for _ in module.parameters())
+            and not (module._forward_hooks or module._forward_pre_hooks))
+
+
 def fold_norms(graph: fx.Graph, model: nn.Module) -> int:
-    """Fold each parameter-free LayerNorm over the last dim that is the only reader of a two-phase
-    merge into it (``layer_norm_of_mix``); returns how many. Norms with a weight or bias stay modules
-    (an FSDP unit around one must still run its forward)."""
+    """Fold each plain LayerNorm (``_plain_layer_norm``) that is the only reader of a two-phase merge into
+    it (``layer_norm_of_mix``); returns how many."""
     folded = 0
     for node in list(graph.nodes):
         if node.target is not mix_history_after or len(node.users) != 1:
             continue
         norm = next(iter(node.users))
         module = model.get_submodule(norm.target) if norm.op == "call_module" else None
-        if not (isinstance(module, nn.LayerNorm) and norm.args == (node,) and not norm.kwargs
-                and len(module.normalized_shape) == 1 and not any(True for _ in module.parameters())):
+        if not (_plain_layer_norm(module) and norm.args == (node,) and not norm.kwargs):
             continue
         with graph.inserting_before(norm):
             fused = graph.call_function(layer_norm_of_mix, (*node.args, module.eps), dict(node.kwargs))
