@@ -982,6 +982,12 @@ def dar_aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, 
     return _EagerMix.apply(query, eps, out_dtype, keep_o32, launch.as_list(), mix, lse, *sources)
 
 
+def _compiling() -> bool:
+    """torch.compiler.is_compiling() under a name of ours: a test stands in for a trace by patching this,
+    never torch's own, whose identity Dynamo records in rule tables it builds once per process."""
+    return torch.compiler.is_compiling()
+
+
 def merge_with_stats(sources: Sources, query: Tensor, eps: float, prefix: tuple[Tensor, Tensor],
                      norm_eps: float) -> tuple[Tensor, Tensor] | None:
     """``dar_aggregate_triton(sources, query, eps, prefix=prefix)`` and its rows' (mean, 1/sqrt(var +
@@ -989,7 +995,7 @@ def merge_with_stats(sources: Sources, query: Tensor, eps: float, prefix: tuple[
     of the output is then pointwise, not another pass that reads it twice (``dar.layer_norm_of_mix``).
     None where that kernel does not run the merge, outside torch.compile (an eager LayerNorm is one
     fast kernel already) or with ROUTEKIT_DAR_NORM_STATS=graph (``dar_merge.norm_stats_in_merge``)."""
-    if not torch.compiler.is_compiling() or not _dar_merge().norm_stats_in_merge():
+    if not _compiling() or not _dar_merge().norm_stats_in_merge():
         return None
     sources, out_dtype, rows = _checked(sources, query, None)
     mix, lse = prefix
