@@ -94,10 +94,10 @@ def layer_norm_of_mix(sources: list[torch.Tensor], query: torch.Tensor, prefix_m
     ``fold_norms``. Where the merge kernel gives its rows' mean and 1/std (under torch.compile) the norm
     is pointwise and fuses with what follows; a LayerNorm of its own reads the stored mix twice in a
     reduction kernel (Inductor's at D=1152: ~0.35 ms a call for DiT-XL/2 b256, under 1 TB/s)."""
-    sources = _in_dtype(sources, prefix_mix.dtype)
-    merged = dar_merge_stats(sources, query, eps, kernel, prefix=(prefix_mix, prefix_lse), norm_eps=norm_eps)
+    merged = dar_merge_stats(_in_dtype(sources, prefix_mix.dtype), query, eps, kernel, prefix=(prefix_mix, prefix_lse),
+                             norm_eps=norm_eps)
     if merged is None:
-        h = dar_aggregate(sources, query, eps, kernel, prefix=(prefix_mix, prefix_lse))
+        h = mix_history_after(sources, query, prefix_mix, prefix_lse, eps, kernel)
         return F.layer_norm(h, h.shape[-1:], eps=norm_eps)
     h, stats = merged
     # in the dtype F.layer_norm would give here (under CUDA autocast fp32, else the input's), read off an

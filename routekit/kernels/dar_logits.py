@@ -9,12 +9,11 @@ The backward sends the logits' gradients to the source, the queries and e(t).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
-from routekit.kernels.dar_reference import DarInputError
+from routekit.kernels.dar_reference import env_choice
 
 
 def _source_grad(dzr: Tensor, w: Tensor, temb: Tensor | None, c: Tensor, v: Tensor) -> Tensor:
@@ -39,10 +38,7 @@ def _source_grad_out() -> str:
     dtype, as autocast would give; one rounding more before ``- c v``, whose result is rounded to that
     dtype anyway) or "fp32" (twice the bytes written and read back: ~1.7 ms a DiT-XL/2 b256 step,
     benchmarks/results/DAR_LOG.md); ROUTEKIT_DAR_SOURCE_GRAD_OUT chooses, for A/B."""
-    value = os.environ.get("ROUTEKIT_DAR_SOURCE_GRAD_OUT") or "low"
-    if value not in SOURCE_GRAD_OUT:
-        raise DarInputError(f"ROUTEKIT_DAR_SOURCE_GRAD_OUT={value!r}: expected one of {', '.join(SOURCE_GRAD_OUT)}")
-    return value
+    return env_choice("ROUTEKIT_DAR_SOURCE_GRAD_OUT", SOURCE_GRAD_OUT, "low")
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:

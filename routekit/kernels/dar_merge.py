@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routekit.kernels.dar_reference import DarInputError
+from routekit.kernels.dar_reference import DarInputError, env_choice
 from routekit.kernels.dar_triton import FUSED_REDUCE, _add3, _lane_split, _sample_split
 
 MAX_SOURCES = 4
@@ -85,10 +85,7 @@ def row_dot_in_graph() -> bool:
     anyway, so the merge kernel does not read o) or "kernel" (the merge kernel reads o);
     ROUTEKIT_DAR_MERGE_DOT chooses, for A/B. Eager runs always take "kernel": there the torch ops
     would be a pass of their own."""
-    value = os.environ.get("ROUTEKIT_DAR_MERGE_DOT") or "graph"
-    if value not in ROW_DOT:
-        raise DarInputError(f"ROUTEKIT_DAR_MERGE_DOT={value!r}: expected one of {', '.join(ROW_DOT)}")
-    return value == "graph"
+    return env_choice("ROUTEKIT_DAR_MERGE_DOT", ROW_DOT, "graph") == "graph"
 
 
 NORM_STATS = ("merge", "graph")
@@ -99,10 +96,7 @@ def norm_stats_in_merge() -> bool:
     mean and 1/std: "merge" (default: the merge kernel computes them from the row it holds, and the norm
     is pointwise) or "graph" (a LayerNorm of the stored output, a reduction pass of Inductor's);
     ROUTEKIT_DAR_NORM_STATS chooses, for A/B. Read when the graph is traced."""
-    value = os.environ.get("ROUTEKIT_DAR_NORM_STATS") or "merge"
-    if value not in NORM_STATS:
-        raise DarInputError(f"ROUTEKIT_DAR_NORM_STATS={value!r}: expected one of {', '.join(NORM_STATS)}")
-    return value == "merge"
+    return env_choice("ROUTEKIT_DAR_NORM_STATS", NORM_STATS, "merge") == "merge"
 
 
 @triton.jit

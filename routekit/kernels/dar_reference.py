@@ -9,6 +9,7 @@ in ``dar_triton`` has something simple to be held against.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,15 @@ Sources = Tensor | Sequence[Tensor]
 
 class DarInputError(InputError):
     """Sources or query of a DAR aggregation that no implementation can use."""
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The A/B setting ``name`` from the environment (``default`` when unset or empty), refused unless it
+    is one of ``choices``: the kernels' switches between measured alternatives."""
+    value = os.environ.get(name) or default
+    if value not in choices:
+        raise DarInputError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
 
 
 def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, int]:
