@@ -17,13 +17,14 @@ from .errors import (
     TraceError,
 )
 from .inspection import inspect
-from .model import RoutedModel, apply, last_route_mask, report_of, strip
+from .model import FallbackWarning, RoutedModel, apply, last_route_mask, report_of, strip
+from .plan import Plan
 from .selectors import register_selector, selector_names
 from .verify import verify
 
 __all__ = [
-    "DAR", "AnalysisError", "ConfigError", "GraphReport", "InferenceChanged", "InputError", "NonFiniteError",
-    "Route", "RoutedModel", "RoutekitError", "TraceError", "apply", "inspect", "last_route_mask",
+    "DAR", "AnalysisError", "ConfigError", "FallbackWarning", "GraphReport", "InferenceChanged", "InputError",
+    "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "TraceError", "apply", "inspect", "last_route_mask",
     "register_selector", "report_of", "selector_names", "strip", "verify",
 ]
 __version__ = "0.1.0"

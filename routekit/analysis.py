@@ -1,75 +1,83 @@
-"""Find the block stack, the token stream and the blocks' side inputs in a traced graph.
+"""What a model is made of: block stack, token stream, side inputs, grid, special tokens, residual adds.
 
-The fx graph becomes a networkx DiGraph. The block stack is the longest chain of calls to members
-of one ModuleList/Sequential in which each block's stream output feeds the next block's stream
-input. The token stream is the (batch, tokens, channels) tensor flowing block to block. Other block
-inputs are per-token (they carry the token axis and must be gathered with the route's indices),
-per-sample, or constants. The token grid is read off the nearest 4-D (B, C, H, W) ancestor of the
-stream with H·W tokens (a patch embedding).
+The graph (a traced owner forward, or a recording of block calls) becomes a networkx DiGraph. The
+block stack is the longest chain of calls to members of one ModuleList/Sequential in which each
+block's stream output feeds the next block's stream input. The token stream is the
+(batch, tokens, channels) tensor flowing block to block. Other block inputs are per-token (they carry
+the token axis and must be gathered with a route's indices), per-sample, or constants. The token grid
+is read off the patch embedding the stream comes from; tokens of the stream that do not come from it
+(class, register, text tokens) are special. With `residual=True` each block is also traced alone and
+its residual adds are found (what DAR rewrites).
+
+`analyse` returns a frozen `GraphReport`: every fact is settled when it is made, nobody writes into it.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import networkx as nx
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
-from .errors import AnalysisError
-from .keep import find_special_tokens
-from .trace import TensorMeta, Trace, preserved_state
+from .errors import AnalysisError, RoutekitError
+from .record import Image, grid_image, tokens_not_from
+from .trace import TensorMeta, Trace, bind_arguments, preserved_state, trace
 
 Slot = int | str  # a positional index or a keyword name in a block call
+SideKind = Literal["per-token", "per-sample", "token-first", "constant"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SideInput:
     """A block input other than the stream."""
 
     slot: Slot
-    node: str | None  # the fx node feeding it (None for a constant)
-    kind: Literal["per-token", "per-sample", "token-first", "constant", "ambiguous"]
+    node: str | None  # the node feeding it (None for a constant)
+    kind: SideKind
     meta: Any
 
 
-@dataclass
+@dataclass(frozen=True)
 class BlockInfo:
+    """One block of the stack, as its call appears in the graph."""
+
     index: int
     qualname: str
     cls: str
     node: str  # the call_module node
     stream_out: str  # the node carrying the block's stream output (the call itself or a getitem of it)
-    side_inputs: list[SideInput] = field(default_factory=list)
-    escapes: list[str] = field(default_factory=list)  # stream output used besides the next block
-    aux_escapes: list[str] = field(default_factory=list)  # other per-token outputs used anywhere
+    side_inputs: tuple[SideInput, ...] = ()
+    escapes: tuple[str, ...] = ()  # the stream output used besides the next block: "out → user"
+    aux_escapes: tuple[str, ...] = ()  # other per-token outputs used anywhere
+    adds: tuple[str, ...] | None = None  # residual adds in `body` (None: not looked for; (): hidden)
+    body: Trace | None = None  # the block traced alone at the stream's token count, when adds were looked for
 
 
-@dataclass
+@dataclass(frozen=True)
 class GraphReport:
-    """What routekit found in a model: printed by `inspect`, drawn by `.draw(path)`."""
+    """What routekit found in a model. `inspect` prints it (with a plan) and draws it."""
 
     model: str
+    mode: Literal["graph", "boundary"]
     stack: str
-    blocks: list[BlockInfo]
+    blocks: tuple[BlockInfo, ...]
     stream_slot: Slot
     stream_out_index: int | None
     stream: TensorMeta
     grid: tuple[int, int] | None
-    grid_node: str | None
+    grid_node: str | None  # the node (graph mode) or module (boundary mode) the grid was read off
+    special: tuple[int, ...]  # token positions outside the patch grid (class/register/text tokens)
     candidates: dict[str, int]
     leafed: dict[str, str]
-    specialised: list[str]
-    mode: str = "graph"
-    routes: list = field(default_factory=list)
-    residual: Any = None
-    residual_adds: dict[int, list[str]] = field(default_factory=dict)
-    residual_granularity: str | None = None
-    special: tuple[int, ...] = ()  # token positions outside the patch grid (class/register/text tokens)
+    specialised: tuple[str, ...]
     fallback: str | None = None  # why the owner forward was not traced (boundary mode)
+    residual: str | None = None  # "sublayer", "block" or "mixed" granularity of the adds, or why unknown
 
     @property
     def depth(self) -> int:
@@ -82,17 +90,6 @@ class GraphReport:
     def block_listing(self) -> str:
         return ", ".join(f"{b.index}: {b.qualname}" for b in self.blocks)
 
-    def __str__(self) -> str:
-        from .report import format_report
-
-        return format_report(self)
-
-    def draw(self, path: str) -> str:
-        """Write a PNG of the block graph with routes marked; returns the path."""
-        from .report import draw_report
-
-        return draw_report(self, path)
-
 
 def to_networkx(graph: fx.Graph) -> nx.DiGraph:
     """Data-flow graph: an edge from every input node to the node that uses it."""
@@ -104,7 +101,8 @@ def to_networkx(graph: fx.Graph) -> nx.DiGraph:
     return g
 
 
-def _slots(node: fx.Node):
+def slots(node: fx.Node):
+    """(slot, argument) of every argument of a call."""
     yield from enumerate(node.args)
     yield from node.kwargs.items()
 
@@ -115,7 +113,7 @@ def slot_value(node: fx.Node, slot: Slot) -> Any:
 
 def _link(prev: fx.Node, nxt: fx.Node) -> tuple[Slot, int | None] | None:
     """(slot of `nxt` fed by `prev`'s output, tuple index of that output) if they are chained."""
-    for slot, arg in _slots(nxt):
+    for slot, arg in slots(nxt):
         if arg is prev:
             return slot, None
         if (isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem
@@ -142,8 +140,19 @@ def _containers(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))}
 
 
-def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphReport:
-    """Find block stack, stream, side inputs and grid; AnalysisError says what is missing."""
+def _listing(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k or '<root>'} ({v} calls)" for k, v in counts.items())
+
+
+def _carries_stream(nodes: list[fx.Node], link: tuple) -> bool:
+    """A block chain carries a token stream: (B, N, D) into the first block, the same shape along the chain."""
+    meta = getattr(slot_value(nodes[0], link[0]), "meta", {}).get("rk")
+    return isinstance(meta, TensorMeta) and len(meta.shape) == 3 and all(
+        getattr(n.meta.get("rk"), "shape", None) == meta.shape or link[1] is not None for n in nodes)
+
+
+def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, list[fx.Node], Slot, int | None, dict]:
+    """The chosen block chain: (container, its calls, stream slot, stream output index, all chains found)."""
     containers = _containers(model)
     calls: dict[str, list[fx.Node]] = {}
     for node in tr.graph.nodes:
@@ -173,6 +182,18 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
         token_chains = [k for k in chains if _carries_stream(*chains[k])]
         chosen = max(token_chains or chains, key=lambda k: len(chains[k][0]))
     nodes, (slot, out_index) = chains[chosen]
+    return chosen, nodes, slot, out_index, {k: len(v[0]) for k, v in chains.items()}
+
+
+def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Literal["graph", "boundary"] = "graph",
+            fallback: str | None = None, images: list[Image] | None = None, call: tuple[tuple, dict] | None = None,
+            residual: bool = False) -> GraphReport:
+    """The report of `tr` (a trace, or with `images` a recording); AnalysisError says what is missing.
+
+    `call`: the example call, to measure what the graph does not show (special tokens of a recording).
+    `residual`: also trace each block alone and find its residual adds.
+    """
+    chosen, nodes, slot, out_index, candidates = _stack(tr, model, stack)
     first_in = slot_value(nodes[0], slot)
     stream = first_in.meta["rk"] if isinstance(first_in, fx.Node) else None
     if not isinstance(stream, TensorMeta) or len(stream.shape) != 3:
@@ -180,51 +201,41 @@ def analyse(tr: Trace, model: nn.Module, stack: str | None = None) -> GraphRepor
             f"the stream into {nodes[0].target} is {stream!r}; routekit routes a (batch, tokens, channels) "
             "stream between blocks"
         )
-    batch, tokens = stream.shape[:2]
+    batch, tokens, channels = stream.shape
     by_name = {n.name: n for n in tr.graph.nodes}
     blocks = []
     for i, node in enumerate(nodes):
         out = node if out_index is None else next(
             (u for u in node.users if u.target is operator.getitem and u.args[1] == out_index), node)
-        sides = [_side_input(s, a, batch, tokens, stream.shape[2]) for s, a in _slots(node) if s != slot]
-        blocks.append(BlockInfo(i, node.target, type(model.get_submodule(node.target)).__name__,
-                                node.name, out.name, sides))
-    _mark_escapes(blocks, by_name, tokens)
-    grid, grid_node = _find_grid(tr.graph, first_in, batch, tokens)
-    special: tuple[int, ...] = ()
-    if grid is None:
-        grid, grid_node, special = find_special_tokens(tr.graph, first_in, batch, tokens)
-    report = GraphReport(
-        model=type(model).__name__, stack=chosen, blocks=blocks, stream_slot=slot, stream_out_index=out_index,
-        stream=stream, grid=grid, grid_node=grid_node,
-        candidates={k: len(v[0]) for k, v in chains.items()}, leafed=dict(tr.leafed),
-        specialised=list(tr.specialised), special=special,
+        sides = tuple(_side_input(s, a, batch, tokens, channels) for s, a in slots(node) if s != slot)
+        blocks.append(BlockInfo(i, node.target, type(model.get_submodule(node.target)).__name__, node.name, out.name,
+                                sides))
+    blocks = _with_escapes(blocks, by_name, tokens)
+    if images is None:
+        grid, grid_node, special = _graph_grid(tr.graph, first_in, batch, tokens)
+    else:
+        grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], slot, batch, tokens, call)
+    fewer = tokens - (grid[1] if grid else 1)  # a whole grid row fewer: blocks that reshape to rows still run
+    blocks = [_resolved(model, b, slot, stream, fewer) for b in blocks]
+    granularity = None
+    if residual:
+        blocks, granularity = _with_residual_adds(model, blocks, slot, stream, out_index)
+    return GraphReport(
+        model=type(model).__name__, mode=mode, stack=chosen, blocks=tuple(blocks), stream_slot=slot,
+        stream_out_index=out_index, stream=stream, grid=grid, grid_node=grid_node, special=special,
+        candidates=candidates, leafed=dict(tr.leafed), specialised=tuple(tr.specialised), fallback=fallback,
+        residual=granularity,
     )
-    resolve_ambiguous(model, report)
-    return report
-
-
-def _carries_stream(nodes: list[fx.Node], link: tuple) -> bool:
-    """A block chain carries a token stream: (B, N, D) into the first block, the same shape along the chain."""
-    meta = getattr(slot_value(nodes[0], link[0]), "meta", {}).get("rk")
-    return isinstance(meta, TensorMeta) and len(meta.shape) == 3 and all(
-        getattr(n.meta.get("rk"), "shape", None) == meta.shape or link[1] is not None for n in nodes)
-
-
-def _listing(counts: dict[str, int]) -> str:
-    return ", ".join(f"{k or '<root>'} ({v} calls)" for k, v in counts.items())
 
 
 def _side_input(slot: Slot, arg: Any, batch: int, tokens: int, channels: int) -> SideInput:
-    """Classify a block input by shape. A float (B, X) with X == tokens == channels is ambiguous: it is
-    taken as a per-sample conditioning vector (adaLN's c), while a bool/int (B, N) is a per-token mask."""
+    """Classify a block input by shape. A float (B, X) with X == tokens == channels is ambiguous
+    (adaLN's c, or a per-token weight) and settled by probing the block (`_resolved`)."""
     meta = arg.meta["rk"] if isinstance(arg, fx.Node) else arg
     name = arg.name if isinstance(arg, fx.Node) else None
     if not isinstance(meta, TensorMeta):
         return SideInput(slot, name, "constant", meta)
     shape = meta.shape
-    if len(shape) == 2 and shape[0] == batch and tokens == channels and meta.dtype.is_floating_point:
-        return SideInput(slot, name, "ambiguous", meta)  # settled by probing the block (resolve_ambiguous)
     if len(shape) >= 2 and shape[0] == batch and shape[1] == tokens:
         return SideInput(slot, name, "per-token", meta)
     if len(shape) >= 1 and shape[0] == tokens and batch != tokens:
@@ -232,12 +243,37 @@ def _side_input(slot: Slot, arg: Any, batch: int, tokens: int, channels: int) ->
     return SideInput(slot, name, "per-sample", meta)
 
 
-def fake_block_inputs(report: GraphReport, block: BlockInfo, tokens: int, device,
-                      token_slots: set | None = None) -> tuple[list, dict]:
+def _ambiguous(side: SideInput, batch: int, tokens: int, channels: int) -> bool:
+    meta = side.meta
+    return (side.kind == "per-token" and tokens == channels and len(meta.shape) == 2 and meta.shape[0] == batch
+            and meta.dtype.is_floating_point)
+
+
+def _resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, fewer: int) -> BlockInfo:
+    """Settle ambiguous side inputs by probing the block with `fewer` tokens: if it runs with the input
+    unchanged it is per-sample, if only with the input cut too it is per-token."""
+    batch, tokens, channels = stream.shape
+    sides = list(block.side_inputs)
+    for i, side in enumerate(sides):
+        if not _ambiguous(side, batch, tokens, channels):
+            continue
+        others = {s.slot for s in sides if s.kind == "per-token" and s is not side}
+        if fewer < 1 or block_runs(model, block, stream_slot, stream, fewer, others, sides):
+            kind = "per-sample"
+        else:
+            kind = "per-token" if block_runs(model, block, stream_slot, stream, fewer, others | {side.slot}, sides) \
+                else "per-sample"
+        sides[i] = SideInput(side.slot, side.node, kind, side.meta)
+    return replace(block, side_inputs=tuple(sides))
+
+
+def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int, device,
+                      token_slots: set | None = None, sides: list[SideInput] | None = None) -> tuple[list, dict]:
     """Zero tensors shaped like `block`'s inputs with `tokens` tokens on the stream (and on the side
     inputs in `token_slots`, by default the per-token ones): to trace or probe a block alone."""
+    sides = list(block.side_inputs if sides is None else sides)
     if token_slots is None:
-        token_slots = {s.slot for s in block.side_inputs if s.kind == "per-token"}
+        token_slots = {s.slot for s in sides if s.kind == "per-token"}
 
     def fake(meta, resize):
         if not isinstance(meta, TensorMeta):
@@ -247,18 +283,22 @@ def fake_block_inputs(report: GraphReport, block: BlockInfo, tokens: int, device
             shape[1] = tokens
         return torch.zeros(shape, dtype=meta.dtype, device=device)
 
-    slots = {report.stream_slot: fake(report.stream, True)}
-    for side in block.side_inputs:
-        slots[side.slot] = fake(side.meta, side.slot in token_slots)
-    args = [slots[i] for i in sorted(s for s in slots if isinstance(s, int))]
-    return args, {k: v for k, v in slots.items() if isinstance(k, str)}
+    values = {stream_slot: fake(stream, True)}
+    for side in sides:
+        values[side.slot] = fake(side.meta, side.slot in token_slots)
+    args = [values[i] for i in sorted(s for s in values if isinstance(s, int))]
+    return args, {k: v for k, v in values.items() if isinstance(k, str)}
 
 
-def block_runs(model: nn.Module, report: GraphReport, block: BlockInfo, tokens: int,
-               token_slots: set | None = None) -> bool:
-    """Probe: does the block run on `tokens` tokens (zeros), with no lasting side effects?"""
+def _device(model: nn.Module):
     param = next(model.parameters(), None)
-    args, kwargs = fake_block_inputs(report, block, tokens, param.device if param is not None else "cpu", token_slots)
+    return param.device if param is not None else "cpu"
+
+
+def block_runs(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int,
+               token_slots: set | None = None, sides: list[SideInput] | None = None) -> bool:
+    """Probe: does the block run on `tokens` tokens (zeros), with no lasting side effects?"""
+    args, kwargs = fake_block_inputs(block, stream_slot, stream, tokens, _device(model), token_slots, sides)
     with preserved_state(model, [a for a in args if isinstance(a, torch.Tensor)]):
         try:
             model.get_submodule(block.qualname)(*args, **kwargs)
@@ -267,44 +307,31 @@ def block_runs(model: nn.Module, report: GraphReport, block: BlockInfo, tokens: 
     return True
 
 
-def resolve_ambiguous(model: nn.Module, report: GraphReport) -> None:
-    """A float (B, X) input with X == tokens == channels is either adaLN's c or a per-token weight.
-    Probe with fewer tokens: if the block runs with it unchanged it is per-sample, if only with it cut
-    too it is per-token."""
-    fewer = report.tokens - (report.grid[1] if report.grid else 1)
-    for block in report.blocks:
-        for side in block.side_inputs:
-            if side.kind != "ambiguous":
-                continue
-            others = {s.slot for s in block.side_inputs if s.kind == "per-token"}
-            if fewer < 1 or block_runs(model, report, block, fewer, others):
-                side.kind = "per-sample"
-            else:
-                side.kind = "per-token" if block_runs(model, report, block, fewer, others | {side.slot}) else "per-sample"
-
-
 def _carries_tokens(meta: Any, tokens: int) -> bool:
     return isinstance(meta, TensorMeta) and len(meta.shape) >= 2 and meta.shape[1] == tokens
 
 
-def _mark_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: int) -> None:
+def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: int) -> list[BlockInfo]:
     """Record per-token values that leave a block other than along the chain.
 
     `escapes`: the stream output used by something besides the next block (a route may end at such
     a block but not pass through it). `aux_escapes`: other per-token outputs of the block used
     anywhere (no route may contain the block).
     """
+    result = []
     for i, block in enumerate(blocks):
         node, out = by_name[block.node], by_name[block.stream_out]
         nxt = by_name[blocks[i + 1].node] if i + 1 < len(blocks) else None
-        block.escapes = [f"{out.name} → {u.name}" for u in out.users if u is not nxt] if nxt is not None else []
-        for aux in (u for u in node.users if u is not out and out is not node):
-            if _carries_tokens(aux.meta["rk"], tokens):
-                block.aux_escapes.extend(f"{aux.name} → {u.name}" for u in aux.users)
+        escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u is not nxt) if nxt is not None else ()
+        aux = tuple(f"{a.name} → {u.name}" for a in node.users if a is not out and out is not node
+                    and _carries_tokens(a.meta["rk"], tokens) for u in a.users)
+        result.append(replace(block, escapes=escapes, aux_escapes=aux))
+    return result
 
 
-def _find_grid(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int):
-    """The (H, W) of the nearest 4-D (B, C, H, W) ancestor with H·W == tokens, if any."""
+def _graph_grid(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int):
+    """(grid, grid node, special positions) from a traced graph: the nearest 4-D (B, C, H, W) ancestor of
+    the stream with H·W == tokens, or with H·W < tokens joined with other tokens by a `cat`."""
     g = to_networkx(graph)
     ancestors = nx.ancestors(g, stream_in.name) | {stream_in.name}
     for node in reversed(graph.nodes):
@@ -313,5 +340,174 @@ def _find_grid(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int):
         meta = node.meta["rk"]
         if isinstance(meta, TensorMeta) and len(meta.shape) == 4 and meta.shape[0] == batch:
             if meta.shape[2] * meta.shape[3] == tokens:
-                return (meta.shape[2], meta.shape[3]), node.name
-    return None, None
+                return (meta.shape[2], meta.shape[3]), node.name, ()
+    return _special_tokens(graph, g, stream_in, ancestors, batch, tokens)
+
+
+_CATS = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _special_tokens(graph: fx.Graph, g: nx.DiGraph, stream_in: fx.Node, ancestors: set, batch: int, tokens: int):
+    """(grid, grid node, special positions) when the stream is a patch grid joined with other tokens.
+
+    Looks for the nearest 4-D (batch, C, H, W) ancestor of the stream with H·W < tokens, and a `cat`
+    along the token axis between it and the stream whose other operands hold the extra tokens.
+    Returns (None, None, ()) when the graph does not show it.
+    """
+    by_name = {n.name: n for n in graph.nodes}
+    order = {name: i for i, name in enumerate(by_name)}
+    for node in reversed(graph.nodes):
+        meta = node.meta.get("rk")
+        if node.name not in ancestors or not isinstance(meta, TensorMeta) or len(meta.shape) != 4:
+            continue
+        height, width = meta.shape[2], meta.shape[3]
+        if meta.shape[0] != batch or not 0 < height * width < tokens:
+            continue
+        below = nx.descendants(g, node.name) & ancestors
+        for name in sorted(below, key=order.get, reverse=True):
+            split = _cat_split(by_name[name], node.name, g, tokens, height * width)
+            if split is not None:
+                before, after = split
+                return (height, width), node.name, tuple(range(before)) + tuple(range(-after, 0))
+        return None, None, ()
+    return None, None, ()
+
+
+def _cat_split(node: fx.Node, grid_node: str, g: nx.DiGraph, tokens: int, grid_tokens: int):
+    """(tokens before, tokens after) the grid operand of a token-axis `cat` producing the stream, else None."""
+    is_cat = (node.op == "call_function" and node.target in _CATS) or (node.op == "call_method" and node.target == "cat")
+    meta = node.meta.get("rk")
+    if not is_cat or not isinstance(meta, TensorMeta) or len(meta.shape) != 3 or meta.shape[1] != tokens:
+        return None
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or dim not in (1, -2):
+        return None
+    sizes, grid_part = [], None
+    for i, part in enumerate(parts):
+        part_meta = part.meta.get("rk") if isinstance(part, fx.Node) else None
+        if not isinstance(part_meta, TensorMeta) or len(part_meta.shape) != 3:
+            return None
+        sizes.append(part_meta.shape[1])
+        if part.name == grid_node or grid_node in nx.ancestors(g, part.name):
+            grid_part = i
+    if grid_part is None or sizes[grid_part] != grid_tokens:
+        return None
+    return sum(sizes[:grid_part]), sum(sizes[grid_part + 1:])
+
+
+def _recorded_grid(model: nn.Module, images: list[Image], tr: Trace, first: BlockInfo, slot: Slot, batch: int,
+                   tokens: int, call: tuple[tuple, dict] | None):
+    """(grid, grid module, special positions) of a recording: the patch embedding's output seen before the
+    first block and, where its H·W is less than the stream's tokens, the tokens not made from it (measured)."""
+    first_call = [n.name for n in tr.graph.nodes if n.op == "call_module"].index(first.node)
+    image = grid_image(images, first_call, batch, tokens)
+    if image is None:
+        return None, None, ()
+    grid = (image.shape[2], image.shape[3])
+    special: tuple[int, ...] = ()
+    if grid[0] * grid[1] < tokens and call is not None:
+        special = tokens_not_from(model, *call, image.module, first.qualname, slot)
+        if len(special) != tokens - grid[0] * grid[1]:
+            special = ()  # the measurement does not account for the extra tokens: leave them to `keep`
+    return grid, image.module, special
+
+
+# ---- residual adds (what DAR rewrites) -------------------------------------------------------------------
+
+_ADDS = {operator.add, torch.add}
+_SUBLAYER_FUNCS = {F.linear, torch.matmul, operator.matmul, torch.bmm, torch.einsum, F.scaled_dot_product_attention,
+                   F.conv1d, F.conv2d}
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _ADDS) or (node.op == "call_method" and node.target == "add")
+
+
+def _is_sublayer(node: fx.Node) -> bool:
+    return node.op == "call_module" or (node.op == "call_function" and node.target in _SUBLAYER_FUNCS)
+
+
+def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None = None) -> list[fx.Node]:
+    """The adds that carry the residual stream: skip operand = the stream so far, the other operand
+    computed from it through a sublayer (a module call or a matmul-like op), same shape as the stream.
+
+    Never adaLN's `1 + scale` (a constant operand) nor a bias add (not on the stream). With `output`
+    (the block's stream output), the chain must end there: a block whose stream also passes through
+    anything else (a bias on the stream, a post-norm, parallel branches) gives [] and is treated as
+    one source (block granularity) rather than half-rewritten.
+    """
+    g = to_networkx(graph)
+    by_name = {n.name: n for n in graph.nodes}
+    current, adds = stream, []
+    for node in graph.nodes:
+        if not _is_add(node) or len(node.args) < 2:
+            continue
+        for skip, branch in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if skip is not current or not isinstance(branch, fx.Node):
+                continue
+            if getattr(node.meta.get("rk"), "shape", None) != getattr(current.meta.get("rk"), "shape", None):
+                continue
+            between = nx.descendants(g, current.name) & (nx.ancestors(g, branch.name) | {branch.name})
+            if any(_is_sublayer(by_name[n]) for n in between):
+                adds.append(node)
+                current = node
+                break
+    if output is not None and adds and current is not output:
+        return []
+    return adds
+
+
+def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, out_index: int | None,
+                tokens: int) -> tuple[Trace, tuple[str, ...]]:
+    """Trace one block alone on inputs with `tokens` tokens; its residual adds (node names of the trace)."""
+    module = model.get_submodule(block.qualname)
+    args, kwargs = fake_block_inputs(block, stream_slot, stream, tokens, _device(model))
+    tr = trace(module, tuple(args), kwargs)
+    bound = bind_arguments(type(module).forward, tuple(args), kwargs)
+    name = list(bound.arguments)[stream_slot] if isinstance(stream_slot, int) else stream_slot
+    start = next(n for n in tr.graph.nodes if n.op == "placeholder" and n.target == name)
+    leaves = next(n for n in tr.graph.nodes if n.op == "output").args[0]
+    out = pytree.tree_unflatten(list(leaves), tr.out_spec)
+    out = out if out_index is None else out[out_index]
+    return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out))
+
+
+def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], slot: Slot, stream: TensorMeta,
+                        out_index: int | None) -> tuple[list[BlockInfo], str]:
+    """Each block traced alone with its residual adds, and the granularity: "sublayer" when every block's
+    adds were found, "block" when none were (each block is one source, v = output - input), "mixed"
+    otherwise; or why the blocks could not be traced."""
+    try:
+        traced = [trace_block(model, b, slot, stream, out_index, stream.shape[1]) for b in blocks]
+    except RoutekitError as err:
+        return blocks, f"unknown ({err})"
+    found = [bool(adds) for _, adds in traced]
+    granularity = "sublayer" if all(found) else "block" if not any(found) else "mixed"
+    return [replace(b, adds=adds, body=tr) for b, (tr, adds) in zip(blocks, traced)], granularity
+
+
+# ---- the timestep embedding (DAR's static_t queries) ----------------------------------------------------------
+
+def find_timestep_embedding(graph: fx.Graph, report: GraphReport, name: str | None) -> fx.Node | None:
+    """The model's own e(t): a (B, D) node computed from a 1-D float input alone, or the call of the module
+    `name`; None when there is none."""
+    batch, _, dim = report.stream.shape
+    nodes = list(graph.nodes)
+    if name is not None:
+        hits = [n for n in nodes if n.op == "call_module" and (n.target == name or n.target.startswith(name + "."))]
+        hits = [n for n in hits if getattr(n.meta.get("rk"), "shape", None) == (batch, dim)]
+        return hits[-1] if hits else None
+    g = to_networkx(graph)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for ph in placeholders:
+        meta = ph.meta.get("rk")
+        if not (isinstance(meta, TensorMeta) and meta.shape == (batch,) and meta.dtype.is_floating_point):
+            continue
+        others = {p.name for p in placeholders if p is not ph}
+        found = [n for n in nodes if n.name in nx.descendants(g, ph.name)
+                 and getattr(n.meta.get("rk"), "shape", None) == (batch, dim)
+                 and not (nx.ancestors(g, n.name) & others)]
+        if found:
+            return found[-1]
+    return None

@@ -1,4 +1,4 @@
-"""Validated, serialisable configuration: `Route` and `DAR`, and the check of a plan against a model.
+"""Validated, serialisable configuration: `Route` and `DAR`, plain data.
 
 Configs are plain data (pydantic), so they print, compare, and round-trip through YAML/JSON.
 Errors are `ConfigError`s that say what was wrong and what would be valid.
@@ -146,22 +146,3 @@ def coerce_routes(routes, depth: int) -> list[Route]:
         if not (isinstance(r, Route) or (isinstance(r, dict) and all(isinstance(k, str) for k in r))):
             raise ConfigError(f"each route is a Route or a dict of its fields (start, end, ...); got {r!r:.80}")
     return [r if isinstance(r, Route) else Route(**r) for r in routes]
-
-
-def check_routes(routes: list[Route], block_names: list[str]) -> None:
-    """Refuse routes that do not fit a stack with these blocks; the error lists the valid blocks."""
-    depth = len(block_names)
-    listing = ", ".join(f"{i}: {n}" for i, n in enumerate(block_names))
-    for k, r in enumerate(routes):
-        if r.end >= depth:
-            raise ConfigError(
-                f"route {k} ({r.start}→{r.end}) ends past the last block: valid block indices are "
-                f"0..{depth - 1} ({listing})"
-            )
-    ordered = sorted(enumerate(routes), key=lambda kr: kr[1].start)
-    for (i, a), (j, b) in zip(ordered, ordered[1:]):
-        if b.start <= a.end:
-            raise ConfigError(
-                f"route {j} ({b.start}→{b.end}) overlaps route {i} ({a.start}→{a.end}): routes must be disjoint; "
-                f"a route after route {i} can start at block {a.end + 1} or later"
-            )

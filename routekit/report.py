@@ -1,27 +1,26 @@
-"""Printing and drawing a GraphReport: a table for the terminal, a PNG for docs."""
+"""Printing and drawing a plan: a table for the terminal, a PNG for docs."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .keep import kept_tokens, suggestion
-
 if TYPE_CHECKING:
-    from .analysis import GraphReport
+    from .plan import Plan
 
 
-def format_report(r: GraphReport) -> str:
+def format_plan(plan: Plan) -> str:
+    r = plan.report
     batch, tokens, channels = r.stream.shape
     grid = "none found"
-    if r.grid:
-        grid = f"{r.grid[0]}×{r.grid[1]}" + (f" (read off {r.grid_node})" if r.grid_node else " (given)")
+    if plan.grid:
+        grid = f"{plan.grid[0]}×{plan.grid[1]}" + (" (given)" if plan.grid_given else f" (read off {r.grid_node})")
     others = {k: v for k, v in r.candidates.items() if k != r.stack}
-    if r.grid and not r.special and r.grid[0] * r.grid[1] < tokens:
-        grid += (f"; plus {tokens - r.grid[0] * r.grid[1]} other token(s) at positions the block calls do not show: "
-                 "name them in Route(keep=[...])")
+    if plan.grid and not r.special and plan.grid[0] * plan.grid[1] < tokens:
+        grid += (f"; plus {tokens - plan.grid[0] * plan.grid[1]} other token(s) at positions routekit could not "
+                 "tell: name them in Route(keep=[...])")
     if r.special:
         grid += (f"; plus {len(r.special)} other token(s) at positions {list(r.special)} (class/register/text "
-                 f"tokens): route with {suggestion(r.special)}")
+                 f"tokens): route with keep={list(r.special)}")
     lines = [
         f"routekit report for {r.model}  [{r.mode} mode]",
         f"  block stack : {r.stack} ({r.depth} blocks)" + (f"; other chains: {others}" if others else ""),
@@ -31,7 +30,7 @@ def format_report(r: GraphReport) -> str:
         "",
         f"  {'#':>3}  {'block':<24} {'class':<18} {'side inputs':<44} notes",
     ]
-    routed = {i: k for k, route in enumerate(r.routes) for i in range(route.start, route.end + 1)}
+    routed = plan.route_at()
     for b in r.blocks:
         sides = ", ".join(f"{s.slot}: {s.kind} {s.meta}" for s in b.side_inputs) or "-"
         notes = []
@@ -41,40 +40,33 @@ def format_report(r: GraphReport) -> str:
             notes.append(f"output also used by {b.escapes[0].split(' → ')[1]}")
         if b.aux_escapes:
             notes.append(f"per-token side output {b.aux_escapes[0]}")
-        if b.index in r.residual_adds:
-            adds = len(r.residual_adds[b.index])
-            notes.append(f"{adds} residual adds" if adds else "residual adds hidden: one DAR source")
+        if b.adds is not None:
+            notes.append(f"{len(b.adds)} residual adds" if b.adds else "residual adds hidden: one DAR source")
         lines.append(f"  {b.index:>3}  {b.qualname:<24} {b.cls:<18} {sides:<44} {'; '.join(notes)}")
     lines.append("")
     if r.fallback:
         lines.append(f"  boundary mode: routes sit at block calls, because the owner forward is not traceable: {r.fallback}")
-    for k, route in enumerate(r.routes):
-        kept = kept_tokens(route, tokens, r.grid)
+    for k, rp in enumerate(plan.placed):
+        route, kept = rp.route, rp.kept
         share = (route.end - route.start + 1) / r.depth
         keep = f", always keeping {list(route.keep)}" if route.keep else ""
         lines.append(
             f"  route {k}: blocks {route.start}→{route.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
             f"{kept} of {tokens} tokens go through; {share:.0%} of the blocks see {kept / tokens:.0%} of the tokens"
         )
-    if r.routes:
-        lines.append(f"  block FLOPs per step: ×{block_flop_fraction(r):.3f} of the original (token-linear estimate)")
-    if r.residual_granularity:
-        total = sum(len(a) for a in r.residual_adds.values())
-        lines.append(f"  residual adds (what DAR rewrites): {total} in {r.depth} blocks, "
-                     f"{r.residual_granularity} granularity")
+    if plan.placed:
+        lines.append(f"  block FLOPs per step: ×{plan.block_flop_fraction():.3f} of the original (token-linear estimate)")
+    if r.residual:
+        total = sum(len(b.adds or ()) for b in r.blocks)
+        lines.append(f"  residual adds (what DAR rewrites): {total} in {r.depth} blocks, {r.residual} granularity")
+    if plan.dar:
+        lines.append(f"  DAR: {plan.dar.config!r}: {plan.dar.points} aggregation points")
     lines.append(f"  leafed submodules: {r.leafed or 'none'}")
     lines.append(f"  specialised to example shapes: {len(r.specialised) if r.specialised else 'nothing'}")
     return "\n".join(lines)
 
 
-def block_flop_fraction(r: GraphReport) -> float:
-    """Fraction of block compute left with the routes, counting compute as linear in tokens."""
-    tokens = r.tokens
-    kept = {i: kept_tokens(route, tokens, r.grid) for route in r.routes for i in range(route.start, route.end + 1)}
-    return sum(kept.get(i, tokens) for i in range(r.depth)) / (tokens * r.depth)
-
-
-def draw_report(r: GraphReport, path: str) -> str:
+def draw_plan(plan: Plan, path: str) -> str:
     try:
         import matplotlib
 
@@ -85,15 +77,16 @@ def draw_report(r: GraphReport, path: str) -> str:
         from .errors import RoutekitError
 
         raise RoutekitError("drawing needs matplotlib: pip install 'routekit[plot]'") from err
-    tokens = r.tokens
+    r, tokens = plan.report, plan.report.tokens
     width = max(8.0, 0.55 * r.depth + 3)
     fig, ax = plt.subplots(figsize=(width, 3.6))
     x0 = 1.6
     colours = ["#e4572e", "#17bebb", "#ffc914", "#76b041", "#7d5ba6"]
     kept = {}
-    for k, route in enumerate(r.routes):
-        for i in range(route.start, route.end + 1):
-            kept[i] = kept_tokens(route, tokens, r.grid) / tokens
+    for k, rp in enumerate(plan.placed):
+        route = rp.route
+        for i in rp.blocks:
+            kept[i] = rp.kept / tokens
         c = colours[k % len(colours)]
         left, right = x0 + route.start - 0.45, x0 + route.end + 0.45
         ax.annotate("", xy=(right + 0.5, 0.1), xytext=(left - 0.5, 0.1),
@@ -110,7 +103,7 @@ def draw_report(r: GraphReport, path: str) -> str:
     end = x0 + r.depth + 0.2
     ax.add_patch(FancyBboxPatch((end, 1.0), 0.9, 1.2, boxstyle="round,pad=0.02", fc="#dddddd", ec="black"))
     ax.text(end + 0.45, 1.6, "head", ha="center", va="center", fontsize=8)
-    grid = f", grid {r.grid[0]}×{r.grid[1]}" if r.grid else ""
+    grid = f", grid {plan.grid[0]}×{plan.grid[1]}" if plan.grid else ""
     ax.set_title(f"{r.model}: {r.stack} ({r.depth} blocks), stream {r.stream}{grid}; box height = tokens seen",
                  fontsize=10)
     ax.set_xlim(-0.3, end + 1.2)

@@ -1,9 +1,18 @@
-"""Build the training graph: route ops placed around the block stack of the original trace.
+"""Plan → fx graph: the routes and DAR written into a copy of the traced owner graph.
 
-The original graph is copied, never edited in place: the eval path stays the original forward.
-Each route becomes: select the kept indices before block `start`, gather the stream (and every
-per-token side input of the route's blocks) with them, and after block `end` scatter the blocks'
-output back into the stream as it was at the route start.
+The traced graph is copied, never edited in place. Each route becomes: select the kept indices
+before block `start`, gather the stream (and every per-token side input of the route's blocks) with
+them, and after block `end` scatter the blocks' output back into the stream as it was at the route
+start. DAR inlines the blocks (each block's own trace from the analysis) so one graph carries the
+history of sublayer outputs across blocks as plain data flow, and replaces every residual add by an
+aggregation over that history; the schedule of which sources each aggregation sees is static.
+
+With routes and DAR together: entering a route, every history source is gathered to the kept tokens;
+sources made inside the route are scattered back at its end with zeros for the routed tokens (the
+branch they skipped contributes nothing to the value, as in a plain residual network, but a zero
+source still takes softmax weight: its logit is 0 whatever the query, so it dilutes those tokens'
+mix), or, for a chunk summary begun before the route, with its pre-route part; sources from before
+the route are restored at full size.
 """
 
 from __future__ import annotations
@@ -11,33 +20,65 @@ from __future__ import annotations
 import copy
 import itertools
 import linecache
+import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
 
-from .analysis import GraphReport, slot_value
-from .config import Route
-from .ops import gather_tokens, scatter_tokens
+from . import dar
+from .analysis import BlockInfo, slot_value, trace_block
+from .errors import ConfigError
+from .plan import Plan, RoutePlan
+from .routing import gather_tokens, scatter_tokens
+from .trace import Trace, bind_arguments
 
 _counter = itertools.count()
+STATE = "routekit"  # the one submodule routekit adds to a model: route selectors and DAR's parameters
 
 
-def route_graph(graph: fx.Graph, report: GraphReport, routes: list[Route], grid_fixed: bool):
-    """A copy of `graph` with `routes` inserted; route k calls the module `routekit.routes.k`.
+@dataclass
+class Rewritten:
+    """A rewritten graph, the trace-time constants it reads, and whether it holds specialisations."""
 
-    Returns the graph and, per route, its (index, scatter) nodes, where DAR hooks its history in.
+    graph: fx.Graph
+    constants: dict[str, torch.Tensor]
+    specialised: list[str] = field(default_factory=list)
+
+
+def rewrite(tr: Trace, plan: Plan, model: nn.Module, training: bool) -> Rewritten:
+    """The graph a routed model runs: with the plan's routes when `training`, and DAR's aggregations if planned."""
+    graph = copy.deepcopy(tr.graph)
+    first = next(n for n in graph.nodes if n.name == plan.report.blocks[0].node)
+    v0 = slot_value(first, plan.report.stream_slot)  # the stream entering the first block, before any route
+    routes = plan.placed if training else ()
+    placed = place_routes(graph, plan, routes)
+    result = Rewritten(graph, dict(tr.constants), list(tr.specialised))
+    if plan.dar is not None:
+        place_dar(result, plan, model, v0, routes, placed)
+    graph.lint()
+    return result
+
+
+def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> dict[int, tuple[fx.Node, fx.Node]]:
+    """Insert `routes` into `graph` in place; route k calls the module `routekit.routes.k`.
+
+    Returns, per route, its (index, scatter) nodes, where DAR hooks its history in.
     """
-    graph = copy.deepcopy(graph)
+    report = plan.report
     placed = {}
     by_name = {n.name: n for n in graph.nodes}
-    grid_node = by_name.get(report.grid_node) if report.grid_node and not grid_fixed else None
+    grid_node = by_name.get(report.grid_node) if report.grid_node and not plan.grid_given else None
     for k, route in enumerate(routes):
         blocks = report.blocks[route.start:route.end + 1]
         first = by_name[blocks[0].node]
         stream_in = slot_value(first, report.stream_slot)
         with graph.inserting_before(first):
             args = (stream_in,) if grid_node is None else (stream_in, grid_node)
-            index = graph.call_module(f"routekit.routes.{k}", args)
+            index = graph.call_module(f"{STATE}.routes.{k}", args)
             kept = graph.call_function(gather_tokens, (stream_in, index))
         _set_slot(first, report.stream_slot, kept)
         gathered: dict[str, fx.Node] = {}
@@ -55,8 +96,7 @@ def route_graph(graph: fx.Graph, report: GraphReport, routes: list[Route], grid_
             full = graph.call_function(scatter_tokens, (stream_in, index, out))
         out.replace_all_uses_with(full, delete_user_cb=lambda user, full=full: user is not full)
         placed[k] = (index, full)
-    graph.lint()
-    return graph, placed
+    return placed
 
 
 def _set_slot(node: fx.Node, slot, value: fx.Node) -> None:
@@ -65,6 +105,254 @@ def _set_slot(node: fx.Node, slot, value: fx.Node) -> None:
     else:
         node.update_kwarg(slot, value)
 
+
+# ---- DAR -------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Item:
+    node: fx.Node
+    inside: bool = False  # made inside the current route
+    full: fx.Node | None = None  # its full-size value, for items that existed when the route began
+    bases: list = field(default_factory=list)  # full-size parts of a summary begun before the route
+
+
+class _History:
+    """The static schedule: which graph nodes are the sources at each point."""
+
+    def __init__(self, graph: fx.Graph, v0: fx.Node, chunk: int | None):
+        self.graph, self.items, self.chunk = graph, [_Item(v0)], chunk
+        self.raw_count = 0
+        self.unified = False  # sources made before the first sublayer output are cast to its dtype
+        self.index: fx.Node | None = None
+        self.route_stream: fx.Node | None = None
+
+    def append(self, node: fx.Node) -> None:
+        if not self.unified:
+            for item in self.items:
+                item.node = self.graph.call_function(dar.cast_like, (item.node, node))
+                if item.full is not None:
+                    item.full = self.graph.call_function(dar.cast_like, (item.full, node))
+            self.unified = True
+        self.items.append(_Item(node, inside=self.index is not None))
+        self.raw_count += 1
+        if self.chunk and self.raw_count % self.chunk == 0:
+            parts = self.items[-self.chunk:]
+            del self.items[-self.chunk:]
+            summary = self.graph.call_function(dar.sum_sources, ([p.node for p in parts],))
+            inside = any(p.inside for p in parts)
+            bases = [b for p in parts for b in ([p.full] if p.full is not None else p.bases)]
+            self.items.append(_Item(summary, inside=inside, bases=bases if inside else []))
+
+    def sources(self) -> list[fx.Node]:
+        return [item.node for item in self.items]
+
+    def enter(self, index: fx.Node, stream: fx.Node) -> None:
+        self.index, self.route_stream = index, stream
+        for item in self.items:
+            item.full = item.node
+            item.node = self.graph.call_function(gather_tokens, (item.node, index))
+
+    def exit(self) -> None:
+        zeros = None
+        for item in self.items:
+            if not item.inside:
+                item.node, item.full = item.full, None
+                continue
+            if item.bases:
+                base = self.graph.call_function(dar.sum_sources, (list(item.bases),))
+            else:
+                if zeros is None:
+                    zeros = self.graph.call_function(torch.zeros_like, (self.route_stream,))
+                base = zeros
+            item.node = self.graph.call_function(scatter_tokens, (base, self.index, item.node))
+            item.inside, item.full, item.bases = False, None, []
+        self.index = self.route_stream = None
+
+
+def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, routes: tuple[RoutePlan, ...],
+              route_nodes: dict[int, tuple[fx.Node, fx.Node]]) -> None:
+    """Inline the blocks into `result.graph` and replace every residual add by an aggregation over the history
+    that starts with `v0` (in place)."""
+    graph, report, config = result.graph, plan.report, plan.dar.config
+    by_name = {n.name: n for n in graph.nodes}
+    temb = by_name[plan.dar.timestep] if plan.dar.timestep else None
+    first = by_name[report.blocks[0].node]
+    with graph.inserting_before(first):
+        query = graph.get_attr(f"{STATE}.dar.query")
+        dynamic = graph.get_attr(f"{STATE}.dar.dynamic") if config.query == "dynamic" else None
+        if temb is not None:
+            temb = graph.call_method("unsqueeze", (temb, 1))
+    history = _History(graph, v0, config.chunk)
+    starts = {r.start: k for k, r in enumerate(routes)}
+    ends = {r.end: k for k, r in enumerate(routes)}
+    kept = {i: r.kept for r in routes for i in r.blocks}
+    two_phase = dict(plan.dar.two_phase if routes else plan.dar.two_phase_unrouted)
+    point = 0
+    chunk = None  # the current two-phase chunk: (first point, its shared sources, mixes node, state node)
+    options = {"eps": config.eps, "kernel": config.kernel}
+    readers: dict[fx.Node, tuple[fx.Node, list[int]]] = {}  # source -> (its logits node, the points reading it)
+
+    def logits_for(shared: list[fx.Node], first: int, size: int) -> fx.Node:
+        offsets = []
+        for node in shared:
+            if node not in readers:
+                with graph.inserting_after(node):
+                    readers[node] = graph.call_function(dar.history_logits, (node, query, (), temb, config.eps)), []
+            offsets.append(len(readers[node][1]))
+            readers[node][1].extend(range(first, first + size))
+        return graph.call_function(dar.chunk_logits, (tuple(readers[n][0] for n in shared), tuple(offsets), size))
+
+    def aggregate(v: fx.Node) -> fx.Node:
+        nonlocal point, chunk
+        history.append(v)
+        q = graph.call_function(operator.getitem, (query, point))
+        if config.query == "static_t":
+            q = graph.call_function(operator.add, (q, temb))
+        elif config.query == "dynamic":
+            w = graph.call_function(operator.getitem, (dynamic, point))
+            q = graph.call_function(F.linear, (v, w))
+        if point in two_phase:  # a chunk begins: its shared sources, once for all its queries
+            shared = history.sources()[:-1]
+            logits = logits_for(shared, point, two_phase[point])
+            parts = graph.call_function(dar.shared_part, (shared, logits), {"kernel": config.kernel})
+            chunk = (point, shared, *(graph.call_function(operator.getitem, (parts, i)) for i in (0, 1)))
+        point += 1
+        sources = history.sources()
+        if chunk is None or point > chunk[0] + two_phase[chunk[0]]:
+            return graph.call_function(dar.mix, (sources, q), options)
+        first, shared, mixes, states = chunk
+        if sources[:len(shared)] != shared:  # the plan admits no route boundary inside a chunk
+            raise RuntimeError(f"routekit bug: the shared sources of the chunk at point {first} changed inside it")
+        mix, state = (graph.call_function(operator.getitem, (part, point - 1 - first)) for part in (mixes, states))
+        return graph.call_function(dar.merge, (sources[len(shared):], q, mix, state), options)
+
+    for i, info in enumerate(report.blocks):
+        call = by_name[info.node]
+        if i in starts:
+            index, _ = route_nodes[starts[i]]
+            with graph.inserting_before(call):
+                history.enter(index, index.args[0])
+        if info.adds:
+            body, adds = _body(model, plan, info, kept.get(i, report.tokens))
+            result.specialised.extend(body.specialised)
+            forward = type(model.get_submodule(info.qualname)).forward
+            env = _inline(graph, call, body, info.qualname, forward, result.constants)
+            for add_name in adds:
+                add = env[add_name]
+                skip, branch = add.args[0], add.args[1]
+                if not _descends(branch, skip):
+                    skip, branch = branch, skip
+                with graph.inserting_before(add.next):
+                    h = aggregate(branch)
+                add.replace_all_uses_with(h)
+                graph.erase_node(add)
+        else:  # adds hidden inside the block: one source per block, v = output - input
+            out = by_name[info.stream_out]
+            stream_in = slot_value(call, report.stream_slot)
+            with graph.inserting_before(out.next):
+                v = graph.call_function(operator.sub, (out, stream_in))
+                h = aggregate(v)
+            out.replace_all_uses_with(h, delete_user_cb=lambda user, v=v: user is not v)
+        if i in ends:
+            _, scatter = route_nodes[ends[i]]
+            with graph.inserting_before(scatter.next):
+                history.exit()
+    for node, (logits, points) in readers.items():  # every reader is known now
+        logits.args = (node, query, tuple(points), temb, config.eps)
+    fold_norms(graph, model)
+
+
+def _body(model: nn.Module, plan: Plan, info: BlockInfo, tokens: int) -> tuple[Trace, tuple[str, ...]]:
+    """The block's own trace at the token count it sees: the analysis' one, unless a route gives the block
+    fewer tokens and that trace was specialised to its shapes; then the block is traced at the kept count."""
+    report = plan.report
+    if tokens == report.tokens or not info.body.specialised:
+        return info.body, info.adds
+    body, adds = trace_block(model, info, report.stream_slot, report.stream, report.stream_out_index, tokens)
+    if len(adds) != len(info.adds):
+        raise ConfigError(
+            f"DAR: {info.qualname} has {len(adds)} residual adds on the route's {tokens} tokens but {len(info.adds)} "
+            f"on all {report.tokens}; its code branches on the token count, so DAR cannot be combined with this route"
+        )
+    return body, adds
+
+
+def _descends(node: fx.Node, ancestor: fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is ancestor:
+            return True
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _inline(graph: fx.Graph, call: fx.Node, tr: Trace, qualname: str, forward, constants: dict) -> dict[str, fx.Node]:
+    """Replace the call of a block by the block's own traced nodes; returns block-node-name → new node."""
+    module_args = bind_arguments(forward, call.args, call.kwargs)
+    env: dict[fx.Node, fx.Node] = {}
+    names: dict[str, fx.Node] = {}
+    outputs = None
+    with graph.inserting_before(call):
+        for node in tr.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = module_args.arguments[node.target]
+                continue
+            if node.op == "output":
+                outputs = [env[a] if isinstance(a, fx.Node) else a for a in node.args[0]]
+                continue
+            new = graph.node_copy(node, lambda n: env[n])
+            if node.op in ("call_module", "get_attr"):
+                new.target = f"{qualname}.{node.target}"
+                if node.op == "get_attr" and node.target in tr.constants:
+                    constants[new.target] = tr.constants[node.target]
+            env[node], names[node.name] = new, new
+    result = pytree.tree_unflatten(outputs, tr.out_spec)
+    if isinstance(result, fx.Node):
+        call.replace_all_uses_with(result)
+    else:
+        for user in list(call.users):
+            if user.op != "call_function" or user.target is not operator.getitem:
+                raise ConfigError(f"DAR cannot inline {qualname}: its tuple output is used whole by {user.name}")
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    graph.erase_node(call)
+    return names
+
+
+def _plain_layer_norm(module: nn.Module | None) -> bool:
+    """An nn.LayerNorm over the last dim without parameters, running torch's own forward (not a subclass's,
+    e.g. one that casts to fp32) and no hooks: what `dar.layer_norm_of_merge` computes in its place. Norms with
+    a weight or bias stay modules: an FSDP unit around one must still run its forward."""
+    return (isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
+            and len(module.normalized_shape) == 1 and not any(True for _ in module.parameters())
+            and not (module._forward_hooks or module._forward_pre_hooks))
+
+
+def fold_norms(graph: fx.Graph, model: nn.Module) -> int:
+    """Fold each plain LayerNorm (`_plain_layer_norm`) that is the only reader of a two-phase merge into
+    it (`dar.layer_norm_of_merge`); returns how many."""
+    folded = 0
+    for node in list(graph.nodes):
+        if node.target is not dar.merge or len(node.users) != 1:
+            continue
+        norm = next(iter(node.users))
+        module = model.get_submodule(norm.target) if norm.op == "call_module" else None
+        if not (_plain_layer_norm(module) and norm.args == (node,) and not norm.kwargs):
+            continue
+        with graph.inserting_before(norm):
+            fused = graph.call_function(dar.layer_norm_of_merge, (*node.args, module.eps), dict(node.kwargs))
+        norm.replace_all_uses_with(fused)
+        graph.erase_node(norm)
+        graph.erase_node(node)
+        folded += 1
+    return folded
+
+
+# ---- from graph to function -------------------------------------------------------------------------------
 
 def constants_to_inputs(graph: fx.Graph, constants: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Turn get_attr nodes of trace-time constants into trailing inputs; returns their values in order."""

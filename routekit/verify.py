@@ -11,7 +11,8 @@ from torch import nn
 from torch.func import functional_call
 
 from .errors import InferenceChanged, InputError, TraceError
-from .model import RoutedModel, _example_call, training_mode, unwrap_compiled
+from .model import RoutedModel, example_call, unwrap_compiled
+from .state import training_mode
 from .trace import flatten, preserved_state, trace
 
 
@@ -38,7 +39,7 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
         raise InputError(f"seed is an int, got {seed!r:.80}")
     if not isinstance(routed, RoutedModel):
         raise InputError(f"verify compares a model with routekit.apply(model, ...); got {type(routed).__name__}")
-    args, kwargs = _example_call(model, example_inputs, example_kwargs)
+    args, kwargs = example_call(model, example_inputs, example_kwargs)
     with training_mode(model, False), training_mode(routed, False):
         try:
             original = graph_lines(trace(model, args, kwargs).graph)
@@ -66,7 +67,8 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
                 raise InferenceChanged(f"the routed model fails in eval where the original runs: "
                                        f"{type(err).__name__}: {err}") from err
     _compare(expected, got)
-    return {"mode": routed._routekit_report.mode, "nodes": original and len(original), "outputs": len(flatten(expected)[0])}
+    return {"mode": routed._routekit_plan.report.mode, "nodes": original and len(original),
+            "outputs": len(flatten(expected)[0])}
 
 
 def _compare(expected, got, depth: int = 0) -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import copy
 import linecache
 import math
-import os
 from dataclasses import dataclass
-from unittest import mock
 
 import pytest
 import torch
@@ -280,7 +278,7 @@ def randomise_queries(routed: nn.Module, seed: int, scale: float = 1.0) -> None:
 
 def program_source(routed: nn.Module, train: bool) -> str:
     """The generated Python of the routed model's program for its one call signature in that mode."""
-    (bucket,) = [b for (mode, _), b in routed._routekit_programs.items() if mode == train]
+    (bucket,) = [b for (mode, _), b in routed._routekit_executor.programs.items() if mode == train]
     (program,) = bucket.values()
     return "".join(linecache.getlines(program.fn.__code__.co_filename))
 
@@ -340,9 +338,9 @@ def test_blocks_with_hidden_residual_adds_are_one_source_each(spec, chunk, data)
     spec = Spec(**{**spec.__dict__, "hidden_blocks": hidden})
     model, example = build(spec), inputs(spec)
     routed = dar(model, example, chunk=chunk)
-    report = routed._routekit_report
-    assert [i for i, adds in report.residual_adds.items() if not adds] == sorted(hidden)
-    assert report.residual_granularity == ("block" if len(hidden) == len(spec.kinds) else "mixed")
+    report = rk.report_of(routed)
+    assert [b.index for b in report.blocks if not b.adds] == sorted(hidden)
+    assert report.residual == ("block" if len(hidden) == len(spec.kinds) else "mixed")
     randomise_queries(routed, spec.seed)
     with torch.no_grad():
         expected = dar_by_hand(model, *example, chunk=chunk, mix=softmax_mix, query=routed.routekit.dar.query)
@@ -367,8 +365,8 @@ def test_one_aggregation_per_sublayer(spec, query):
     model = build(spec)
     routed = dar(model, inputs(spec), query=query)
     report = rk.report_of(routed)
-    assert [len(report.residual_adds[i]) for i in range(len(spec.kinds))] == [len(k) for k in spec.kinds]
-    assert report.residual_granularity == "sublayer"
+    assert [len(b.adds) for b in report.blocks] == [len(k) for k in spec.kinds]
+    assert report.residual == "sublayer"
     assert routed.routekit.dar.points == spec.sublayers
     assert routed.routekit.dar.query.shape == (spec.sublayers, spec.hidden)
     if query == "dynamic":
@@ -412,7 +410,7 @@ def test_every_residual_add_is_found_or_the_block_is_one_source(cls):
     model = build(spec)
     model.blocks = nn.ModuleList(cls(8, ("ffn", "ffn"), True) for _ in range(3))
     report = rk.report_of(dar(model, inputs(spec)))
-    assert all(len(adds) in (0, 2) for adds in report.residual_adds.values()), report.residual_adds
+    assert all(len(b.adds) in (0, 2) for b in report.blocks), [b.adds for b in report.blocks]
 
 
 # --- 4: with routes -----------------------------------------------------------------------------------
@@ -491,7 +489,7 @@ def test_eval_program_is_stable_across_traces(spec, chunk, query):
     assert program_source(one, False) == program_source(two, False)
     assert torch.equal(out_one, out_two)
     source = program_source(one, False)
-    one._routekit_programs.clear()  # traced again on the next call
+    one._routekit_executor.programs.clear()  # traced again on the next call
     assert torch.equal(run(one, example, False), out_one)
     assert program_source(one, False) == source
 
@@ -552,13 +550,13 @@ def test_every_aggregation_reads_contiguous_sources(monkeypatch):
     x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
     assert not model.x_embedder(x).is_contiguous()
     routed = dar(model, (x, t, y), query="static", chunk=2)
-    layouts, mix = [], routekit.dar.dar_aggregate
+    layouts, mix = [], routekit.dar.aggregate
 
     def recording(sources, *args, **kwargs):
         layouts.append([v.is_contiguous() for v in sources])
         return mix(sources, *args, **kwargs)
 
-    monkeypatch.setattr(routekit.dar, "dar_aggregate", recording)
+    monkeypatch.setattr(routekit.dar, "aggregate", recording)
     run(routed, (x, t, y), train=True)
     assert len(layouts) == 4 and all(all(found) for found in layouts), layouts
 
@@ -576,7 +574,7 @@ class CastingLayerNorm(nn.LayerNorm):
 @pytest.mark.parametrize("norm", ["plain", "affine", "subclass", "hooked"])
 def test_a_plain_norm_that_reads_a_merge_is_folded_into_it(monkeypatch, norm):
     """DiT's LayerNorms (no weight or bias) that read a two-phase chunk's merges become one call with the
-    merge (``layer_norm_of_mix``: under torch.compile the merge kernel gives the norm its rows' statistics),
+    merge (``layer_norm_of_merge``: under torch.compile the merge kernel gives the norm its rows' statistics),
     which on the reference path is exactly the module's LayerNorm of the merge. Norms with parameters (an
     FSDP unit around one must still run its forward), a subclass's forward or hooks stay modules."""
     import routekit.dar
@@ -596,8 +594,8 @@ def test_a_plain_norm_that_reads_a_merge_is_folded_into_it(monkeypatch, norm):
     randomise_queries(folded, 1)
     source = program_source(folded, True)
     # of the 6 norms after merges (the last one, norm_final, stays plain: traced through, a subclass is ops)
-    assert source.count("layer_norm_of_mix(") == {"plain": 6, "affine": 1, "subclass": 1, "hooked": 3}[norm], source
-    monkeypatch.setattr(routekit.dar, "fold_norms", lambda graph, model: 0)
+    assert source.count("layer_norm_of_merge(") == {"plain": 6, "affine": 1, "subclass": 1, "hooked": 3}[norm], source
+    monkeypatch.setattr(routekit.rewrite, "fold_norms", lambda graph, model: 0)
     unfolded = dar(model, (x, t, y), query="static", chunk=2)
     unfolded.load_state_dict(folded.state_dict())
     for train in (True, False):
@@ -617,14 +615,14 @@ def test_mixes_come_out_in_the_sublayers_dtype_under_autocast(monkeypatch, chunk
     model = tiny_dit()
     x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(2))
     routed = dar(model, (x, t, y), query="static", chunk=chunk)
-    dtypes, mix = [], routekit.dar.dar_aggregate
+    dtypes, mix = [], routekit.dar.aggregate
 
     def recording(sources, *args, **kwargs):
         out = mix(sources, *args, **kwargs)
         dtypes.append((sources[0].dtype, out.dtype))
         return out
 
-    monkeypatch.setattr(routekit.dar, "dar_aggregate", recording)
+    monkeypatch.setattr(routekit.dar, "aggregate", recording)
     routed.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = routed(x, t, y)
@@ -722,9 +720,8 @@ def test_dar_on_rwkv_and_mamba(backbone, overrides, per_block, chunk):
     example = backbone.example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     routed = dar(model, example, chunk=chunk, stack="blocks")
     report = rk.report_of(routed)
-    assert report.residual_adds == {0: report.residual_adds[0], 1: report.residual_adds[1]}
-    assert [len(a) for a in report.residual_adds.values()] == [per_block, per_block]
-    assert report.residual_granularity == "sublayer"
+    assert [len(b.adds) for b in report.blocks] == [per_block, per_block]
+    assert report.residual == "sublayer"
     assert routed.routekit.dar.query.shape == (2 * per_block, 32)
     routed.train()
     out = routed(*example)
@@ -769,27 +766,22 @@ def test_state_dict_is_the_models_plus_dar(spec, query):
         routed.load_state_dict(missing, strict=True)
 
 
-@pytest.mark.parametrize("prefix", ["stream", "fused"])
 @FEW
 @given(spec=specs(), chunk=st.sampled_from([2, 3, 4]), mode=st.sampled_from(["static", "static_t"]),
        seed=st.integers(0, 2**16))
-def test_two_phase_chunks_give_the_gradients_of_dar_by_hand(prefix, spec, chunk, mode, seed):
+def test_two_phase_chunks_give_the_gradients_of_dar_by_hand(spec, chunk, mode, seed):
     """Static queries are known before a chunk runs, so each chunk reads its shared sources once for
-    all of its sublayers and each sublayer merges its own outputs in: by default from each shared
-    source's logits, made once for every later chunk (streamed_history), or with ROUTEKIT_DAR_SHARED=fused
-    computing them in the chunk (shared_history). The gradients of every model parameter and query are
-    those of the plain loop."""
+    all of its sublayers (a weighted sum from each shared source's logits, made once for every later
+    chunk: shared_part) and each sublayer merges its own outputs in. The gradients of every model
+    parameter and query are those of the plain loop."""
     model = build(spec)
     example = inputs(spec)
-    with mock.patch.dict(os.environ, {"ROUTEKIT_DAR_SHARED": prefix}):
-        routed = dar(model, example, chunk=chunk, query=mode)
+    routed = dar(model, example, chunk=chunk, query=mode)
     randomise_queries(routed, seed)
     state = routed.routekit.dar
     routed.train()
     if spec.sublayers >= 2:
-        source = program_source(routed, True)
-        assert ("streamed_history" in source) == (prefix == "stream")
-        assert ("shared_history" in source) == (prefix == "fused")
+        assert "shared_part" in program_source(routed, True)
     params = [p for _, p in model.named_parameters()]
     got = torch.autograd.grad(routed(*example).square().sum(), [*params, state.query], allow_unused=True)
     loss = dar_by_hand(model, *example, chunk=chunk, mix=softmax_mix, query=state.query, mode=mode).square().sum()
@@ -805,11 +797,12 @@ def test_two_phase_chunks_are_those_no_route_boundary_crosses():
     """DiT-XL/2's schedule: 28 blocks of 2 sublayers, chunks of 4, TREAD's route 2→24. Entering at block 2
     starts chunk 4..7 (allowed: the prefix is taken after the gather); leaving after block 24 falls inside
     chunk 48..51 (point 50), which keeps one aggregation per sublayer."""
-    from routekit.dar import BlockTrace, _two_phase_chunks
+    from routekit.plan import RoutePlan, two_phase_chunks
 
-    blocks = [BlockTrace(trace=None, adds=["attn_add", "mlp_add"]) for _ in range(28)]
-    chunks = _two_phase_chunks(blocks, starts={2: 0}, ends={24: 0}, config=rk.DAR(chunk=4))
+    sizes = [2] * 28
+    route = RoutePlan(rk.Route(start=2, end=24), keep=(), kept=128)
+    chunks = two_phase_chunks(sizes, [route], rk.DAR(chunk=4))
     assert chunks == {p: 4 for p in range(0, 56, 4) if p != 48}
-    assert _two_phase_chunks(blocks, {}, {}, rk.DAR(chunk=3))[54] == 2  # a short last chunk of two points
-    assert _two_phase_chunks(blocks, {}, {}, rk.DAR(chunk=4, query="dynamic")) == {}
-    assert _two_phase_chunks(blocks, {}, {}, rk.DAR(chunk=1)) == {}
+    assert two_phase_chunks(sizes, [], rk.DAR(chunk=3))[54] == 2  # a short last chunk of two points
+    assert two_phase_chunks(sizes, [], rk.DAR(chunk=4, query="dynamic")) == {}
+    assert two_phase_chunks(sizes, [], rk.DAR(chunk=1)) == {}

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import routekit as rk
-from routekit.keep import kept_tokens, select_with_keep
+from routekit.plan import kept_tokens, resolve_keep
+from routekit.routing import select_tokens
+from routekit.selectors import get_selector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,9 +64,12 @@ def test_the_selection_always_holds_keep_and_the_rate_applies_to_the_other_token
                                                                                  data) -> None:
     keep = data.draw(st.lists(st.integers(-tokens, tokens - 1), max_size=tokens - 1, unique_by=lambda i: i % tokens))
     route = rk.Route(start=0, end=0, rate=rate, keep=keep)
-    index = select_with_keep(route, 3, tokens, grid=None, generator=torch.Generator().manual_seed(0), device="cpu")
+    resolved = resolve_keep(route.keep, tokens)
+    index = select_tokens(get_selector("random"), 3, tokens, rate, resolved, grid=None,
+                          generator=torch.Generator().manual_seed(0), device="cpu")
     others = tokens - len(keep)
-    assert index.shape == (3, len(keep) + others - int(others * rate)) == (3, kept_tokens(route, tokens, None))
+    assert index.shape == (3, len(keep) + others - int(others * rate)) == (3, kept_tokens("random", rate, resolved,
+                                                                                           tokens, None))
     assert (index.diff(dim=1) > 0).all() and index.min() >= 0 and index.max() < tokens
     for row in index.tolist():
         assert {i % tokens for i in keep} <= set(row)
@@ -101,7 +106,7 @@ def test_routed_models_never_set_the_kept_tokens_aside_and_grid_selectors_keep_g
             assert (grid.all(2) | ~grid.any(2)).all()  # whole rows of the 4×6 grid
         if selector == "column":
             assert (grid.all(1) | ~grid.any(1)).all()
-    assert (~routed_mask).sum(1).tolist() == [kept_tokens(rk.report_of(routed).routes[0], 27, (4, 6))] * 2
+    assert (~routed_mask).sum(1).tolist() == [rk.report_of(routed).placed[0].kept] * 2
 
 
 def test_grid_selectors_need_keep_to_be_exactly_the_tokens_beside_the_grid() -> None:

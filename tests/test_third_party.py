@@ -23,7 +23,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import routekit as rk
-from routekit.keep import kept_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,7 +182,7 @@ def test_a_routed_train_step_sees_fewer_tokens_lets_gradients_flow_and_saves_the
     report = rk.report_of(routed)
     route = spec.route
     batch, tokens = report.stream.shape[:2]
-    kept = kept_tokens(route, tokens, report.grid)
+    kept = report.placed[0].kept
     assert kept < tokens
 
     model.train()

@@ -111,3 +111,6 @@ def dar_weighted_sum(sources: Sources, logits: Tensor, kernel: str = "auto") -> 
     if _use_triton(sources, like, like.shape[-1], kernel):
         return _triton("dar_stream").weighted_sum_triton(list(sources), logits)
     return weighted_sum_reference(sources, logits)
+
+# transitional names (replaced when the kernels' restructure lands)
+aggregate, merge_with_stats, weighted_sum = dar_aggregate, dar_merge_stats, dar_weighted_sum

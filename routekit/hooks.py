@@ -1,0 +1,176 @@
+"""Plan → block-call hooks: boundary mode, for owners whose forward cannot be traced.
+
+The same plan as the graph rewrite, placed at the block calls instead of into a graph. The routed
+model gets private copies of the modules on the path to each hooked block (sharing parameters and
+buffers, so the state_dict is unchanged and the user's model gets no hooks). A forward pre-hook on
+block `start` selects and gathers the stream, pre-hooks on the route's blocks gather their per-token
+side inputs, and a forward hook on block `end` scatters the kept tokens back. The hooks act only
+inside the routed model's training forward, so eval is the original forward, untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .analysis import BlockInfo, Slot
+from .errors import ConfigError
+from .plan import Plan
+from .routing import gather_tokens, scatter_tokens
+from .trace import shallow_copy
+
+
+class Hooks:
+    """The executor of boundary mode: hooks that place a plan's routes at block calls, and what one
+    routed forward carries between them."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.paths: list[str] = []  # modules the routed model holds private copies of
+        self.hook_ids: dict[str, list[int]] = {}
+        self.selects: list[nn.Module] = []
+        self.active = False
+        self._clear()
+
+    def _clear(self) -> None:
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grid_source: torch.Tensor | None = None
+
+    def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The original forward with the routes live."""
+        self.active = True
+        try:
+            return routed._routekit_base.forward(routed, *args, **kwargs)
+        finally:
+            self.active = False
+            self._clear()
+
+    def attach(self, routed: nn.Module, selects: list[nn.Module]) -> None:
+        self.selects = selects
+        report = self.plan.report
+        for k, route in enumerate(self.plan.placed):
+            blocks = report.blocks[route.start:route.end + 1]
+            for block in blocks:
+                module = self._private(routed, block.qualname)
+                handle = module.register_forward_pre_hook(_Before(self, k, block, block is blocks[0]), with_kwargs=True)
+                self.hook_ids.setdefault(block.qualname, []).append(handle.id)
+            handle = self._private(routed, blocks[-1].qualname).register_forward_hook(_After(self, k))
+            self.hook_ids[blocks[-1].qualname].append(handle.id)
+        if report.grid_node and self.plan.placed and not self.plan.grid_given:
+            handle = self._private(routed, report.grid_node).register_forward_hook(_GridSource(self))
+            self.hook_ids.setdefault(report.grid_node, []).append(handle.id)
+
+    def detach(self, plain: nn.Module) -> None:
+        """Give `plain` (a copy of the routed model) private copies of the hooked modules, without routekit's hooks."""
+        for path in list(self.paths):
+            self._private(plain, path, fresh=True)
+            module = plain.get_submodule(path)
+            for attr, hooks in module.__dict__.items():
+                if "hook" in attr and isinstance(hooks, dict):
+                    for hook_id in self.hook_ids.get(path, []):
+                        hooks.pop(hook_id, None)
+
+    def _private(self, root: nn.Module, qualname: str, fresh: bool = False) -> nn.Module:
+        """`root`'s own copy of the module at `qualname`, copying every module on the path once."""
+        module, path = root, ""
+        for atom in qualname.split(".") if qualname else []:
+            path = f"{path}.{atom}" if path else atom
+            if fresh or path not in self.paths:
+                module._modules[atom] = _own_copy(module._modules[atom])
+                if path not in self.paths:
+                    self.paths.append(path)
+            module = module._modules[atom]
+        return module
+
+    def gather_sides(self, block: BlockInfo, index: torch.Tensor, args: tuple, kwargs: dict):
+        for side in block.side_inputs:
+            if side.kind != "per-token":
+                continue
+            value = _get(args, kwargs, side.slot, block)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if id(value) not in self.gathered:  # one gather per tensor and forward, kept alive with it
+                self.gathered[id(value)] = (value, gather_tokens(value, index))
+            args, kwargs = _put(args, kwargs, side.slot, self.gathered[id(value)][1])
+        return args, kwargs
+
+
+class _Before:
+    """Forward pre-hook on a route's block: at `start` select and gather the stream; gather side inputs."""
+
+    def __init__(self, hooks: Hooks, route: int, block: BlockInfo, first: bool):
+        self.hooks, self.route, self.block, self.first = hooks, route, block, first
+
+    def __call__(self, module, args, kwargs):
+        hooks = self.hooks
+        if not hooks.active:
+            return None
+        slot = hooks.plan.report.stream_slot
+        if self.first:
+            hooks.gathered = {}
+            stream = _get(args, kwargs, slot, self.block)
+            index = hooks.selects[self.route](stream, hooks.grid_source)
+            hooks.pending[self.route] = (stream, index)
+            args, kwargs = _put(args, kwargs, slot, gather_tokens(stream, index))
+        elif self.route not in hooks.pending:
+            return None
+        return hooks.gather_sides(self.block, hooks.pending[self.route][1], args, kwargs)
+
+
+class _After:
+    """Forward hook on a route's last block: the kept tokens rejoin the stream as it was at the route start."""
+
+    def __init__(self, hooks: Hooks, route: int):
+        self.hooks, self.route = hooks, route
+
+    def __call__(self, module, args, output):
+        if not self.hooks.active or self.route not in self.hooks.pending:
+            return None
+        stream, index = self.hooks.pending.pop(self.route)
+        position = self.hooks.plan.report.stream_out_index
+        if position is None:
+            return scatter_tokens(stream, index, output)
+        items = list(output)
+        items[position] = scatter_tokens(stream, index, items[position])
+        if isinstance(output, list):
+            return items
+        return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+
+
+class _GridSource:
+    """Forward hook on the patch embedding: the grid of this forward, for grid selectors."""
+
+    def __init__(self, hooks: Hooks):
+        self.hooks = hooks
+
+    def __call__(self, module, args, output):
+        if self.hooks.active and isinstance(output, torch.Tensor) and output.dim() == 4:
+            self.hooks.grid_source = output
+
+
+def _own_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` (same parameters, buffers, children) with its own hook tables."""
+    copy = shallow_copy(module)
+    for attr, value in module.__dict__.items():
+        if "hook" in attr and isinstance(value, dict):
+            copy.__dict__[attr] = type(value)(value)
+    return copy
+
+
+def _get(args: tuple, kwargs: dict, slot: Slot, block: BlockInfo):
+    try:
+        return args[slot] if isinstance(slot, int) else kwargs[slot]
+    except (IndexError, KeyError):
+        raise ConfigError(
+            f"{block.qualname} was called without its argument {slot!r}, which it had on the example inputs; "
+            "boundary mode routes calls made the way the example inputs made them"
+        ) from None
+
+
+def _put(args: tuple, kwargs: dict, slot: Slot, value: torch.Tensor) -> tuple[tuple, dict]:
+    if isinstance(slot, int):
+        return (*args[:slot], value, *args[slot + 1:]), kwargs
+    return args, {**kwargs, slot: value}

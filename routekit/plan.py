@@ -1,0 +1,309 @@
+"""The plan: what routekit will do to one model, checked once, frozen.
+
+`make_plan` takes the analysis and the user's request (routes, DAR, grid) and either refuses with a
+`ConfigError` that says what was wrong and what would be valid, or returns a `Plan` that the graph
+rewrite and the block-call hooks read and nobody writes. Every check lives here: routes against the
+stack, `keep` against the stream and its special tokens, blocks a route cannot contain or pass
+through, selectors against the grid and the blocks (whole rows), DAR's sources and chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .analysis import GraphReport, block_runs, find_timestep_embedding
+from .config import DAR, Route
+from .errors import ConfigError
+from .routing import select_tokens
+from .selectors import get_selector, keeps_rows, needs_grid
+
+if TYPE_CHECKING:
+    from .analysis import BlockInfo
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """One route, resolved against the stream: its blocks, the positions it always keeps, its kept count."""
+
+    route: Route
+    keep: tuple[int, ...]  # sorted non-negative positions every selection contains
+    kept: int  # tokens the route's blocks see
+
+    @property
+    def start(self) -> int:
+        return self.route.start
+
+    @property
+    def end(self) -> int:
+        return self.route.end
+
+    @property
+    def blocks(self) -> range:
+        return range(self.route.start, self.route.end + 1)
+
+
+@dataclass(frozen=True)
+class DarPlan:
+    """DAR resolved against the blocks: aggregation points, the timestep embedding's node, two-phase chunks."""
+
+    config: DAR
+    points: int  # one aggregation per residual add (or per block whose adds are hidden)
+    timestep: str | None  # the node of e(t) for static_t queries
+    two_phase: tuple[tuple[int, int], ...]  # (first point, points) of the chunks computed in two phases
+    two_phase_unrouted: tuple[tuple[int, int], ...]  # the same without the routes (DAR's eval graph)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The analysis with the routes and DAR placed on it. It prints as a table and draws as a PNG; its
+    report's fields read as its own (`plan.stack` is `plan.report.stack`)."""
+
+    report: GraphReport
+    placed: tuple[RoutePlan, ...]  # the routes resolved against the stream
+    dar: DarPlan | None
+    grid: tuple[int, int] | None  # the token grid selectors see (given, or the report's)
+    grid_given: bool  # True: fixed by the user; False: read at run time off the grid node/module
+
+    @property
+    def routes(self) -> list[Route]:
+        """The routes as the user gave them."""
+        return [p.route for p in self.placed]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.report, name)
+
+    def __str__(self) -> str:
+        from .report import format_plan
+
+        return format_plan(self)
+
+    def draw(self, path: str) -> str:
+        """Write a PNG of the block stack with the routes marked; returns the path."""
+        from .report import draw_plan
+
+        return draw_plan(self, path)
+
+    def route_at(self) -> dict[int, int]:
+        """{block index: route number} for every routed block."""
+        return {i: k for k, r in enumerate(self.placed) for i in r.blocks}
+
+    def block_flop_fraction(self) -> float:
+        """Fraction of block compute left with the routes, counting compute as linear in tokens."""
+        tokens, kept = self.report.tokens, {}
+        for r in self.placed:
+            kept.update(dict.fromkeys(r.blocks, r.kept))
+        return sum(kept.get(i, tokens) for i in range(self.report.depth)) / (tokens * self.report.depth)
+
+    def with_report(self, report: GraphReport, model: nn.Module, graph: fx.Graph | None = None) -> Plan:
+        """The same request planned on another analysis of the model (another call signature or shape);
+        refuses one that would not keep DAR's parameters' shapes."""
+        plan = make_plan(report, self.routes, self.dar.config if self.dar else None, model,
+                         grid=self.grid if self.grid_given else None, graph=graph)
+        if (plan.dar and plan.dar.points) != (self.dar and self.dar.points):
+            raise ConfigError(
+                f"this call gives {plan.dar.points if plan.dar else 0} DAR aggregation points where the example "
+                f"inputs gave {self.dar.points if self.dar else 0}: DAR's parameters were made for the example's "
+                "call; call the model the way the example inputs did"
+            )
+        return plan
+
+
+def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, model: nn.Module, *,
+              grid: tuple[int, int] | None = None, graph: fx.Graph | None = None) -> Plan:
+    """Check the request against the analysis and freeze it; ConfigError names what is wrong and what would be valid.
+
+    `graph`: the traced owner graph (where DAR looks up the timestep embedding).
+    """
+    given = grid is not None
+    grid = checked_grid(grid, report.tokens) if given else report.grid
+    check_blocks(routes, [b.qualname for b in report.blocks])
+    planned = []
+    for k, route in enumerate(routes):
+        keep = _checked_keep(k, route, report, grid)
+        _check_blocks_of(k, route, report, grid, model)
+        planned.append(RoutePlan(route, keep, kept_tokens(route.selector, route.rate, keep, report.tokens, grid)))
+    dar = _dar_plan(residual, report, planned, graph) if residual is not None else None
+    return Plan(report, tuple(planned), dar, grid, given)
+
+
+def checked_grid(grid, tokens: int) -> tuple[int, int]:
+    """A user's grid=(H, W): two positive ints with H·W equal to the stream's tokens."""
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(type(g) is int and g > 0 for g in grid)):
+        raise ConfigError(f"grid is (H, W), two positive ints, got {grid!r:.80}")
+    if grid[0] * grid[1] != tokens:
+        raise ConfigError(f"grid {tuple(grid)} does not match the stream's {tokens} tokens (H·W must equal it)")
+    return (int(grid[0]), int(grid[1]))
+
+
+def check_blocks(routes: list[Route], block_names: list[str]) -> None:
+    """Refuse routes that do not fit a stack with these blocks; the error lists the valid blocks."""
+    depth = len(block_names)
+    listing = ", ".join(f"{i}: {n}" for i, n in enumerate(block_names))
+    for k, r in enumerate(routes):
+        if r.end >= depth:
+            raise ConfigError(
+                f"route {k} ({r.start}→{r.end}) ends past the last block: valid block indices are "
+                f"0..{depth - 1} ({listing})"
+            )
+    ordered = sorted(enumerate(routes), key=lambda kr: kr[1].start)
+    for (i, a), (j, b) in zip(ordered, ordered[1:]):
+        if b.start <= a.end:
+            raise ConfigError(
+                f"route {j} ({b.start}→{b.end}) overlaps route {i} ({a.start}→{a.end}): routes must be disjoint; "
+                f"a route after route {i} can start at block {a.end + 1} or later"
+            )
+
+
+def resolve_keep(keep: tuple[int, ...] | None, tokens: int) -> tuple[int, ...]:
+    """`keep` as sorted non-negative positions in a stream of `tokens` tokens; ConfigError if out of range."""
+    if not keep:
+        return ()
+    bad = [i for i in keep if not -tokens <= i < tokens]
+    if bad:
+        raise ConfigError(
+            f"keep={list(keep)}: position {bad[0]} is outside the stream's {tokens} tokens "
+            f"(valid positions are {-tokens}..{tokens - 1}; negative ones count from the end)"
+        )
+    resolved = tuple(sorted({i % tokens for i in keep}))
+    if len(resolved) == tokens:
+        raise ConfigError(f"keep={list(keep)} keeps all {tokens} tokens of the stream, so the route would skip nothing")
+    return resolved
+
+
+def suggestion(special: tuple[int, ...]) -> str:
+    return f"keep={list(special)}"
+
+
+def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int, ...]:
+    """The route's resolved keep; refuses keeps that do not fit the stream, and routes that would set aside
+    detected special tokens."""
+    tokens = report.tokens
+    try:
+        keep = resolve_keep(route.keep, tokens)
+    except ConfigError as err:
+        raise ConfigError(f"route {k}: {err}") from None
+    if report.special and route.keep is None:
+        height, width = report.grid
+        raise ConfigError(
+            f"route {k}: the stream has {len(report.special)} token(s) besides its {height}×{width} patch grid "
+            f"(positions {list(report.special)}: class, register or text tokens) and the route would set them aside "
+            f"too; pass Route(..., {suggestion(report.special)}) to always keep them, or keep=[] to route them like "
+            "patch tokens"
+        )
+    if needs_grid(route.selector) and grid is not None:
+        height, width = grid
+        special = resolve_keep(report.special, tokens)
+        if tokens - len(keep) != height * width or (special and keep != special):
+            fix = f"; keep exactly the special tokens: {suggestion(report.special)}" if report.special else ""
+            raise ConfigError(
+                f"route {k}: selector {route.selector!r} picks from the {height}×{width} grid, but with "
+                f"keep={list(route.keep or [])} {tokens - len(keep)} of the {tokens} tokens are left to pick from{fix}"
+            )
+    return keep
+
+
+def _check_blocks_of(k: int, route: Route, report: GraphReport, grid, model: nn.Module) -> None:
+    """Refuse blocks the route cannot contain or pass through, and selectors its blocks cannot take."""
+    blocks = report.blocks[route.start:route.end + 1]
+    for block in blocks:
+        bad = [s for s in block.side_inputs if s.kind == "token-first"]
+        if bad:
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: its input {bad[0].slot!r} has the token axis first "
+                f"and no batch axis ({bad[0].meta}); per-sample selection would need it batched"
+            )
+        if block.aux_escapes:
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "
+                f"({block.aux_escapes[0]}), which would have only the kept tokens"
+            )
+    for block in blocks[:-1]:
+        if block.escapes:
+            raise ConfigError(
+                f"route {k} cannot pass through {block.qualname}: its output is also used by "
+                f"{block.escapes[0].split(' → ')[1]}, outside the chain; end the route at block {block.index} "
+                "or start it after"
+            )
+    if needs_grid(route.selector) and grid is None:
+        raise ConfigError(
+            f"route {k}: selector {route.selector!r} needs the token grid, and none was found (no 4-D patch "
+            "embedding output upstream of the stream); pass grid=(H, W) to routekit.apply"
+        )
+    if not keeps_rows(route.selector):
+        for block in blocks:
+            if _needs_whole_rows(model, report, grid, block):
+                raise ConfigError(
+                    f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
+                    f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
+                )
+
+
+def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockInfo) -> bool:
+    """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows."""
+    if grid is None or grid[1] == 1:
+        return False
+    return not block_runs(model, block, report.stream_slot, report.stream, report.tokens - 1)
+
+
+def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
+    """How many tokens a route's blocks see: the kept positions plus the selector's share of the others."""
+    others = tokens - len(keep)
+    if needs_grid(selector) and (grid is None or grid[0] * grid[1] != others):
+        return len(keep) + others - int(others * rate)
+    index = select_tokens(get_selector(selector), 1, tokens, rate, keep, grid=grid,
+                          generator=torch.Generator().manual_seed(0), device="cpu")
+    return index.shape[1]
+
+
+def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: fx.Graph | None) -> DarPlan:
+    if report.mode != "graph":
+        raise ConfigError(
+            "residual=DAR(...) rewrites the residual adds of a traced graph and needs graph mode, but "
+            f"{report.model}.forward does not trace ({report.fallback or 'mode=boundary was asked for'})"
+        )
+    if report.residual is None or report.residual.startswith("unknown"):
+        raise ConfigError(
+            f"residual=DAR(...) needs each block of {report.stack} traced alone to find its residual adds: "
+            f"{report.residual or 'the blocks were not analysed'}"
+        )
+    timestep = None
+    if config.query == "static_t":
+        node = find_timestep_embedding(graph, report, config.timestep) if graph is not None else None
+        if node is None and config.timestep is not None:
+            raise ConfigError(f"DAR(timestep={config.timestep!r}): no call of that module yields a "
+                              f"(batch, {report.stream.shape[2]}) embedding")
+        if node is None:
+            raise ConfigError(
+                "DAR(query='static_t') needs the model's timestep embedding: no (batch, channels) value computed "
+                "from a 1-D float input alone was found; name the module with DAR(timestep='t_embedder')"
+            )
+        timestep = node.name
+    sizes = [len(b.adds) or 1 for b in report.blocks]
+    return DarPlan(config, sum(sizes), timestep, tuple(sorted(two_phase_chunks(sizes, routes, config).items())),
+                   tuple(sorted(two_phase_chunks(sizes, [], config).items())))
+
+
+def two_phase_chunks(sizes: list[int], routes: list[RoutePlan], config: DAR) -> dict[int, int]:
+    """{first point: points} of the chunks computed in two phases, for blocks of `sizes` aggregation points:
+    static queries (known before the chunk runs), chunks of two or more points, and no route boundary
+    inside the chunk (its shared sources must keep their tokens throughout)."""
+    if config.query == "dynamic" or (config.chunk or 0) < 2:
+        return {}
+    first = [0]
+    for size in sizes:
+        first.append(first[-1] + size)
+    total = first[-1]
+    boundaries = {first[r.start] for r in routes} | {first[r.end + 1] for r in routes}
+    chunks = {}
+    for p in range(0, total, config.chunk):
+        size = min(config.chunk, total - p)
+        if size >= 2 and not any(b in boundaries for b in range(p + 1, p + size)):
+            chunks[p] = size
+    return chunks

@@ -1,0 +1,178 @@
+"""Block-call recording: the graph of a model's block calls, for owners whose forward does not trace.
+
+Graph mode traces the owner's forward, the code around the blocks. Some owners do not trace: they
+pass objects fx cannot hold (a generation cache), branch on tensor values, or call code fx does not
+see through. Recording needs only that the blocks are called: the model runs once on the example
+inputs with hooks on every member of every ModuleList/Sequential; each outermost member call becomes
+a node of a small fx graph whose arguments link to earlier calls' outputs by tensor identity; other
+tensors are placeholders and what the model returns is the output node. The same analysis as graph
+mode reads that graph.
+
+What a recording cannot show, it measures: the token grid is the last 4-D module output before the
+first block, and the stream's tokens that do not come from that grid (class, register or text
+tokens) are those that do not change when the grid module's output does.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import InputError
+from .state import training_mode
+from .trace import CallSpec, Trace, container_members, describe, flatten, preserved_state, user_location
+
+
+@dataclass(frozen=True)
+class Image:
+    """A 4-D module output seen while recording: how many block calls preceded it, the module, its shape."""
+
+    calls_before: int
+    module: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Call:
+    qualname: str
+    args: tuple
+    kwargs: dict
+    output: Any = None
+
+
+def record(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Trace, list[Image]]:
+    """Run `model` once and build the graph of its outermost container-member calls, plus the 4-D
+    module outputs (candidate patch embeddings) in the order they were made."""
+    members = container_members(model)
+    calls: list[_Call] = []
+    active: list[str] = []
+    images: list[Image] = []
+    handles = []
+
+    def before(name):
+        def hook(module, a, kw):
+            if not active:
+                calls.append(_Call(name, a, kw))
+            active.append(name)
+
+        return hook
+
+    def after(module, a, out):
+        active.pop()
+        if not active:
+            calls[-1].output = out
+
+    def image(name):
+        def hook(module, a, out):
+            if isinstance(out, torch.Tensor) and out.dim() == 4:
+                images.append(Image(len(calls), name, tuple(out.shape)))
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name in members:
+            handles.append(module.register_forward_pre_hook(before(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(after))
+        handles.append(module.register_forward_hook(image(name)))
+    try:
+        with preserved_state(model, _tensors(args, kwargs)):
+            out = model(*args, **kwargs)
+    except Exception as err:
+        raise InputError(
+            f"{type(model).__name__} failed on the example inputs at {user_location(err.__traceback__)}: "
+            f"{type(err).__name__}: {err}"
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _call_graph(calls, out), images
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+def _call_graph(calls: list[_Call], out: Any) -> Trace:
+    graph = fx.Graph()
+    nodes: dict[int, fx.Node] = {}
+
+    def node_of(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in nodes:
+            nodes[id(value)] = graph.placeholder(f"input_{len(nodes)}")
+            nodes[id(value)].meta["rk"] = describe(value)
+        return nodes[id(value)]
+
+    for call in calls:
+        node = graph.create_node("call_module", call.qualname, tuple(node_of(v) for v in call.args),
+                                 {k: node_of(v) for k, v in call.kwargs.items()}, name=call.qualname.replace(".", "_"))
+        node.meta["rk"] = describe(call.output)
+        if isinstance(call.output, torch.Tensor):
+            nodes[id(call.output)] = node
+        elif isinstance(call.output, (tuple, list)):
+            for j, item in enumerate(call.output):
+                if isinstance(item, torch.Tensor):
+                    nodes[id(item)] = graph.call_function(operator.getitem, (node, j))
+                    nodes[id(item)].meta["rk"] = describe(item)
+    leaves = flatten(out)[0]
+    graph.output(tuple(nodes.get(id(v), describe(v)) if isinstance(v, torch.Tensor) else v for v in leaves))
+    return Trace(graph, CallSpec((), {}), pytree.tree_flatten(out)[1], {})
+
+
+def grid_image(images: list[Image], first_call: int, batch: int, tokens: int) -> Image | None:
+    """The last 4-D (batch, C, H, W) module output before the first block with 0 < H·W <= tokens.
+
+    With H·W < tokens the stream holds other tokens too (`tokens_not_from`).
+    """
+    for image in reversed(images):
+        if image.calls_before <= first_call and image.shape[0] == batch and 0 < image.shape[2] * image.shape[3] <= tokens:
+            return image
+    return None
+
+
+def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, source: str, block: str, slot) -> tuple[int, ...]:
+    """Positions of the stream entering `block` that do not depend on module `source`'s output.
+
+    The model runs twice in eval mode up to `block` (which is not run): once as it is, once with
+    `source`'s output replaced by other values. A token that comes out the same both times was not made from that output.
+    """
+    seen: list[torch.Tensor] = []
+
+    class _Stop(Exception):
+        pass
+
+    def capture(module, a, kw):
+        seen.append(a[slot] if isinstance(slot, int) else kw[slot])
+        raise _Stop
+
+    def perturb(module, a, out):
+        generator = torch.Generator(out.device).manual_seed(0)
+        return torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype) * 3 + 1
+
+    stop = model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
+            for hook in (None, perturb):
+                handle = model.get_submodule(source).register_forward_hook(hook) if hook else None
+                torch.manual_seed(0)  # the same random draws in both runs (preserved_state restores the streams)
+                try:
+                    model(*args, **kwargs)
+                except _Stop:
+                    pass
+                finally:
+                    if handle is not None:
+                        handle.remove()
+    finally:
+        stop.remove()
+    if len(seen) != 2 or seen[0].shape != seen[1].shape or seen[0].dim() != 3:
+        return ()
+    same = (seen[0] == seen[1]).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
+    tokens = same.shape[0]
+    return tuple(i if i < tokens / 2 else i - tokens for i in same.nonzero().flatten().tolist())

@@ -1,0 +1,77 @@
+"""The operations a route inserts: choose the kept tokens, gather them, scatter them back.
+
+Both executors call exactly these (the rewritten graph as nodes, boundary mode from hooks), so a
+route computes the same thing whichever places it. Plain torch ops, so torch.compile sees through them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import Route
+from .selectors import get_selector
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, N, ...) → (B, K, ...): the tokens `index` (B, K) of each sample.
+
+    A side input shared by the batch as (1, N, ...) (a position table traced at batch 1, say) is
+    gathered per sample: each sample gets the rows of its own kept tokens.
+    """
+    if x.shape[0] != index.shape[0] and x.shape[0] == 1:
+        x = x.expand(index.shape[0], *x.shape[1:])
+    shape = (*index.shape, *x.shape[2:])
+    index = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(shape)
+    return x.gather(1, index)
+
+
+def scatter_tokens(full: torch.Tensor, index: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """`full` with the tokens `index` replaced by `kept`: routed tokens keep their route-start value."""
+    index = index.reshape(*index.shape, *([1] * (kept.dim() - 2))).expand(kept.shape)
+    return full.to(kept.dtype).scatter(1, index, kept)
+
+
+class RouteSelect(nn.Module):
+    """Chooses the tokens one route keeps, per forward, and remembers them (for `last_route_mask`).
+
+    `keep`: the route's `keep` resolved against the stream (sorted non-negative positions): every
+    selection contains them and the selector picks among the other tokens. `grid`: a fixed grid, else
+    the grid is read off `grid_source` at each call. Holds no parameters, so the state_dict is the model's.
+    """
+
+    def __init__(self, route: Route, keep: tuple[int, ...] = (), grid: tuple[int, int] | None = None):
+        super().__init__()
+        self.route, self.keep, self.grid = route, tuple(keep), grid
+        self.select = get_selector(route.selector)
+        self.generator: torch.Generator | None = None
+        self.last_index: torch.Tensor | None = None
+        self.last_tokens = 0
+
+    def forward(self, stream: torch.Tensor, grid_source: torch.Tensor | None = None) -> torch.Tensor:
+        batch, tokens = stream.shape[0], stream.shape[1]
+        grid = self.grid
+        if grid is None and grid_source is not None:
+            grid = (grid_source.shape[-2], grid_source.shape[-1])
+        index = select_tokens(self.select, batch, tokens, self.route.rate, self.keep, grid=grid, generator=self.generator,
+                              device=stream.device)
+        self.last_index, self.last_tokens = index, tokens
+        return index
+
+    def extra_repr(self) -> str:
+        r = self.route
+        keep = f", keep={list(r.keep)}" if r.keep else ""
+        return f"blocks {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}{keep}"
+
+
+def select_tokens(select, batch: int, tokens: int, rate: float, keep: tuple[int, ...] = (), *, grid, generator,
+                  device) -> torch.Tensor:
+    """(batch, kept) sorted unique indices: the positions `keep` always, the selector's choice among the others."""
+    if not keep:
+        return select(batch, tokens, rate, grid=grid, generator=generator, device=device)
+    keep_set = set(keep)
+    others = [i for i in range(tokens) if i not in keep_set]
+    picked = select(batch, len(others), rate, grid=grid, generator=generator, device=device)
+    positions = torch.tensor(others, dtype=torch.long, device=picked.device)[picked]
+    fixed = torch.tensor(keep, dtype=torch.long, device=picked.device).expand(batch, len(keep))
+    return torch.cat([fixed, positions], dim=1).sort(dim=1).values
