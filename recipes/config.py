@@ -1,15 +1,23 @@
 """Training configuration: one YAML file, validated once, so a typo fails before any compute is spent.
 
 Every section forbids unknown fields: a misspelt key is an error that names it, never a silent default.
+``routes`` and ``dar`` are routekit's own ``Route`` and ``DAR``, so a recipe means exactly what
+``routekit.apply`` is given, with the library's defaults and checks.
+
+A resumed run keeps its checkpoint's configuration; only the ``RESUMABLE`` fields may change, and only
+when asked for by name (``resumed``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+
+import routekit as rk
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Cadence = Annotated[int, Field(ge=0, description="every N steps; 0 turns it off")]
@@ -33,26 +41,25 @@ class ModelConfig(Section):
     overrides: dict[str, Any] = Field(default_factory=dict)
 
 
-class RouteConfig(Section):
-    """One TREAD route: blocks start..end (inclusive) see a ``rate`` fraction of tokens dropped."""
+def _by_field(cls: type[BaseModel]) -> Any:
+    """``cls`` as a config field whose errors name the bad field (``routes.0.kepe``).
 
-    start: Annotated[int, Field(ge=0)]
-    end: Annotated[int, Field(ge=0)]
-    rate: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.5
-    selector: str = "random"
+    routekit's constructors fold every problem of a Route or DAR into one ConfigError, which a recipe
+    would report at the entry (``routes.0``) only. A subclass with pydantic's plain ``__init__`` runs the
+    same field validators but reports each problem at its own path; once it passes, the field holds the
+    real ``cls``, built by its own constructor."""
+    fields = type(f"{cls.__name__}Fields", (cls,), {"__init__": BaseModel.__init__, "__doc__": cls.__doc__})
 
-    @model_validator(mode="after")
-    def _ordered(self) -> RouteConfig:
-        if self.end < self.start:
-            raise ValueError(f"end ({self.end}) must be >= start ({self.start})")
-        return self
+    def check(value: Any) -> Any:
+        if isinstance(value, dict):
+            fields.model_validate(value)  # raises with per-field paths, which pydantic nests under ours
+        return value
+
+    return Annotated[cls, BeforeValidator(check)]
 
 
-class DARConfig(Section):
-    """DAR residual aggregation: the query kind and the chunk size (sources summarised per chunk)."""
-
-    query: Literal["static", "static_t", "dynamic"] = "static"
-    chunk: PositiveInt | None = 4
+RouteField = _by_field(rk.Route)
+DARField = _by_field(rk.DAR)
 
 
 class EDMConfig(Section):
@@ -129,7 +136,7 @@ class DataConfig(Section):
 
 
 Routes = Annotated[
-    Annotated[list[RouteConfig], Tag("list")] | Annotated[Literal["default"], Tag("default")],
+    Annotated[list[RouteField], Tag("list")] | Annotated[Literal["default"], Tag("default")],
     Discriminator(lambda value: "default" if isinstance(value, str) else "list"),
 ]
 _TAGS = {"list", "default", "edm", "rf"}  # union branch names pydantic puts in error paths; not fields
@@ -140,7 +147,7 @@ class TrainConfig(Section):
 
     model: ModelConfig
     routes: Routes = Field(default_factory=list)
-    dar: DARConfig | None = None
+    dar: DARField | None = None
     objective: Annotated[EDMConfig | RFConfig, Field(discriminator="kind")] = Field(default_factory=EDMConfig)
     optimiser: OptimiserConfig = Field(default_factory=OptimiserConfig)
     batch: PositiveInt = 256
@@ -158,7 +165,7 @@ class TrainConfig(Section):
 
     @field_validator("routes")
     @classmethod
-    def _routes_in_order(cls, routes: list[RouteConfig] | str) -> list[RouteConfig] | str:
+    def _routes_in_order(cls, routes: list[rk.Route] | str) -> list[rk.Route] | str:
         if isinstance(routes, list):
             for before, after in zip(routes, routes[1:]):
                 if after.start <= before.end:
@@ -178,8 +185,9 @@ def _describe(error: ValidationError, source: str) -> ConfigError:
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"] if part not in _TAGS) or "<top level>"
         value = item.get("input")
-        got = f" (got {value!r})" if item["type"] != "missing" and not isinstance(value, (dict, list)) else ""
-        lines.append(f"  {where}: {item['msg'].removeprefix('Value error, ')}{got}")
+        message = item["msg"].removeprefix("Value error, ")
+        shown = item["type"] != "missing" and not isinstance(value, (dict, list)) and "got " not in message
+        lines.append(f"  {where}: {message}" + (f" (got {value!r})" if shown else ""))
     return ConfigError(f"invalid config {source}:\n" + "\n".join(lines))
 
 
@@ -214,3 +222,74 @@ def with_overrides(config: TrainConfig, overrides: dict[str, Any]) -> TrainConfi
             node = node[key]
         node[leaf] = value
     return parse_config(data, "with overrides " + ", ".join(overrides))
+
+
+RESUMABLE = frozenset({
+    "steps", "log_every", "eval.every", "sample.every", "checkpoint.every", "checkpoint.final", "checkpoint.keep",
+    "data.cache_dir",
+})
+"""Fields a resumed run may change: how long it goes on, how often it logs, evaluates, draws grids and
+writes checkpoints, and where cached files live. Every other field decides what a training step computes
+(model, routes, dar, objective, optimiser, batch, seed, data, ema, precision, compile) or what an
+evaluation measures (eval.samples, sampler, sample.per_class), so changing it would silently make a
+different run that carries the old one's name and history."""
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+UNSET = _Unset()  # a field one config has and the other lacks (e.g. P_mean of edm against rf)
+
+
+def differences(saved: TrainConfig, given: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Every field where two configs differ, by dotted path: ``{"batch": (256, 64)}``. Lists of sections
+    (routes) are compared entry by entry when their lengths agree, so the path names the entry; sections
+    of different kinds (an edm against an rf objective) differ as a whole."""
+    found: dict[str, tuple[Any, Any]] = {}
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict) and a.get("kind") == b.get("kind"):
+            for key in dict.fromkeys([*a, *b]):
+                walk(a.get(key, UNSET), b.get(key, UNSET), f"{path}.{key}" if path else key)
+        elif (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+              and any(isinstance(x, dict) for x in a)):
+            for index, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{path}.{index}")
+        elif a != b:
+            found[path] = (a, b)
+
+    walk(saved.model_dump(mode="json"), given.model_dump(mode="json"), "")
+    return found
+
+
+def resumed(saved: TrainConfig, given: TrainConfig, overridden: Collection[str],
+            source: str = "the checkpoint") -> tuple[TrainConfig, dict[str, tuple[Any, Any]]]:
+    """The configuration a resumed run continues with (``given``) and what it changes, or ConfigError.
+
+    ``saved`` is the checkpoint's configuration, the source of truth. ``given`` may differ from it only in
+    fields named in ``overridden`` (dotted keys, a section's key covering its fields) that are RESUMABLE:
+    a YAML that merely differs is refused, so resuming with the wrong recipe can never go unnoticed."""
+    changes = differences(saved, given)
+    refused = []
+    for path, (old, new) in changes.items():
+        asked = any(path == key or path.startswith(key + ".") for key in overridden)
+        if path not in RESUMABLE:
+            why = "fixed for the whole run"
+        elif not asked:
+            why = f"may change on resume, but only when overridden by name (--set {path}={yaml_value(new)})"
+        else:
+            continue
+        refused.append(f"  {path}: saved {old!r}, given {new!r} ({why})")
+    if refused:
+        raise ConfigError(
+            f"the configuration given differs from the one {source} was trained with:\n" + "\n".join(refused)
+            + "\nResume with no YAML to continue with the saved configuration. Only these fields may change "
+            f"on resume, each overridden by name: {', '.join(sorted(RESUMABLE))}")
+    return given, changes
+
+
+def yaml_value(value: Any) -> str:
+    """A value as ``--set KEY=VALUE`` (YAML) reads it back."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()

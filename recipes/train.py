@@ -1,10 +1,14 @@
 """Train a diffusion backbone from a YAML recipe, routed by routekit or not.
 
-    python -m recipes.train recipes/configs/dit_s2_tread.yaml [--out DIR] [--steps N] [--resume CKPT]
+    python -m recipes.train recipes/configs/dit_s2_tread.yaml [--out DIR] [--steps N] [--set KEY=VALUE ...]
+    python -m recipes.train --resume RUN_DIR_OR_CKPT [--steps N] [--set KEY=VALUE ...]
     accelerate launch -m recipes.train recipes/configs/dit_s2_tread.yaml ...
 
-A checkpoint holds everything the next step depends on (weights, EMA, optimiser, scheduler, data
-position and every rank's RNG states), so a resumed run takes the bit-identical next step. Only the main
+A checkpoint holds everything the next step depends on (configuration, weights, EMA, optimiser, scheduler,
+data position and every rank's RNG states), so a resumed run takes the bit-identical next step. It
+continues with the checkpoint's configuration: a YAML given with --resume must agree with it, and only
+cadence fields (recipes.config.RESUMABLE) may change, each by --set. SIGTERM or SIGINT stops training
+after the current step with a checkpoint (exit status 128 + the signal number: 143, 130). Only the main
 process writes files; each rank draws its own noise and its own routes from a rank-specific seed.
 """
 
@@ -15,6 +19,9 @@ import copy
 import importlib
 import json
 import random
+import signal
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -28,7 +35,17 @@ from matplotlib import image as mpimg
 from torch import nn
 from tqdm.auto import tqdm
 
-from recipes.config import ConfigError, TrainConfig, load_config, parse_config, with_overrides
+import routekit as rk
+from recipes.config import (
+    RESUMABLE,
+    ConfigError,
+    TrainConfig,
+    differences,
+    load_config,
+    parse_config,
+    resumed,
+    with_overrides,
+)
 from recipes.data import BatchOrder, load_dataset
 from recipes.metrics import Evaluator
 from recipes.objectives import make_objective
@@ -62,15 +79,8 @@ def build_model(config: TrainConfig, shape: tuple[int, int, int], num_classes: i
     model = model.to(device)
     if not config.routed:
         return model
-    import routekit as rk
-
-    if not hasattr(rk, "apply"):
-        raise RuntimeError("this config sets routes or dar, which need routekit.apply; "
-                           "the installed routekit has none")
-    routes = "default" if config.routes == "default" else [rk.Route(**r.model_dump()) for r in config.routes]
-    residual = rk.DAR(**config.dar.model_dump()) if config.dar is not None else None
     example = backbone.example_inputs(model, 2, device=device, generator=torch.Generator().manual_seed(0))
-    return rk.apply(model, routes=routes, residual=residual, example_inputs=example)
+    return rk.apply(model, routes=config.routes, residual=config.dar, example_inputs=example)
 
 
 def _rank_seed(seed: int, rank: int) -> int:
@@ -123,6 +133,99 @@ def save_grid(images: torch.Tensor, rows: int, path: Path) -> None:
         mpimg.imsave(path, tiles.numpy())
 
 
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's or sample grid's name (``step_0001000.pt``)."""
+    return int(path.stem.removeprefix("step_"))
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file, or the newest checkpoint of a run folder."""
+    path = Path(path)
+    if path.is_dir():
+        found = sorted((path / "checkpoints").glob("step_*.pt"))
+        if not found:
+            raise FileNotFoundError(f"{path} holds no checkpoints/step_*.pt to resume from")
+        return found[-1]
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}; --resume takes a checkpoint or a run folder")
+    return path
+
+
+def run_folder(checkpoint: Path) -> Path:
+    """The run a checkpoint belongs to (``RUN/checkpoints/step_*.pt``)."""
+    if checkpoint.parent.name != "checkpoints":
+        raise FileNotFoundError(f"{checkpoint} is not in a run's checkpoints/ folder, so its run folder is "
+                                "unknown; name the folder to continue in (--out DIR)")
+    return checkpoint.parent.parent
+
+
+def saved_config(checkpoint: Path) -> TrainConfig:
+    """The configuration a checkpoint was trained with (memory-mapped: the tensors stay on disk)."""
+    stored = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)["config"]
+    return parse_config(stored, str(checkpoint))
+
+
+def resume_config(checkpoint: Path, overrides: dict[str, Any], config: TrainConfig | None = None) -> TrainConfig:
+    """The configuration to continue ``checkpoint`` with: its own, with ``overrides`` (dotted keys) applied.
+    ``config`` (e.g. the run's YAML) is what the caller expects the checkpoint to hold: with the overrides
+    applied it must equal the saved one except in overridden ``RESUMABLE`` fields, or ConfigError."""
+    saved = saved_config(checkpoint)
+    given = with_overrides(config if config is not None else saved, overrides)
+    return resumed(saved, given, overrides, str(checkpoint))[0]
+
+
+def _trim_log(path: Path, step: int) -> int:
+    """Drop the records of ``path`` after ``step`` (steps the resumed run takes again) and a torn last line
+    (a kill mid-write); returns how many lines went. The file is replaced atomically."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number} is not a JSON record: {line[:80]!r}") from None
+        if record["step"] <= step:
+            kept.append(line)
+    if len(kept) < len(lines):
+        path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+        path.with_suffix(".tmp").replace(path)
+    return len(lines) - len(kept)
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT become a request to stop after the current step, so a preempted or interrupted
+    run loses no steps. The first signal restores the previous handlers: a second one acts as it always
+    did (SIGINT raises KeyboardInterrupt, SIGTERM terminates). Python lets only the main thread install
+    handlers; from another thread the signals keep their usual meaning."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: signal.Signals | None = None
+        self.previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
+        return self
+
+    def _handle(self, number: int, frame: Any) -> None:
+        self.received = signal.Signals(number)
+        self._restore()
+
+    def _restore(self) -> None:
+        for number, handler in self.previous.items():  # None: a handler installed outside Python
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+        self.previous = {}
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+
 class _Clock:
     """Training seconds = wall time in the loop minus evaluation, sampling and checkpointing, minus the
     first step (compilation, allocator warm-up), which is reported separately."""
@@ -150,7 +253,9 @@ class _Clock:
 class Trainer:
     """One run of a recipe: the model, its EMA and optimiser, the data position, and the clock.
 
-    ``run`` trains; ``evaluate``, ``sample_grid`` and ``checkpoint`` are what it does between steps."""
+    ``run`` trains; ``evaluate``, ``sample_grid`` and ``checkpoint`` are what it does between steps.
+    With ``resume_from`` it continues that checkpoint, whose configuration ``config`` may change only in
+    RESUMABLE fields (``resume`` decides which changes were asked for)."""
 
     def __init__(self, config: TrainConfig, out_dir: str | Path, *, resume_from: str | Path | None = None,
                  progress: bool = True):
@@ -164,9 +269,16 @@ class Trainer:
         if self.device.type == "cuda":  # fp32 parts (EMA, loss, optimiser) on tensor cores, as DiT trains
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        if resume_from is None and (self.out / "train.jsonl").exists():
-            raise FileExistsError(f"{self.out} already holds a run; resume it (--resume CKPT) or pick another --out")
-        if self.main:
+        ckpt = changes = None
+        if resume_from is not None:
+            ckpt = torch.load(resume_from, map_location="cpu", weights_only=False)
+            saved = parse_config(ckpt["config"], str(resume_from))
+            changes = resumed(saved, config, RESUMABLE, str(resume_from))[1]
+            self._check_folder(Path(resume_from), ckpt["step"], saved)
+        elif (self.out / "train.jsonl").exists() or any((self.out / "checkpoints").glob("step_*.pt")):
+            raise FileExistsError(f"{self.out} already holds a run; resume it (--resume {self.out}) or pick "
+                                  "another --out")
+        if self.main and (ckpt is None or not (self.out / "config.yaml").exists()):  # the run's starting point
             self.out.mkdir(parents=True, exist_ok=True)
             dump = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
             (self.out / "config.yaml").write_text(dump)
@@ -184,9 +296,10 @@ class Trainer:
         self.order = BatchOrder(len(self.dataset.train), config.batch, config.seed,
                                 rank=self.acc.process_index, world=self.acc.num_processes)
         self.step, prior_seconds = 0, 0.0
-        if resume_from is not None:
-            prior_seconds = self._restore(torch.load(resume_from, map_location="cpu", weights_only=False),
-                                          model, opt)
+        if ckpt is not None:
+            prior_seconds = self._restore(ckpt, model, opt)
+            del ckpt
+            self._rewind_folder(Path(resume_from), changes)
         else:
             _seed_all(_rank_seed(config.seed, self.acc.process_index))
         self.net, self.opt = self.acc.prepare(model, opt)
@@ -197,6 +310,37 @@ class Trainer:
         self.evals: list[dict[str, Any]] = []
         self.evaluated_at: int | None = None
         self.last_checkpoint: Path | None = None
+
+    def _check_folder(self, checkpoint: Path, step: int, saved: TrainConfig) -> None:
+        """Refuse to continue a checkpoint in a folder whose history it does not belong to (every rank
+        checks, so all stop together)."""
+        later = [p.name for p in sorted((self.out / "checkpoints").glob("step_*.pt")) if step_of(p) > step]
+        if later:
+            raise FileExistsError(
+                f"{self.out} holds checkpoints after step {step} ({', '.join(later)}): continuing {checkpoint} "
+                f"there would mix two histories. Resume the newest (--resume {self.out}), or continue this one "
+                "in a new folder (--out DIR)")
+        started = self.out / "config.yaml"
+        if started.exists():
+            fixed = [path for path in differences(load_config(started), saved) if path not in RESUMABLE]
+            if fixed:
+                raise ConfigError(f"{checkpoint} is not from the run in {self.out}: its configuration differs "
+                                  f"from {started} in {', '.join(fixed)}; continue it in another folder (--out DIR)")
+
+    def _rewind_folder(self, checkpoint: Path, changes: dict[str, tuple[Any, Any]]) -> None:
+        """Make the run folder end at the checkpoint's step: the records and grids of later steps (taken
+        again now) go, so no step appears twice and train_seconds never goes back. config.yaml keeps the
+        starting configuration; resumes.jsonl records each resume and what it changed."""
+        if not self.main:
+            return
+        dropped = {name: _trim_log(self.out / name, self.step) for name in ("train.jsonl", "metrics.jsonl")}
+        for grid in (self.out / "samples").glob("step_*.png"):
+            if step_of(grid) > self.step:
+                grid.unlink()
+        record = {"step": self.step, "checkpoint": str(checkpoint), "processes": self.acc.num_processes,
+                  "changed": {path: list(change) for path, change in changes.items()}, "dropped_records": dropped}
+        with (self.out / "resumes.jsonl").open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
 
     def _restore(self, ckpt: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer) -> float:
         """Load a checkpoint (a file we wrote: it holds RNG tuples, hence weights_only=False above)."""
@@ -314,35 +458,62 @@ class Trainer:
                    dynamic_ncols=True, desc=self.out.name)
         self.net.train()
         self.clock.begin()
-        while self.step < last:
-            pending.append(self.train_step())
-            if self.clock.first_step is None:
-                self.clock.first_step_done()
-            bar.update(1)
-            if self.step % config.log_every == 0 or self.step == last:
-                chunk = acc.reduce(torch.stack(pending), "mean").tolist()  # also synchronises the device
-                pending.clear()
-                losses += chunk
-                seconds = self.clock.seconds()
-                bar.set_postfix(loss=f"{chunk[-1]:.4f}", refresh=False)
-                self._log({"step": self.step, "loss": sum(chunk) / len(chunk),
-                           "lr": self.sched.get_last_lr()[0], "train_seconds": round(seconds, 3)})
-                if next_eval_s is not None and self._agreed(seconds >= next_eval_s):
-                    self._paused(self.evaluate)
-                    next_eval_s += eval_every_s * (1 + (seconds - next_eval_s) // eval_every_s)
-                if budget_s is not None and self._agreed(seconds >= budget_s):
-                    break
-            for every, action in ((config.eval.every, self.evaluate), (config.sample.every, self.sample_grid),
-                                  (config.checkpoint.every, self.checkpoint)):
-                if every and self.step % every == 0:
-                    self._paused(action)
+        stopped = None
+        with _StopSignals() as signals:
+            while self.step < last:
+                pending.append(self.train_step())
+                if self.clock.first_step is None:
+                    self.clock.first_step_done()
+                bar.update(1)
+                at_log = self.step % config.log_every == 0 or self.step == last
+                stopped = self._stop_signal(signals.received, at_log)
+                if at_log or stopped:
+                    chunk = acc.reduce(torch.stack(pending), "mean").tolist()  # also synchronises the device
+                    pending.clear()
+                    losses += chunk
+                    seconds = self.clock.seconds()
+                    bar.set_postfix(loss=f"{chunk[-1]:.4f}", refresh=False)
+                    self._log({"step": self.step, "loss": sum(chunk) / len(chunk),
+                               "lr": self.sched.get_last_lr()[0], "train_seconds": round(seconds, 3)})
+                    if stopped:
+                        break
+                    if next_eval_s is not None and self._agreed(seconds >= next_eval_s):
+                        self._paused(self.evaluate)
+                        next_eval_s += eval_every_s * (1 + (seconds - next_eval_s) // eval_every_s)
+                    if budget_s is not None and self._agreed(seconds >= budget_s):
+                        break
+                for every, action in ((config.eval.every, self.evaluate), (config.sample.every, self.sample_grid),
+                                      (config.checkpoint.every, self.checkpoint)):
+                    if every and self.step % every == 0:
+                        self._paused(action)
         bar.close()
-        self._finish(eval_every_s is not None)
-        return {"step": self.step, "start_step": first, "losses": losses,
+        if stopped:
+            self._stop(stopped)
+        else:
+            self._finish(eval_every_s is not None)
+        return {"step": self.step, "start_step": first, "losses": losses, "stopped": stopped and stopped.name,
                 "loss": losses[-1] if losses else None,
                 "train_seconds": self.clock.seconds(), "first_step_seconds": self.clock.first_step,
                 "evals": self.evals, "checkpoint": self.last_checkpoint and str(self.last_checkpoint),
                 "parameters": sum(p.numel() for p in self.ema.parameters()), "out_dir": str(self.out)}
+
+    def _stop_signal(self, received: signal.Signals | None, at_log: bool) -> signal.Signals | None:
+        """The signal to stop for, the same on every rank. One process stops right after the step the
+        signal came in; several agree at log steps (a signal may reach them at different steps, and they
+        must stop at the same one), so they may take up to ``log_every`` more steps."""
+        if self.acc.num_processes == 1:
+            return received
+        if not at_log:
+            return None
+        number = int(self.acc.gather(torch.tensor([int(received or 0)], device=self.device)).max())
+        return signal.Signals(number) if number else None
+
+    def _stop(self, received: signal.Signals) -> None:
+        """After a stop signal: only the checkpoint (evaluations would eat the grace period before SIGKILL)."""
+        self._paused(self.checkpoint)
+        if self.main:
+            tqdm.write(f"stopped by {received.name} after step {self.step}; checkpoint {self.last_checkpoint}\n"
+                       f"continue with: python -m recipes.train --resume {self.out}", file=sys.stderr)
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.main:
@@ -361,23 +532,25 @@ class Trainer:
 
 
 def train(config: TrainConfig, out_dir: str | Path, *, max_steps: int | None = None,
-          budget_s: float | None = None, eval_every_s: float | None = None,
-          resume_from: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run the recipe into out_dir (see ``Trainer.run`` for the stopping rules); returns final stats:
-    step, this call's per-step losses, training seconds, evaluations, the last checkpoint."""
-    trainer = Trainer(config, out_dir, resume_from=resume_from, progress=progress)
+          budget_s: float | None = None, eval_every_s: float | None = None, progress: bool = True) -> dict[str, Any]:
+    """Start the recipe in out_dir (see ``Trainer.run`` for the stopping rules); returns final stats:
+    step, this call's per-step losses, training seconds, evaluations, the last checkpoint, and the name of
+    the signal that stopped it early (``stopped``, else None)."""
+    trainer = Trainer(config, out_dir, progress=progress)
     return trainer.run(max_steps=max_steps, budget_s=budget_s, eval_every_s=eval_every_s)
 
 
-def resume(checkpoint: str | Path, out_dir: str | Path | None = None, *, config: TrainConfig | None = None,
-           **kwargs: Any) -> dict[str, Any]:
-    """Continue a run from one of its checkpoints, by default with the config and folder it was saved with."""
-    checkpoint = Path(checkpoint)
-    if config is None:
-        stored = torch.load(checkpoint, map_location="cpu", weights_only=False)["config"]
-        config = parse_config(stored, str(checkpoint))
-    out = out_dir if out_dir is not None else checkpoint.parent.parent
-    return train(config, out, resume_from=checkpoint, **kwargs)
+def resume(checkpoint: str | Path, out_dir: str | Path | None = None, *, overrides: dict[str, Any] | None = None,
+           config: TrainConfig | None = None, max_steps: int | None = None, budget_s: float | None = None,
+           eval_every_s: float | None = None, progress: bool = True) -> dict[str, Any]:
+    """Continue a run from a checkpoint (or a run folder's newest), in the folder it was saved in unless
+    ``out_dir`` says otherwise, with its saved configuration and ``overrides`` of RESUMABLE fields (see
+    ``resume_config``, also for ``config``). Returns what ``train`` returns."""
+    checkpoint = find_checkpoint(checkpoint)
+    config = resume_config(checkpoint, dict(overrides or {}), config)
+    out = Path(out_dir) if out_dir is not None else run_folder(checkpoint)
+    trainer = Trainer(config, out, resume_from=checkpoint, progress=progress)
+    return trainer.run(max_steps=max_steps, budget_s=budget_s, eval_every_s=eval_every_s)
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -393,26 +566,37 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML recipe, e.g. recipes/configs/dit_s2_tread.yaml")
-    parser.add_argument("--out", help="run folder (default: runs/<config name>)")
+    parser.add_argument("config", nargs="?", help="YAML recipe, e.g. recipes/configs/dit_s2_tread.yaml; with "
+                        "--resume optional, and checked against the checkpoint's configuration")
+    parser.add_argument("--out", help="run folder (default: runs/<config name>, or the resumed run's folder)")
     parser.add_argument("--steps", type=int, help="total steps, replacing the config's")
-    parser.add_argument("--resume", metavar="CKPT", help="checkpoint to continue from")
+    parser.add_argument("--resume", metavar="CKPT", help="checkpoint to continue from, or a run folder (its newest)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="dotted overrides, e.g. batch=64 model.overrides.depth=4")
+                        help="dotted overrides, e.g. batch=64 model.overrides.depth=4; on resume only "
+                        + ", ".join(sorted(RESUMABLE)))
     args = parser.parse_args(argv)
+    if args.config is None and args.resume is None:
+        parser.error("give a YAML recipe, or --resume CKPT_OR_RUN_FOLDER")
+    overrides = _parse_set(args.set)
+    if args.steps is not None:
+        overrides["steps"] = args.steps
     try:
-        config = load_config(args.config)
-        overrides = _parse_set(args.set)
-        if args.steps is not None:
-            overrides["steps"] = args.steps
-        if overrides:
-            config = with_overrides(config, overrides)
-    except ConfigError as error:
+        given = load_config(args.config) if args.config else None
+        if args.resume is not None:
+            checkpoint = find_checkpoint(args.resume)
+            config = resume_config(checkpoint, overrides, given)
+            out = Path(args.out) if args.out else run_folder(checkpoint)
+        else:
+            checkpoint, config = None, with_overrides(given, overrides)
+            out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+        trainer = Trainer(config, out, resume_from=checkpoint)
+    except (ConfigError, FileNotFoundError, FileExistsError) as error:
         raise SystemExit(str(error)) from None
-    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
-    stats = train(config, out, resume_from=args.resume)
-    if _accelerate().PartialState().is_main_process and stats["losses"]:
-        print(json.dumps({k: stats[k] for k in ("step", "loss", "train_seconds", "checkpoint")}))
+    stats = trainer.run()
+    if trainer.main and stats["losses"]:
+        print(json.dumps({k: stats[k] for k in ("step", "loss", "train_seconds", "checkpoint", "stopped")}))
+    if stats["stopped"]:
+        raise SystemExit(128 + signal.Signals[stats["stopped"]])  # as a shell reports death by that signal
 
 
 if __name__ == "__main__":

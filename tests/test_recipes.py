@@ -1,5 +1,7 @@
-"""The training recipes: configs validate, objectives and samplers obey their defining identities, the
-data order and checkpoints resume to the bit-identical next step, and the metric is a distance."""
+"""The training recipes: configs validate (routes and dar as routekit's own Route and DAR), objectives and
+samplers obey their defining identities, the data order and checkpoints resume to the bit-identical next
+step (also after SIGTERM), a resume keeps its checkpoint's configuration and log history, and the metric is
+a distance."""
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ import importlib
 import importlib.util
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +23,27 @@ import pytest
 import torch
 import yaml
 
+import routekit as rk
 from recipes import data, metrics, sampling
-from recipes.config import ConfigError, EDMConfig, RFConfig, load_config, parse_config, with_overrides
+from recipes.config import (
+    RESUMABLE,
+    ConfigError,
+    EDMConfig,
+    RFConfig,
+    TrainConfig,
+    differences,
+    load_config,
+    parse_config,
+    with_overrides,
+)
 from recipes.objectives import EDM, RectifiedFlow
-from recipes.train import build_model, main, resume, train, update_ema
+from recipes.train import Trainer, build_model, main, resume, train, update_ema
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a busy 2-core box: see conftest
+
+REPO = Path(__file__).resolve().parents[1]
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # a child process computes as this one does
+CONFIG_DIR = REPO / "recipes" / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 TINY = {  # per backbone: a model that trains a step in milliseconds (patch 4: an 8x8 token grid)
     "dit": {"depth": 4, "hidden": 32, "heads": 2, "patch": 4},
@@ -96,7 +118,12 @@ def test_the_shipped_set_is_complete():
     ({"routes": [{"start": 4, "end": 2}]}, "routes.0"),
     ({"routes": [{"start": 2, "end": 4}, {"start": 3, "end": 6}]}, "routes"),
     ({"routes": "everything"}, "routes"),
+    ({"routes": [{"start": 1, "end": 2, "kepe": [0]}]}, "routes.0.kepe"),
+    ({"routes": [{"start": 1, "end": 2}, {"start": 4, "end": 5, "keep": "cls"}]}, "routes.1.keep"),
+    ({"routes": [{"start": 1, "end": 2, "selector": "psychic"}]}, "routes.0.selector"),
     ({"dar": {"query": "psychic"}}, "dar.query"),
+    ({"dar": {"chunk": 0}}, "dar.chunk"),
+    ({"dar": {"kernal": "torch"}}, "dar.kernal"),
     ({"objective": {"kind": "rf", "P_mean": 0.0}}, "objective.P_mean"),
     ({"model": {"backbone": "unet"}}, "model.backbone"),
     ({"data": {"name": "imagenet"}}, "data.name"),
@@ -112,6 +139,32 @@ def test_a_bad_config_names_the_bad_field(tmp_path, change, field):
     with pytest.raises(ConfigError) as raised:
         load_config(path)
     assert f"  {field}: " in str(raised.value) and str(path) in str(raised.value)
+
+
+def test_routes_and_dar_are_routekits_own_with_its_defaults():
+    """A YAML route with keep and a DAR with chunk null and a timestep validate into rk.Route / rk.DAR;
+    an empty dar section means the library's defaults, not the recipe's."""
+    text = """
+    model: {backbone: dit}
+    routes: [{start: 1, end: 2, keep: [0, -1]}, {start: 4, end: 6, rate: 0.25, selector: row}]
+    dar: {query: static_t, chunk: null, timestep: t_embedder}
+    """
+    config = parse_config(yaml.safe_load(text))
+    assert [type(r) for r in config.routes] == [rk.Route, rk.Route] and type(config.dar) is rk.DAR
+    assert config.routes == [rk.Route(start=1, end=2, keep=(0, -1)), rk.Route(start=4, end=6, rate=0.25, selector="row")]
+    assert config.dar == rk.DAR(query="static_t", chunk=None, timestep="t_embedder")
+    assert parse_config({"model": {"backbone": "dit"}, "dar": {}}).dar == rk.DAR()
+    again = parse_config(yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json"))))
+    assert again == config and differences(config, again) == {}  # what config.yaml and checkpoints hold
+
+
+def test_a_bad_route_reports_routekits_own_message():
+    with pytest.raises(rk.ConfigError) as library:
+        rk.Route(start=1, end=2, rate=1.5)
+    with pytest.raises(ConfigError) as recipe:
+        parse_config({"model": {"backbone": "dit"}, "routes": [{"start": 1, "end": 2, "rate": 1.5}]})
+    reason = str(library.value).split("rate: ", 1)[1]
+    assert f"  routes.0.rate: {reason}" in str(recipe.value)
 
 
 def test_unknown_model_overrides_name_the_model_section():
@@ -400,6 +453,136 @@ def test_rf_training_with_warmup_and_a_routed_model_runs(tmp_path):
     assert lrs == pytest.approx([2e-4 * k / 4 for k in (2, 3, 4)])  # lr after each step's scheduler tick
 
 
+def _write(config: TrainConfig, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_resume_refuses_a_yaml_or_override_that_changes_the_run(tmp_path):
+    """The checkpoint's configuration is the truth: a YAML that differs is refused field by field (saved
+    vs given), a cadence field only by name (--set), a fixed field always; nothing in the run changes."""
+    config = tiny("dit_s2_vanilla", tmp_path, steps=2)
+    run = tmp_path / "run"
+    checkpoint = train(config, run, progress=False)["checkpoint"]
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "train.jsonl")}
+    other = with_overrides(tiny("dit_s2_tread", tmp_path, steps=2), {"routes": [{"start": 1, "end": 2}], "batch": 8})
+    cases = [
+        ([str(_write(other, tmp_path / "tread.yaml"))],
+         ["routes: saved [], given [{'start': 1,", "batch: saved 4, given 8"]),
+        (["--set", "batch=8"], ["batch: saved 4, given 8 (fixed for the whole run)"]),
+        (["--set", "dar={query: static}"], ["dar: saved None, given {'query': 'static'"]),
+        ([str(_write(with_overrides(config, {"eval.every": 5}), tmp_path / "cadence.yaml"))],
+         ["eval.every: saved 0, given 5 (may change on resume, but only when overridden by name "
+          "(--set eval.every=5))"]),
+    ]
+    for args, expected in cases:
+        with pytest.raises(SystemExit) as raised:
+            main([*args, "--resume", checkpoint])
+        message = str(raised.value.code)
+        assert all(line in message for line in expected), message
+        assert checkpoint in message and "steps" not in message.split("Resume with")[0]
+    assert {name: (run / name).read_bytes() for name in before} == before and not (run / "resumes.jsonl").exists()
+    with pytest.raises(ConfigError, match="batch: saved 4, given 8"):
+        resume(checkpoint, overrides={"batch": 8}, progress=False)  # the Python entry point checks alike
+
+
+def test_resume_accepts_named_cadence_overrides_and_records_them(tmp_path):
+    config = tiny("dit_s2_vanilla", tmp_path, steps=2)
+    run = tmp_path / "run"
+    train(config, run, progress=False)
+    started = (run / "config.yaml").read_text()
+    main([str(_write(config, tmp_path / "recipe.yaml")), "--resume", str(run), "--steps", "5",
+          "--set", "log_every=2", "checkpoint.keep=1"])
+    assert (run / "config.yaml").read_text() == started  # the starting point, never rewritten
+    [record] = _records(run / "resumes.jsonl")
+    assert record["step"] == 2 and record["checkpoint"].endswith("step_0000002.pt")
+    assert record["changed"] == {"steps": [2, 5], "log_every": [1, 2], "checkpoint.keep": [2, 1]}
+    assert [r["step"] for r in _records(run / "train.jsonl")] == [1, 2, 4, 5]
+    [latest] = (run / "checkpoints").iterdir()
+    assert latest.name == "step_0000005.pt"
+    saved = parse_config(torch.load(latest, weights_only=False)["config"])
+    assert differences(config, saved) == {"steps": (2, 5), "log_every": (1, 2), "checkpoint.keep": (2, 1)}
+    assert {"steps", "eval.every", "checkpoint.every"} <= RESUMABLE and not {"batch", "seed", "routes"} & RESUMABLE
+
+
+def test_resume_drops_the_records_of_redone_steps(tmp_path):
+    """A run killed after step 5 with checkpoints at 2 and 4 (and a torn last line): resuming the newest
+    drops step 5's records, takes step 5 again bit for bit, and train_seconds never goes back."""
+    config = tiny("dit_s2_vanilla", tmp_path, steps=6, **{"checkpoint.every": 2, "checkpoint.final": False,
+                                                          "checkpoint.keep": 3})
+    run = tmp_path / "run"
+    first = train(config, run, max_steps=5, progress=False)
+    with (run / "train.jsonl").open("a") as handle:
+        handle.write('{"step": 6, "lo')  # a kill mid-write
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "fd": 1.0}) + "\n" for s in (4, 5)))
+    with pytest.raises(FileExistsError, match="after step 2 .step_0000004.pt"):
+        resume(run / "checkpoints" / "step_0000002.pt", progress=False)  # would mix two histories
+    rest = resume(run, progress=False)  # a run folder resumes its newest checkpoint
+    assert rest["start_step"] == 4 and rest["losses"][0] == first["losses"][4]  # step 5 again, exactly
+    records = _records(run / "train.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    seconds = [r["train_seconds"] for r in records]
+    resumed_at = torch.load(run / "checkpoints" / "step_0000004.pt", weights_only=False)["train_seconds"]
+    assert seconds == sorted(seconds) and seconds[3] <= round(resumed_at, 3) <= seconds[4]
+    assert [r["step"] for r in _records(run / "metrics.jsonl")] == [4]
+    assert _records(run / "resumes.jsonl")[0]["dropped_records"] == {"train.jsonl": 2, "metrics.jsonl": 1}
+
+
+def test_a_signal_stops_after_the_current_step_with_a_checkpoint(tmp_path, monkeypatch):
+    """In process: SIGINT during step 3 stops the run after it, checkpointed, and the handlers are
+    restored; the interrupted run resumes where it stopped."""
+    config = tiny("dit_s2_vanilla", tmp_path, steps=6, log_every=4)
+    step = Trainer.train_step
+
+    def interrupted(self):
+        if self.step == 2:
+            signal.raise_signal(signal.SIGINT)  # handled between bytecodes: inside this step
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    stats = train(config, tmp_path / "run", progress=False)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert stats["stopped"] == "SIGINT" and stats["step"] == 3 and stats["checkpoint"].endswith("step_0000003.pt")
+    assert [r["step"] for r in _records(tmp_path / "run" / "train.jsonl")] == [3]  # the partial chunk is logged
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert resume(tmp_path / "run", progress=False)["step"] == 6
+
+
+def test_sigterm_mid_run_checkpoints_and_resumes_bit_identically(tmp_path):
+    """The command line killed by SIGTERM: it finishes the step, writes a checkpoint, says how to resume
+    and exits with 143 (128 + SIGTERM); resuming continues with the losses of an uninterrupted run."""
+    config = tiny("dit_s2_vanilla", tmp_path, steps=100_000)
+    run = tmp_path / "run"
+    recipe = _write(config, tmp_path / "recipe.yaml")
+    process = subprocess.Popen([sys.executable, "-m", "recipes.train", str(recipe), "--out", str(run)], cwd=REPO,
+                               env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = run / "train.jsonl", time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    records = _records(log)
+    stopped = records[-1]["step"]
+    assert [r["step"] for r in records] == list(range(1, stopped + 1))
+    checkpoint = run / "checkpoints" / f"step_{stopped:07d}.pt"
+    assert f"stopped by SIGTERM after step {stopped}; checkpoint {checkpoint}" in err
+    assert f"--resume {run}" in err and checkpoint.exists()
+
+    whole = train(with_overrides(config, {"steps": stopped + 2}), tmp_path / "whole", progress=False)
+    assert [r["loss"] for r in records] == whole["losses"][:stopped]
+    rest = resume(checkpoint, overrides={"steps": stopped + 2}, progress=False)
+    assert rest["losses"] == whole["losses"][stopped:]  # exact float equality, step by step
+    steps = [r["step"] for r in _records(log)]
+    assert steps == list(range(1, stopped + 3))
+
+
 def test_cli_writes_metrics_samples_and_checkpoints(tmp_path):
     """The command line end to end on synthetic data: evaluation trains and caches the feature network."""
     config = tiny("dit_s2_vanilla", tmp_path, **{"eval.every": 4, "eval.samples": 20, "sample.every": 4,
@@ -418,10 +601,11 @@ def test_cli_writes_metrics_samples_and_checkpoints(tmp_path):
     assert load_config(out / "config.yaml").steps == 5
 
 
-def test_scaling_benchmark_measures_a_launched_run(tmp_path):
+def test_scaling_benchmark_measures_a_launched_run(tmp_path, monkeypatch):
     """benchmarks/scaling.py end to end on one CPU process: accelerate launch, the run's log read back."""
     from benchmarks.scaling import launch, table
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a child process computes as this one does
     config = tiny("dit_s2_vanilla", tmp_path)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
