@@ -5,7 +5,8 @@ checkpoints off; the per-GPU batch stays fixed (weak scaling), so the global bat
 count. Throughput is read back from the run's own train.jsonl: images per second between the first and
 the last logged step (warm-up, compilation and launch are not counted).
 
-    python benchmarks/scaling.py --config recipes/configs/dit_b2_tread.yaml --gpus 1 2 --steps 300
+    python benchmarks/scaling.py --config recipes/configs/dit_b2_tread.yaml --gpus 1 2 --steps 200 --log-every 25
+    python benchmarks/scaling.py --quick --out /tmp/scaling   # CPU smoke run: one process, a tiny model
 
 Writes benchmarks/results/scaling.{json,md,png}.
 """
@@ -21,15 +22,17 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 try:
-    from benchmarks.common import RESULTS, header, machine, write
+    from benchmarks.common import REPO, RESULTS, machine, pyplot, write
 except ImportError:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.common import RESULTS, header, machine, write
-from recipes.config import load_config  # noqa: E402
+    from benchmarks.common import REPO, RESULTS, machine, pyplot, write
+from recipes.config import load_config, with_overrides  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+# --quick: the recipe's model shrunk until a CPU process trains a step in milliseconds, on synthetic data
+QUICK = {"model.overrides": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4}, "data.name": "synthetic", "bf16": False}
 
 
 def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, out: Path,
@@ -69,11 +72,7 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     gpus = [r["gpus"] for r in rows]
     base = rows[0]["images_per_s"] / rows[0]["gpus"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -88,6 +87,16 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def quick_config(config: str, runs: Path) -> str:
+    """The recipe at ``config`` with QUICK's overrides, written beside the runs: the path to launch."""
+    shrunk = with_overrides(load_config(config), {**QUICK, "model.overrides": {**load_config(config).model.overrides,
+                                                                                **QUICK["model.overrides"]}})
+    runs.mkdir(parents=True, exist_ok=True)
+    path = runs / "quick.yaml"
+    path.write_text(yaml.safe_dump(shrunk.model_dump(mode="json")))
+    return str(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="recipes/configs/dit_b2_tread.yaml")
@@ -97,21 +106,25 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--name", default="scaling")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: one process, a tiny model, batch 2, 6 steps")
     args = p.parse_args()
-    available = torch.cuda.device_count()
-    if max(args.gpus) > available:
-        raise SystemExit(f"--gpus {max(args.gpus)} asked for, {available} CUDA devices here")
-    info = machine()
     runs = REPO / "runs" / args.name
+    config = args.config
+    if args.quick:
+        args.gpus, args.per_gpu_batch, args.steps, args.log_every = [1], 2, 6, 2
+        config = quick_config(args.config, runs)
+    elif max(args.gpus) > torch.cuda.device_count():
+        raise SystemExit(f"--gpus {max(args.gpus)} asked for, {torch.cuda.device_count()} CUDA devices here "
+                         "(--quick runs one CPU process)")
+    info = machine()
     rows = []
     for gpus in args.gpus:
-        rows.append(launch(args.config, gpus, args.per_gpu_batch, args.steps, args.log_every, runs))
-        md = (f"# Multi-GPU scaling (accelerate DDP, weak scaling: {args.per_gpu_batch} images per GPU per step)\n\n"
-              f"{header(info)}\nRecipe: `{args.config}` (compile off, evaluation/sampling/checkpoints off)\n\n"
-              f"{table(rows)}")
-        out = write(args.name, {"machine": info, "config": args.config, "rows": rows}, md, args.out)
-        plot(rows, out / f"{args.name}.png")
-    print(md)
+        rows.append(launch(config, gpus, args.per_gpu_batch, args.steps, args.log_every, runs))
+        body = f"Recipe: `{args.config}` (compile off, evaluation/sampling/checkpoints off)\n\n{table(rows)}"
+        write(args.name, info, {"config": args.config, "rows": rows},
+              f"Multi-GPU scaling (accelerate DDP, weak scaling: {args.per_gpu_batch} images per GPU per step)", body,
+              args.out, lambda path: plot(rows, path))
+    print((args.out / f"{args.name}.md").read_text())
 
 
 if __name__ == "__main__":
