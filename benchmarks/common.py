@@ -8,6 +8,7 @@ carrying a commit: a re-run replaces the file and git keeps the old one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -17,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -125,11 +126,19 @@ def write(name: str, info: dict, payload: dict, title: str, body: str, out: Path
     return out
 
 
-def pyplot():
-    """matplotlib's pyplot on the file-only backend: benchmarks run on machines without a display."""
+@contextlib.contextmanager
+def figure(path: Path, *grid: int, **subplots) -> Iterator[tuple]:
+    """``(fig, axes)`` of matplotlib's ``subplots(*grid, **subplots)``, saved to ``path`` and closed on leaving:
+    the file-only backend, since benchmarks run on machines without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    fig, axes = plt.subplots(*grid, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=130)
+    finally:
+        plt.close(fig)

@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, machine, pyplot, write  # noqa: E402
+from benchmarks.common import REPO, RESULTS, figure, machine, write  # noqa: E402
 from recipes.config import TrainConfig, load_config, with_overrides  # noqa: E402
 from recipes.data import load_dataset  # noqa: E402
 from recipes.metrics import load_classifier  # noqa: E402
@@ -139,26 +138,22 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey="row")
-    for method, result in report["results"].items():
-        evals = result.get("evals") or []
-        if not evals:
-            continue
-        for col, x_key in enumerate(("train_seconds", "step")):
-            xs = [e[x_key] for e in evals]
-            axes[0, col].plot(xs, [e["fd"] for e in evals], marker="o", label=method)
-            axes[1, col].plot(xs, [e["accuracy"] for e in evals], marker="o", label=method)
-    for col, label in enumerate(("training seconds", "steps")):
-        axes[1, col].set_xlabel(label)
-    axes[0, 0].set_ylabel("FD (classifier features), log")
-    axes[0, 0].set_yscale("log")
-    axes[1, 0].set_ylabel("classifier accuracy on samples")
-    axes[0, 0].legend()
-    fig.suptitle(f"{subject(report)}: EMA sample quality vs training time and steps")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 2, 2, figsize=(11, 8), sharey="row") as (fig, axes):
+        for method, result in report["results"].items():
+            evals = result.get("evals") or []
+            if not evals:
+                continue
+            for col, x_key in enumerate(("train_seconds", "step")):
+                xs = [e[x_key] for e in evals]
+                axes[0, col].plot(xs, [e["fd"] for e in evals], marker="o", label=method)
+                axes[1, col].plot(xs, [e["accuracy"] for e in evals], marker="o", label=method)
+        for col, label in enumerate(("training seconds", "steps")):
+            axes[1, col].set_xlabel(label)
+        axes[0, 0].set_ylabel("FD (classifier features), log")
+        axes[0, 0].set_yscale("log")
+        axes[1, 0].set_ylabel("classifier accuracy on samples")
+        axes[0, 0].legend()
+        fig.suptitle(f"{subject(report)}: EMA sample quality vs training time and steps")
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -24,11 +25,10 @@ from pathlib import Path
 import torch
 import yaml
 
-try:
-    from benchmarks.common import REPO, RESULTS, machine, pyplot, write
-except ImportError:  # run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.common import REPO, RESULTS, machine, pyplot, write
+if __package__ in (None, ""):  # run as a file: make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, RESULTS, figure, machine, write  # noqa: E402
 from recipes.config import load_config, with_overrides  # noqa: E402
 
 # --quick: the recipe's model shrunk until a CPU process trains a step in milliseconds, on synthetic data
@@ -40,6 +40,7 @@ def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: in
     """One `accelerate launch` of the recipe on `gpus` processes; its measured throughput.
     ``extra``: more KEY=VALUE overrides for the recipe (the tests shrink the model with them)."""
     run_dir = out / f"gpus{gpus}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a re-run measures afresh; the recipe refuses a folder holding a run
     overrides = [f"batch={per_gpu_batch * gpus}", "eval.every=0", "sample.every=0", "checkpoint.every=0",
                  "checkpoint.final=false", f"log_every={log_every}", "compile=false", *extra]
     precision = "bf16" if load_config(config).bf16 else "no"  # the launcher's must match the recipe's
@@ -72,19 +73,15 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
     gpus = [r["gpus"] for r in rows]
     base = rows[0]["images_per_s"] / rows[0]["gpus"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(gpus, [r["images_per_s"] for r in rows], marker="o", label="measured")
-    ax.plot(gpus, [base * g for g in gpus], ls="--", color="grey", label="linear")
-    ax.set_xlabel("GPUs (accelerate DDP)")
-    ax.set_ylabel("training images / s")
-    ax.set_xticks(gpus)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, figsize=(5, 3.5)) as (_, ax):
+        ax.plot(gpus, [r["images_per_s"] for r in rows], marker="o", label="measured")
+        ax.plot(gpus, [base * g for g in gpus], ls="--", color="grey", label="linear")
+        ax.set_xlabel("GPUs (accelerate DDP)")
+        ax.set_ylabel("training images / s")
+        ax.set_xticks(gpus)
+        ax.legend()
 
 
 def quick_config(config: str, runs: Path) -> str:

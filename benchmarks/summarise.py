@@ -14,11 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-try:
-    from benchmarks.common import RESULTS, machine, pyplot, write
-except ImportError:  # run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.common import RESULTS, machine, pyplot, write
+if __package__ in (None, ""):  # run as a file: make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, figure, machine, write  # noqa: E402
 
 NAME = "throughput_backbones"
 DEFAULT_MIXER = {"dit": "attention (SDPA)", "rwkv": "WKV 'matmul' (backbones/ops/wkv.py)",
@@ -69,20 +68,16 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
     labels = [f"{r['backbone']} {r['size']}\nb{r['batch']} {r['mode']}" for r in rows]
     xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
-    ax.bar([x - 0.2 for x in xs], [r["speedup"] for r in rows], 0.4, label="measured (routekit)")
-    ax.bar([x + 0.2 for x in xs], [r["flop_limit"] for r in rows], 0.4, label="FLOP limit", color="lightgrey")
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(list(xs), labels, fontsize=8)
-    ax.set_ylabel("train-step speed-up over vanilla")
-    ax.set_title("TREAD default route (rate 0.5) via routekit")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, figsize=(max(6, 1.2 * len(rows)), 4)) as (_, ax):
+        ax.bar([x - 0.2 for x in xs], [r["speedup"] for r in rows], 0.4, label="measured (routekit)")
+        ax.bar([x + 0.2 for x in xs], [r["flop_limit"] for r in rows], 0.4, label="FLOP limit", color="lightgrey")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.set_ylabel("train-step speed-up over vanilla")
+        ax.set_title("TREAD default route (rate 0.5) via routekit")
+        ax.legend(fontsize=8)
 
 
 def main(results: Path = RESULTS) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import time
 from pathlib import Path
 
@@ -26,15 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-try:
-    from benchmarks.common import RESULTS, device_or_exit, machine, pyplot, time_ms, write
-except ImportError:  # run as a script
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.common import RESULTS, device_or_exit, machine, pyplot, time_ms, write
+if __package__ in (None, ""):  # run as a file: make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import routekit as rk
+from benchmarks.common import RESULTS, device_or_exit, figure, machine, time_ms, write  # noqa: E402
 
 
 class HandRoutedDiT(nn.Module):
@@ -258,28 +255,24 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
     groups = {}
     for r in rows:
         groups.setdefault(f"{r['backbone']} {r['size']}\nb{r['batch']} {r['mode']}", {})[r["variant"]] = r
     labels = list(groups)
     variants = [v for v in ["routekit", "manual", "dar_static_c4", "dar_dynamic_c4", "dar_tread"]
                 if any(v in g for g in groups.values())]
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
-    width = 0.8 / (len(variants) + 1)
-    for k, v in enumerate(variants):
-        vals = [g["vanilla"]["step_ms"] / g[v]["step_ms"] if v in g and "vanilla" in g else 0 for g in groups.values()]
-        ax.bar([i + k * width for i in range(len(labels))], vals, width, label=v)
-    limits = [next(iter(g.values()))["flop_limit"] if "routekit" not in g else g["routekit"]["flop_limit"]
-              for g in groups.values()]
-    ax.bar([i + len(variants) * width for i in range(len(labels))], limits, width, label="FLOP limit", color="lightgrey")
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks([i + width * len(variants) / 2 for i in range(len(labels))], labels, fontsize=8)
-    ax.set_ylabel("train-step speed-up over vanilla")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, figsize=(max(6, 1.3 * len(labels)), 4)) as (_, ax):
+        width = 0.8 / (len(variants) + 1)
+        for k, v in enumerate(variants):
+            vals = [g["vanilla"]["step_ms"] / g[v]["step_ms"] if v in g and "vanilla" in g else 0 for g in groups.values()]
+            ax.bar([i + k * width for i in range(len(labels))], vals, width, label=v)
+        limits = [next(iter(g.values()))["flop_limit"] if "routekit" not in g else g["routekit"]["flop_limit"]
+                  for g in groups.values()]
+        ax.bar([i + len(variants) * width for i in range(len(labels))], limits, width, label="FLOP limit", color="lightgrey")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([i + width * len(variants) / 2 for i in range(len(labels))], labels, fontsize=8)
+        ax.set_ylabel("train-step speed-up over vanilla")
+        ax.legend(fontsize=8)
 
 
 def main() -> None:
