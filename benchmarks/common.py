@@ -25,6 +25,10 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
+# --quick smoke runs build every backbone this small (constructor overrides): a CPU trains a step in milliseconds,
+# and depth 8 leaves room for the default route 2 -> depth-4
+TINY = {"dit": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4}, "rwkv": {"depth": 8, "hidden": 32, "patch": 4},
+        "mamba": {"depth": 8, "hidden": 32, "patch": 4}}
 
 
 def commit() -> str:

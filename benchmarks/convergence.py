@@ -28,7 +28,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, RESULTS, figure, machine, write  # noqa: E402
+from benchmarks.common import REPO, RESULTS, TINY, figure, machine, write  # noqa: E402
 from recipes.config import TrainConfig, load_config, with_overrides  # noqa: E402
 from recipes.data import load_dataset  # noqa: E402
 from recipes.metrics import load_classifier  # noqa: E402
@@ -36,7 +36,7 @@ from recipes.train import train  # noqa: E402
 
 METHODS = ["vanilla", "tread", "dar", "dar_tread"]
 QUICK = {  # a model and schedule that finish in seconds on a laptop CPU
-    "model.overrides": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4, "class_dropout": 0.1},
+    "model.overrides": {**TINY["dit"], "class_dropout": 0.1},
     "data.name": "synthetic", "batch": 16, "eval.samples": 50, "sampler.steps": 4, "ema.decay": 0.9,
     "optimiser.lr": 1e-3, "optimiser.warmup_steps": 0, "bf16": False, "compile": False, "log_every": 5,
 }

@@ -28,11 +28,11 @@ import yaml
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, RESULTS, figure, machine, write  # noqa: E402
+from benchmarks.common import REPO, RESULTS, TINY, figure, machine, write  # noqa: E402
 from recipes.config import load_config, with_overrides  # noqa: E402
 
 # --quick: the recipe's model shrunk until a CPU process trains a step in milliseconds, on synthetic data
-QUICK = {"model.overrides": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4}, "data.name": "synthetic", "bf16": False}
+QUICK = {"data.name": "synthetic", "bf16": False}
 
 
 def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, out: Path,
@@ -86,8 +86,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def quick_config(config: str, runs: Path) -> str:
     """The recipe at ``config`` with QUICK's overrides, written beside the runs: the path to launch."""
-    shrunk = with_overrides(load_config(config), {**QUICK, "model.overrides": {**load_config(config).model.overrides,
-                                                                                **QUICK["model.overrides"]}})
+    recipe = load_config(config)
+    narrow = {k: v for k, v in TINY[recipe.model.backbone].items() if k != "depth"}  # its routes name blocks
+    model = {**recipe.model.overrides, **narrow}
+    shrunk = with_overrides(recipe, {**QUICK, "model.overrides": model})
     runs.mkdir(parents=True, exist_ok=True)
     path = runs / "quick.yaml"
     path.write_text(yaml.safe_dump(shrunk.model_dump(mode="json")))

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import routekit as rk
-from benchmarks.common import RESULTS, device_or_exit, figure, machine, time_ms, write  # noqa: E402
+from benchmarks.common import RESULTS, TINY, device_or_exit, figure, machine, time_ms, write  # noqa: E402
 
 
 class HandRoutedDiT(nn.Module):
@@ -75,10 +75,6 @@ def scan_kernel(backbone: str, device: str) -> str | None:
 # DAR rows: (query, with the default TREAD route?), all with chunk size 4
 DAR_VARIANTS = {"dar_static_c4": ("static", False), "dar_dynamic_c4": ("dynamic", False), "dar_tread": ("static", True)}
 VARIANTS = ("vanilla", "routekit", "manual", *DAR_VARIANTS)
-# --quick: every backbone this small trains a step in milliseconds on a CPU; depth 8 leaves room for the
-# default route 2 -> depth-4
-TINY = {"dit": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4}, "rwkv": {"depth": 8, "hidden": 32, "patch": 4},
-        "mamba": {"depth": 8, "hidden": 32, "patch": 4}}
 
 
 def build(backbone: str, size: str, variant: str, device: str, tiny: bool = False, example_batch: int = 2) -> nn.Module:
