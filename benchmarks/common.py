@@ -1,4 +1,10 @@
-"""Shared by the benchmarks: where results go, what machine and commit they ran on."""
+"""What every benchmark shares: how a step is timed, and how a result is written and labelled.
+
+One place for both, so that every file under benchmarks/results/ is timed the same way and says the same
+things: the machine it ran on, the commit (also where the tree travels without its history: RK_COMMIT),
+and the exact command that reproduces it. File names stay plain (``throughput_dit_compile``), never
+carrying a commit: a re-run replaces the file and git keeps the old one.
+"""
 
 from __future__ import annotations
 
@@ -7,60 +13,53 @@ import datetime
 import json
 import os
 import platform
+import shlex
+import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parent.parent
+# --quick smoke runs build every backbone this small (constructor overrides): a CPU trains a step in milliseconds,
+# and depth 8 leaves room for the default route 2 -> depth-4
+TINY = {"dit": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4}, "rwkv": {"depth": 8, "hidden": 32, "patch": 4},
+        "mamba": {"depth": 8, "hidden": 32, "patch": 4}}
 
 
-@contextlib.contextmanager
-def restored_env(name: str) -> Iterator[None]:
-    """Leave the environment variable ``name`` as it was found (set or unset), whatever a sweep sets it to."""
-    saved = os.environ.get(name)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
-def commit(mark_dirty: bool = False) -> str:
-    """The short commit the tree is at: RK_COMMIT where the tree travels without its history (a lent GPU
-    machine), else git's; with ``mark_dirty``, " (dirty)" after it when files differ from it."""
+def commit() -> str:
+    """The short commit the tree is at, with " (dirty)" when tracked files differ from it. RK_COMMIT wins:
+    a lent GPU machine gets the tree without its history."""
     if os.environ.get("RK_COMMIT"):
         return os.environ["RK_COMMIT"]
 
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
         except OSError:
             return ""
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + (" (dirty)" if mark_dirty and git("status", "--porcelain") else "")
+    return head + (" (dirty)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def device_or_exit(quick: bool) -> str:
-    """"cuda" when there is a GPU; "cpu" only for a --quick smoke run, else exit saying so."""
-    if torch.cuda.is_available():
-        return "cuda"
-    if not quick:
-        sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
-    return "cpu"
+def command() -> str:
+    """The command line that ran this process, as one would type it from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
+    return shlex.join(["python", str(shown), *sys.argv[1:]])
 
 
 def machine() -> dict:
-    """GPU, versions, commit and the exact command: every result file carries them."""
+    """Device, versions, commit, date and the exact command: every result file carries them."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),
-        "command": "python " + " ".join(sys.argv),
+        "command": command(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
@@ -71,22 +70,79 @@ def machine() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         pass
-    tuning = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ROUTEKIT_DAR_")}
-    if tuning:  # kernel launch overrides change what was measured
-        info["env"] = tuning
     return info
 
 
-def write(name: str, payload: dict, markdown: str, out: Path | None = None) -> Path:
-    """Write NAME.json and NAME.md under `out` (default benchmarks/results)."""
-    out = Path(out or RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
-    (out / f"{name}.md").write_text(markdown)
-    return out
+def device_or_exit(quick: bool) -> str:
+    """"cuda" when there is a GPU; "cpu" only for a --quick smoke run: a full-size run on a CPU would take hours
+    and measure nothing anyone trains on."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if not quick:
+        sys.exit("this benchmark needs a CUDA GPU; use --quick for a CPU smoke run")
+    return "cpu"
+
+
+def time_ms(step: Callable[[], object], steps: int, warmup: int, cuda: bool) -> dict[str, float]:
+    """Median and fastest milliseconds of ``steps`` calls of ``step``, after ``warmup`` untimed ones.
+
+    On a GPU each call sits between two CUDA events, so a call is timed from its first kernel to its last,
+    and a step whose host work outlasts its kernels shows up as the longer time it is. On a CPU, wall clock.
+    The median, because one step in twenty may meet a garbage collection or another process.
+    """
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times)}
 
 
 def header(info: dict) -> str:
-    return (f"Machine: {info['device']}; torch {info['torch']}" + (f", triton {info['triton']}" if "triton" in info else "")
-            + f"; commit `{info['commit']}`; {info['date']}\n\nCommand: `"
-            + "".join(f"{k}={v} " for k, v in info.get("env", {}).items()) + f"{info['command']}`\n")
+    """The markdown lines that say where and how a result was made."""
+    versions = f"torch {info['torch']}" + (f", triton {info['triton']}" if "triton" in info else "")
+    return (f"Machine: {info['device']}; {versions}; commit `{info['commit']}`; {info['date']}\n\n"
+            f"Command: `{info['command']}`\n")
+
+
+def write(name: str, info: dict, payload: dict, title: str, body: str, out: Path | None = None,
+          plot: Callable[[Path], None] | None = None) -> Path:
+    """Write NAME.json (``{"machine": info, **payload}``), NAME.md (title, machine and command, body) and,
+    given ``plot``, NAME.png, under ``out`` (default benchmarks/results). Returns the folder."""
+    out = Path(out or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"machine": info, **payload}, indent=1, default=str))
+    (out / f"{name}.md").write_text(f"# {title}\n\n{header(info)}\n{body}")
+    if plot is not None:
+        plot(out / f"{name}.png")
+    return out
+
+
+@contextlib.contextmanager
+def figure(path: Path, *grid: int, **subplots) -> Iterator[tuple]:
+    """``(fig, axes)`` of matplotlib's ``subplots(*grid, **subplots)``, saved to ``path`` and closed on leaving:
+    the file-only backend, since benchmarks run on machines without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*grid, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=130)
+    finally:
+        plt.close(fig)

@@ -8,6 +8,7 @@ small MNIST classifier (lower is better) and that classifier's accuracy on class
     python -m benchmarks.convergence                      # GPU: four methods x 240 s, DiT-S/2
     python -m benchmarks.convergence --methods vanilla    # one method per command; results merge
     python -m benchmarks.convergence --quick              # CPU smoke run in seconds (tiny model)
+    python -m benchmarks.convergence --methods vanilla,dar --budget-s 230 --eval-every-s 23 --no-compile
 
 Writes benchmarks/results/convergence.{json,md,png} (``--quick``: runs/convergence_quick/).
 """
@@ -17,8 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
-import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -26,11 +25,10 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import REPO, RESULTS, TINY, figure, machine, write  # noqa: E402
 from recipes.config import TrainConfig, load_config, with_overrides  # noqa: E402
 from recipes.data import load_dataset  # noqa: E402
 from recipes.metrics import load_classifier  # noqa: E402
@@ -38,7 +36,7 @@ from recipes.train import train  # noqa: E402
 
 METHODS = ["vanilla", "tread", "dar", "dar_tread"]
 QUICK = {  # a model and schedule that finish in seconds on a laptop CPU
-    "model.overrides": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4, "class_dropout": 0.1},
+    "model.overrides": {**TINY["dit"], "class_dropout": 0.1},
     "data.name": "synthetic", "batch": 16, "eval.samples": 50, "sampler.steps": 4, "ema.decay": 0.9,
     "optimiser.lr": 1e-3, "optimiser.warmup_steps": 0, "bf16": False, "compile": False, "log_every": 5,
 }
@@ -89,14 +87,6 @@ def time_to_reach(result: dict, target: float) -> dict | None:
     return next((e for e in result.get("evals", []) if e["fd"] <= target), None)
 
 
-def machine() -> dict[str, Any]:
-    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine()}
-    if torch.cuda.is_available():
-        info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return info
-
-
 def subject(report: dict) -> str:
     if report["quick"]:
         return "a tiny DiT on synthetic data (--quick)"
@@ -105,17 +95,18 @@ def subject(report: dict) -> str:
     return f"DiT-{report['size']} on MNIST-5k"
 
 
-def write_markdown(report: dict, path: Path) -> None:
+def title(report: dict) -> str:
+    return f"Convergence: {subject(report)}, {report['budget_s']:g} s of training each"
+
+
+def markdown(report: dict) -> str:
+    """The table under the header common.write puts first; each method names the run that measured it, since
+    methods may come from separate commands (their results merge)."""
     results = report["results"]
     vanilla = results.get("vanilla")
     target = vanilla["evals"][-1]["fd"] if vanilla and vanilla.get("evals") else None
     base = time_to_reach(vanilla, target) if target is not None else None
     lines = [
-        f"# Convergence: {subject(report)}, {report['budget_s']:g} s of training each",
-        "",
-        f"- machine: {json.dumps(report['machine'])}",
-        f"- commit: {report['commit']}",
-        f"- command: `{report['command']}`",
         f"- feature classifier test accuracy: {report.get('classifier_test_accuracy', float('nan')):.3f}",
         "- training seconds exclude evaluation and the first step (compilation); FD: Fréchet distance in the "
         "classifier's 128-d features to the held-out test split (lower is better); accuracy: the classifier "
@@ -139,37 +130,33 @@ def write_markdown(report: dict, path: Path) -> None:
     if target is not None:
         lines += ["", f"Vanilla's final FD is {target:.3f}; the speed-up is vanilla's time to first reach it "
                       "divided by the method's."]
-    path.write_text("\n".join(lines) + "\n")
+    runs = [f"- {m}: `{r['run']['command']}` at `{r['run']['commit']}` on {r['run']['device']}"
+            for m, r in results.items() if "run" in r]
+    if runs:
+        lines += ["", "Each method's run:", "", *runs]
+    return "\n".join(lines) + "\n"
 
 
-def write_plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey="row")
-    for method, result in report["results"].items():
-        evals = result.get("evals") or []
-        if not evals:
-            continue
-        for col, x_key in enumerate(("train_seconds", "step")):
-            xs = [e[x_key] for e in evals]
-            axes[0, col].plot(xs, [e["fd"] for e in evals], marker="o", label=method)
-            axes[1, col].plot(xs, [e["accuracy"] for e in evals], marker="o", label=method)
-    for col, label in enumerate(("training seconds", "steps")):
-        axes[1, col].set_xlabel(label)
-    axes[0, 0].set_ylabel("FD (classifier features), log")
-    axes[0, 0].set_yscale("log")
-    axes[1, 0].set_ylabel("classifier accuracy on samples")
-    axes[0, 0].legend()
-    fig.suptitle(f"{subject(report)}: EMA sample quality vs training time and steps")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def plot(report: dict, path: Path) -> None:
+    with figure(path, 2, 2, figsize=(11, 8), sharey="row") as (fig, axes):
+        for method, result in report["results"].items():
+            evals = result.get("evals") or []
+            if not evals:
+                continue
+            for col, x_key in enumerate(("train_seconds", "step")):
+                xs = [e[x_key] for e in evals]
+                axes[0, col].plot(xs, [e["fd"] for e in evals], marker="o", label=method)
+                axes[1, col].plot(xs, [e["accuracy"] for e in evals], marker="o", label=method)
+        for col, label in enumerate(("training seconds", "steps")):
+            axes[1, col].set_xlabel(label)
+        axes[0, 0].set_ylabel("FD (classifier features), log")
+        axes[0, 0].set_yscale("log")
+        axes[1, 0].set_ylabel("classifier accuracy on samples")
+        axes[0, 0].legend()
+        fig.suptitle(f"{subject(report)}: EMA sample quality vs training time and steps")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="S/2", choices=["S/2", "B/2"])
@@ -183,15 +170,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="a small DiT (depth 8, width 128, patch 4: 64 tokens) on MNIST-5k for a CPU-only comparison")
     parser.add_argument("--fresh", action="store_true", help="drop earlier results instead of merging into them")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; valid: {', '.join(METHODS)}")
     budget = 2.0 if args.quick and args.budget_s == parser.get_default("budget_s") else args.budget_s
     eval_every = args.eval_every_s or budget / 8
-    out = args.out or (REPO / "runs" / "convergence_quick" if args.quick else REPO / "benchmarks" / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out or (REPO / "runs" / "convergence_quick" if args.quick else RESULTS)
     runs = REPO / "runs" / ("convergence_quick" if args.quick else "convergence")
 
     settings = {"size": args.size, "budget_s": budget, "eval_every_s": eval_every, "quick": args.quick,
@@ -200,9 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads(report_path.read_text()) if report_path.exists() and not args.fresh else {}
     if any(report.get(k) != v for k, v in settings.items()):
         report = {}  # earlier results were made under other settings: start over
-    report.update(settings, machine=machine(), commit=commit(mark_dirty=True),
-                  command=" ".join(["python -m benchmarks.convergence", *map(shlex.quote, sys.argv[1:])]))
+    report = {**{k: v for k, v in report.items() if k not in ("machine", "commit", "command")}, **settings}
     report.setdefault("results", {})
+    info = machine()
+    run = {key: info[key] for key in ("commit", "command", "device", "date")}
 
     first = method_config(methods[0], args.size, args.quick, args.compile, args.cpu_preset)
     dataset = load_dataset(first.data.name, first.data.limit, first.data.cache_dir)
@@ -211,11 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     for method in methods:
         print(f"[{method}] {budget:g} s of training, evaluations every {eval_every:g} s", file=sys.stderr)
         config = method_config(method, args.size, args.quick, args.compile, args.cpu_preset)
-        report["results"][method] = run_method(method, config, budget, eval_every, runs)
+        report["results"][method] = {**run_method(method, config, budget, eval_every, runs), "run": run}
         report["results"] = {m: report["results"][m] for m in METHODS if m in report["results"]}
-        report_path.write_text(json.dumps(report, indent=1))
-        write_markdown(report, out / "convergence.md")
-        write_plot(report, out / "convergence.png")
+        write("convergence", info, report, title(report), markdown(report), out, lambda path: plot(report, path))
     print((out / "convergence.md").read_text())
 
 

@@ -5,7 +5,8 @@ checkpoints off; the per-GPU batch stays fixed (weak scaling), so the global bat
 count. Throughput is read back from the run's own train.jsonl: images per second between the first and
 the last logged step (warm-up, compilation and launch are not counted).
 
-    python benchmarks/scaling.py --config recipes/configs/dit_b2_tread.yaml --gpus 1 2 --steps 300
+    python benchmarks/scaling.py --config recipes/configs/dit_b2_tread.yaml --gpus 1 2 --steps 200 --log-every 25
+    python benchmarks/scaling.py --quick --out /tmp/scaling   # CPU smoke run: one process, a tiny model
 
 Writes benchmarks/results/scaling.{json,md,png}.
 """
@@ -15,21 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
-try:
-    from benchmarks.common import RESULTS, header, machine, write
-except ImportError:  # run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.common import RESULTS, header, machine, write
-from recipes.config import load_config  # noqa: E402
+if __package__ in (None, ""):  # run as a file: make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.common import REPO, RESULTS, TINY, figure, machine, write  # noqa: E402
+from recipes.config import load_config, with_overrides  # noqa: E402
+
+# --quick: the recipe's model shrunk until a CPU process trains a step in milliseconds, on synthetic data
+QUICK = {"data.name": "synthetic", "bf16": False}
 
 
 def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, out: Path,
@@ -37,6 +40,7 @@ def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: in
     """One `accelerate launch` of the recipe on `gpus` processes; its measured throughput.
     ``extra``: more KEY=VALUE overrides for the recipe (the tests shrink the model with them)."""
     run_dir = out / f"gpus{gpus}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a re-run measures afresh; the recipe refuses a folder holding a run
     overrides = [f"batch={per_gpu_batch * gpus}", "eval.every=0", "sample.every=0", "checkpoint.every=0",
                  "checkpoint.final=false", f"log_every={log_every}", "compile=false", *extra]
     precision = "bf16" if load_config(config).bf16 else "no"  # the launcher's must match the recipe's
@@ -69,23 +73,27 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     gpus = [r["gpus"] for r in rows]
     base = rows[0]["images_per_s"] / rows[0]["gpus"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(gpus, [r["images_per_s"] for r in rows], marker="o", label="measured")
-    ax.plot(gpus, [base * g for g in gpus], ls="--", color="grey", label="linear")
-    ax.set_xlabel("GPUs (accelerate DDP)")
-    ax.set_ylabel("training images / s")
-    ax.set_xticks(gpus)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, figsize=(5, 3.5)) as (_, ax):
+        ax.plot(gpus, [r["images_per_s"] for r in rows], marker="o", label="measured")
+        ax.plot(gpus, [base * g for g in gpus], ls="--", color="grey", label="linear")
+        ax.set_xlabel("GPUs (accelerate DDP)")
+        ax.set_ylabel("training images / s")
+        ax.set_xticks(gpus)
+        ax.legend()
+
+
+def quick_config(config: str, runs: Path) -> str:
+    """The recipe at ``config`` with QUICK's overrides, written beside the runs: the path to launch."""
+    recipe = load_config(config)
+    narrow = {k: v for k, v in TINY[recipe.model.backbone].items() if k != "depth"}  # its routes name blocks
+    model = {**recipe.model.overrides, **narrow}
+    shrunk = with_overrides(recipe, {**QUICK, "model.overrides": model})
+    runs.mkdir(parents=True, exist_ok=True)
+    path = runs / "quick.yaml"
+    path.write_text(yaml.safe_dump(shrunk.model_dump(mode="json")))
+    return str(path)
 
 
 def main() -> None:
@@ -97,21 +105,25 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--name", default="scaling")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: one process, a tiny model, batch 2, 6 steps")
     args = p.parse_args()
-    available = torch.cuda.device_count()
-    if max(args.gpus) > available:
-        raise SystemExit(f"--gpus {max(args.gpus)} asked for, {available} CUDA devices here")
-    info = machine()
     runs = REPO / "runs" / args.name
+    config = args.config
+    if args.quick:
+        args.gpus, args.per_gpu_batch, args.steps, args.log_every = [1], 2, 6, 2
+        config = quick_config(args.config, runs)
+    elif max(args.gpus) > torch.cuda.device_count():
+        raise SystemExit(f"--gpus {max(args.gpus)} asked for, {torch.cuda.device_count()} CUDA devices here "
+                         "(--quick runs one CPU process)")
+    info = machine()
     rows = []
     for gpus in args.gpus:
-        rows.append(launch(args.config, gpus, args.per_gpu_batch, args.steps, args.log_every, runs))
-        md = (f"# Multi-GPU scaling (accelerate DDP, weak scaling: {args.per_gpu_batch} images per GPU per step)\n\n"
-              f"{header(info)}\nRecipe: `{args.config}` (compile off, evaluation/sampling/checkpoints off)\n\n"
-              f"{table(rows)}")
-        out = write(args.name, {"machine": info, "config": args.config, "rows": rows}, md, args.out)
-        plot(rows, out / f"{args.name}.png")
-    print(md)
+        rows.append(launch(config, gpus, args.per_gpu_batch, args.steps, args.log_every, runs))
+        body = f"Recipe: `{args.config}` (compile off, evaluation/sampling/checkpoints off)\n\n{table(rows)}"
+        write(args.name, info, {"config": args.config, "rows": rows},
+              f"Multi-GPU scaling (accelerate DDP, weak scaling: {args.per_gpu_batch} images per GPU per step)", body,
+              args.out, lambda path: plot(rows, path))
+    print((args.out / f"{args.name}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
-"""Train-step throughput: vanilla vs routekit-routed vs a hand-written route, in one run.
+"""Train-step throughput: vanilla vs routekit-routed vs a hand-written route, and the DAR rows, in one run.
 
 One train step = forward + backward + AdamW under bf16 autocast. For each backbone, size, batch and
 mode (eager / torch.compile) it reports the median step time, speed-up over vanilla, peak memory,
 and the speed-up FLOPs alone would give (torch.utils.flop_counter on one step). The hand-written
-route (DiT only) is written here, independently of routekit, as the bar routekit must meet.
+route (DiT only) is written here, independently of routekit, as the bar routekit must meet. The
+DAR variants (chunks of 4) replace the residual adds, alone or with the default route.
 
-    python benchmarks/throughput.py --backbone dit --sizes B/2 XL/2 --batches 256 --modes compile
-    python benchmarks/throughput.py --quick      # CPU smoke run
+    python benchmarks/throughput.py --backbone dit --sizes XL/2 --batches 256 --modes compile
+    python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants vanilla dar_static_c4
+    python benchmarks/throughput.py --backbone rwkv mamba --sizes B/2 --batches 256 --modes eager
+    python benchmarks/throughput.py --quick      # CPU smoke run: tiny models, eager
+
+Writes benchmarks/results/<name>.{json,md,png} (--name, default throughput_<backbones>).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,15 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-try:
-    from benchmarks.common import RESULTS, header, machine, write
-except ImportError:  # run as a script
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.common import RESULTS, header, machine, write
+if __package__ in (None, ""):  # run as a file: make the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import routekit as rk
+from benchmarks.common import RESULTS, TINY, device_or_exit, figure, machine, time_ms, write  # noqa: E402
 
 
 class HandRoutedDiT(nn.Module):
@@ -71,31 +72,27 @@ def scan_kernel(backbone: str, device: str) -> str | None:
     return None
 
 
-def build(backbone: str, size: str, variant: str, device: str, example_batch: int = 2) -> nn.Module:
+# DAR rows: (query, with the default TREAD route?), all with chunk size 4
+DAR_VARIANTS = {"dar_static_c4": ("static", False), "dar_dynamic_c4": ("dynamic", False), "dar_tread": ("static", True)}
+VARIANTS = ("vanilla", "routekit", "manual", *DAR_VARIANTS)
+
+
+def build(backbone: str, size: str, variant: str, device: str, tiny: bool = False, example_batch: int = 2) -> nn.Module:
     module = importlib.import_module(f"backbones.{backbone}")
     torch.manual_seed(0)
     with torch.device(device):
-        model = module.build(size)
-    route = rk.Route.default(model.depth if hasattr(model, "depth") else len(model.blocks),
-                             selector="random" if backbone == "dit" else "row")
+        model = module.build(size, **(TINY[backbone] if tiny else {}))
+    route = rk.Route.default(model.depth, selector="random" if backbone == "dit" else "row")
     if variant == "vanilla":
         return model
     if variant == "manual":
-        if backbone != "dit":
-            raise SystemExit("the hand-written route exists for the DiT backbone only")
         return HandRoutedDiT(model, route.start, route.end, route.rate)
     example = module.example_inputs(model, example_batch, device=device)
     if variant == "routekit":
         return rk.apply(model, routes=[route], example_inputs=example)
-    if variant in DAR_VARIANTS:
-        query, routes = DAR_VARIANTS[variant]
-        return rk.apply(model, routes=[route] if routes else None, residual=rk.DAR(query=query, chunk=4),
-                        example_inputs=example)
-    raise SystemExit(f"unknown variant {variant}; known: vanilla, routekit, manual, {', '.join(DAR_VARIANTS)}")
-
-
-# DAR rows: (query, with the default TREAD route?), all with chunk size 4
-DAR_VARIANTS = {"dar_static_c4": ("static", False), "dar_dynamic_c4": ("dynamic", False), "dar_tread": ("static", True)}
+    query, routes = DAR_VARIANTS[variant]
+    return rk.apply(model, routes=[route] if routes else None, residual=rk.DAR(query=query, chunk=4),
+                    example_inputs=example)
 
 
 def inputs_for(backbone: str, model: nn.Module, batch: int, device: str):
@@ -123,42 +120,29 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     x, t, y = inputs_for(backbone, model, batch, device)
     model.train()
     runner = torch.compile(model) if mode == "compile" else model
-    start = time.perf_counter()
-    train_step(runner, opt, x, t, y, cuda)
+
+    def step():
+        train_step(runner, opt, x, t, y, cuda)
+
+    start = time.perf_counter()  # the first step holds the compilation: timed apart, never in the median
+    step()
     if cuda:
         torch.cuda.synchronize()
     first = time.perf_counter() - start
-    for _ in range(warmup):
-        train_step(runner, opt, x, t, y, cuda)
-    times = []
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            train_step(runner, opt, x, t, y, cuda)
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            train_step(runner, opt, x, t, y, cuda)
-            times.append((time.perf_counter() - t0) * 1e3)
+    timing = time_ms(step, steps, warmup, cuda)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    stats = {"step_ms": statistics.median(times), "min_ms": min(times), "peak_gib": peak, "first_step_s": first}
+    stats = {"step_ms": timing["median_ms"], "min_ms": timing["min_ms"], "peak_gib": peak, "first_step_s": first}
     if gpu_busy and cuda:
-        stats["gpu_busy_ms"], stats["top_kernels"], stats["all_kernels"] = gpu_busy_ms(
-            lambda: train_step(runner, opt, x, t, y, cuda))
+        stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(step)
     return stats
 
 
-def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict], list[dict]]:
+def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]:
     """Time the GPU spends in kernels per step (profiler): far below the step time means the step
     waits on the host (Python and kernel launches), not on the GPU. Also the `top` kernels and the
-    `top` operators (by the kernel time they launch) per step: where the step's GPU time goes; and
-    every kernel (JSON only), to tell two variants' steps apart kernel by kernel."""
+    `top` operators (by the kernel time they launch) per step: where the step's GPU time goes."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -170,12 +154,12 @@ def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict],
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     ops = [e for e in events if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
 
-    def rows(found: list, kind: str, width: int = 90) -> list[dict]:
-        return [{"kind": kind, "kernel": e.key[:width], "ms": e.self_device_time_total / 1e3 / steps,
-                 "calls": e.count / steps} for e in found]
+    def rows(found: list, kind: str) -> list[dict]:
+        return [{"kind": kind, "kernel": e.key[:90], "ms": e.self_device_time_total / 1e3 / steps,
+                 "calls": e.count / steps} for e in found[:top]]
 
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
-    return busy, rows(kernels[:top], "kernel") + rows(ops[:top], "op"), rows(kernels, "kernel", 200)
+    return busy, rows(kernels, "kernel") + rows(ops, "op")
 
 
 def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> int:
@@ -189,15 +173,22 @@ def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> 
     return counter.get_total_flops()
 
 
-def run(args, save=lambda rows: None) -> list[dict]:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def variants_of(backbone: str, asked: list[str] | None) -> list[str]:
+    """The variants one backbone runs: those asked for (the hand-written route exists for DiT only), or by default
+    vanilla, routekit and, for DiT, the hand-written route."""
+    if asked is None:
+        return ["vanilla", "routekit", "manual"] if backbone == "dit" else ["vanilla", "routekit"]
+    return [v for v in asked if v != "manual" or backbone == "dit"]
+
+
+def run(args, device: str, save=lambda rows: None) -> list[dict]:
     rows = []
     for backbone in args.backbone:
-        variants = args.variants or (["vanilla", "routekit", "manual"] if backbone == "dit" else ["vanilla", "routekit"])
+        variants = variants_of(backbone, args.variants)
         for size in args.sizes:
             flops = {}
             for variant in dict.fromkeys(["vanilla", *variants]):  # vanilla's FLOPs set every row's limit
-                model = build(backbone, size, variant, device)
+                model = build(backbone, size, variant, device, args.quick)
                 flops[variant] = step_flops(model, backbone, device)
                 del model
             for batch in args.batches:
@@ -206,7 +197,7 @@ def run(args, save=lambda rows: None) -> list[dict]:
                         torch._dynamo.reset()
                         model = None
                         try:
-                            model = build(backbone, size, variant, device)
+                            model = build(backbone, size, variant, device, args.quick)
                             stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy)
                         except torch.OutOfMemoryError:  # recorded as such; the other rows still run
                             nan = float("nan")
@@ -235,8 +226,8 @@ def table(rows: list[dict]) -> str:
         manual = g.get("manual")
         for variant, r in g.items():
             speed = base["step_ms"] / r["step_ms"] if base else float("nan")
-            rel = ""
-            if manual and variant != "vanilla" and base:
+            rel = ""  # routekit's speed-up over the hand-written route's, the same route placed two ways
+            if manual and variant in ("routekit", "manual") and base:
                 rel = f"{speed / (base['step_ms'] / manual['step_ms']):.3f}"
             if r.get("status"):
                 out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['status']} | | | "
@@ -260,32 +251,24 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = {}
     for r in rows:
         groups.setdefault(f"{r['backbone']} {r['size']}\nb{r['batch']} {r['mode']}", {})[r["variant"]] = r
     labels = list(groups)
     variants = [v for v in ["routekit", "manual", "dar_static_c4", "dar_dynamic_c4", "dar_tread"]
                 if any(v in g for g in groups.values())]
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
-    width = 0.8 / (len(variants) + 1)
-    for k, v in enumerate(variants):
-        vals = [g["vanilla"]["step_ms"] / g[v]["step_ms"] if v in g and "vanilla" in g else 0 for g in groups.values()]
-        ax.bar([i + k * width for i in range(len(labels))], vals, width, label=v)
-    limits = [next(iter(g.values()))["flop_limit"] if "routekit" not in g else g["routekit"]["flop_limit"]
-              for g in groups.values()]
-    ax.bar([i + len(variants) * width for i in range(len(labels))], limits, width, label="FLOP limit", color="lightgrey")
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks([i + width * len(variants) / 2 for i in range(len(labels))], labels, fontsize=8)
-    ax.set_ylabel("train-step speed-up over vanilla")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    with figure(path, figsize=(max(6, 1.3 * len(labels)), 4)) as (_, ax):
+        width = 0.8 / (len(variants) + 1)
+        for k, v in enumerate(variants):
+            vals = [g["vanilla"]["step_ms"] / g[v]["step_ms"] if v in g and "vanilla" in g else 0 for g in groups.values()]
+            ax.bar([i + k * width for i in range(len(labels))], vals, width, label=v)
+        limits = [next(iter(g.values()))["flop_limit"] if "routekit" not in g else g["routekit"]["flop_limit"]
+                  for g in groups.values()]
+        ax.bar([i + len(variants) * width for i in range(len(labels))], limits, width, label="FLOP limit", color="lightgrey")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([i + width * len(variants) / 2 for i in range(len(labels))], labels, fontsize=8)
+        ax.set_ylabel("train-step speed-up over vanilla")
+        ax.legend(fontsize=8)
 
 
 def main() -> None:
@@ -294,29 +277,29 @@ def main() -> None:
     p.add_argument("--sizes", nargs="+", default=["B/2", "XL/2"])
     p.add_argument("--batches", nargs="+", type=int, default=[64, 256])
     p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
-    p.add_argument("--variants", nargs="+", default=None)
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                   help="default: vanilla, routekit and (DiT) manual, the hand-written route")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--name", default=None, help="results file stem (default throughput_<backbones>)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--gpu-busy", action="store_true", help="also profile the GPU's kernel time per step")
-    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny models, batch 2, eager, two steps")
     args = p.parse_args()
     if args.quick:
-        args.sizes, args.batches, args.modes, args.steps, args.warmup = ["S/8"], [2], ["eager"], 2, 0
+        args.sizes, args.batches, args.modes, args.steps, args.warmup = ["S/2"], [2], ["eager"], 2, 0
+    device = device_or_exit(args.quick)
     info = machine()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     info["scan_kernels"] = {b: k for b in args.backbone if (k := scan_kernel(b, device))}
     name = args.name or "throughput_" + "_".join(args.backbone)
+    mixers = "".join(f"Token mixer ({b}): {k}\n\n" for b, k in info["scan_kernels"].items())
 
-    def save(rows: list[dict]) -> str:  # after every row, so a run cut short still leaves its results
-        kernels = "".join(f"\nToken mixer ({b}): {k}\n" for b, k in info["scan_kernels"].items())
-        md = f"# Train-step throughput ({', '.join(args.backbone)})\n\n{header(info)}{kernels}\n{table(rows)}"
-        out = write(name, {"machine": info, "rows": rows}, md, args.out)
-        plot(rows, out / f"{name}.png")
-        return md
+    def save(rows: list[dict]) -> None:  # after every row, so a run cut short still leaves its results
+        write(name, info, {"rows": rows}, f"Train-step throughput ({', '.join(args.backbone)})", mixers + table(rows),
+              args.out, lambda path: plot(rows, path))
 
-    print(save(run(args, save)))
+    run(args, device, save)
+    print((args.out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":

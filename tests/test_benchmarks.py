@@ -1,10 +1,78 @@
-"""The benchmark scripts' bookkeeping: what they report is what their inputs hold."""
+"""The benchmarks' bookkeeping and their CPU smoke runs: each benchmark runs end to end with --quick and
+writes JSON + markdown (+ PNG) that name the machine, the commit and the exact command; what a table
+reports is what its inputs hold. No test here asserts a speed."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks import summarise
+from benchmarks import common, summarise
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(script: str, *args: str) -> None:
+    """Run benchmarks/<script> as a user would, from the repository root; fail with its output. One OpenMP
+    thread, as conftest's one_thread gives in-process tests: tiny models on a busy 2-core box run tens of times
+    faster without oversubscription."""
+    env = {**os.environ, "RK_COMMIT": "abc1234", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def labelled(out: Path, name: str, command: str, png: bool = True) -> dict:
+    """NAME.json and NAME.md exist and carry machine, commit and command (NAME.png too); the JSON."""
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["machine"]["commit"] == "abc1234" and data["machine"]["command"].startswith(command)
+    assert data["machine"]["device"] and data["machine"]["torch"]
+    text = (out / f"{name}.md").read_text()
+    assert "commit `abc1234`" in text and f"Command: `{command}" in text
+    assert (out / f"{name}.png").exists() == png
+    return data
+
+
+# ---------------------------------------------------------------- common
+
+
+def test_time_ms_times_each_step_after_the_warmup(monkeypatch):
+    """The median and minimum are of the timed steps alone: warm-up steps (the slow first ones) never count."""
+    durations = iter([9.0, 9.0, 0.004, 0.001, 0.003, 0.002, 0.005])  # seconds: two warm-up steps, then five
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+
+    def step():
+        clock[0] += next(durations)
+
+    assert common.time_ms(step, steps=5, warmup=2, cuda=False) == pytest.approx({"median_ms": 3.0, "min_ms": 1.0})
+    with pytest.raises(StopIteration):  # exactly 2 + 5 calls were made
+        step()
+
+
+def test_machine_records_the_commit_and_the_command_as_typed_from_the_repository(monkeypatch):
+    monkeypatch.setenv("RK_COMMIT", "0123abc")
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / "throughput.py"), "--sizes", "XL/2", "--name", "a b"])
+    info = common.machine()
+    assert info["commit"] == "0123abc"
+    assert info["command"] == "python benchmarks/throughput.py --sizes XL/2 --name 'a b'"
+    monkeypatch.delenv("RK_COMMIT")
+    assert common.commit().split()[0] not in ("", "0123abc")  # git's own answer in a checkout
+
+
+def test_write_puts_machine_in_the_json_and_header_in_the_markdown(tmp_path):
+    info = {"date": "2026-01-01", "commit": "abc1234", "command": "python x.py", "torch": "2", "device": "CPU"}
+    drawn = []
+    common.write("r", info, {"rows": [1]}, "Title", "body\n", tmp_path, plot=drawn.append)
+    assert json.loads((tmp_path / "r.json").read_text()) == {"machine": info, "rows": [1]}
+    assert (tmp_path / "r.md").read_text().startswith("# Title\n\nMachine: CPU; torch 2; commit `abc1234`")
+    assert drawn == [tmp_path / "r.png"]
+
+
+# ---------------------------------------------------------------- summarise
 
 
 def _write(path, date, rows, scan_kernels=None):
@@ -17,93 +85,77 @@ def _row(variant, step_ms, backbone="dit"):
             "step_ms": step_ms, "flop_limit": 1.7 if variant == "routekit" else 1.0, "peak_gib": 1.0}
 
 
-def test_summary_pairs_vanilla_and_routekit_from_one_file(tmp_path, monkeypatch):
+def test_summary_pairs_vanilla_and_routekit_from_one_file(tmp_path):
     """A newer file with only a vanilla row (e.g. a DAR run) must not split an older measured pair."""
-    monkeypatch.setattr(summarise, "RESULTS", tmp_path)
     _write(tmp_path / "throughput_a.json", "2026-01-01", [_row("vanilla", 100.0), _row("routekit", 60.0)])
     _write(tmp_path / "throughput_b.json", "2026-02-01", [_row("vanilla", 90.0), _row("dar_static_c4", 120.0)])
-    (group,) = summarise.collect().values()
+    (group,) = summarise.collect(tmp_path).values()
     assert group["vanilla"]["step_ms"] == 100.0 and group["routekit"]["file"] == "throughput_a.json"
     _write(tmp_path / "throughput_c.json", "2026-03-01", [_row("vanilla", 80.0), _row("routekit", 50.0)])
-    (group,) = summarise.collect().values()
+    (group,) = summarise.collect(tmp_path).values()
     assert (group["vanilla"]["step_ms"], group["routekit"]["step_ms"]) == (80.0, 50.0)  # the newest pair wins
 
 
-def test_summary_names_the_token_mixer_each_file_ran(tmp_path, monkeypatch):
-    monkeypatch.setattr(summarise, "RESULTS", tmp_path)
+def test_summary_names_the_token_mixer_each_file_ran(tmp_path):
     rows = [_row("vanilla", 100.0, "mamba"), _row("routekit", 60.0, "mamba")]
     _write(tmp_path / "throughput_old.json", "2026-01-01", rows)
-    assert "chunked" in next(iter(summarise.collect().values()))["routekit"]["mixer"]
+    assert "chunked" in next(iter(summarise.collect(tmp_path).values()))["routekit"]["mixer"]
     _write(tmp_path / "throughput_new.json", "2026-02-01", rows, scan_kernels={"mamba": "mamba-ssm Triton SSD"})
-    assert next(iter(summarise.collect().values()))["routekit"]["mixer"] == "mamba-ssm Triton SSD"
+    assert next(iter(summarise.collect(tmp_path).values()))["routekit"]["mixer"] == "mamba-ssm Triton SSD"
 
 
-def test_dar_schedule_counts_the_reads_of_dit_xl_and_runs_on_cpu(tmp_path):
-    """518 source reads per forward one aggregation per sublayer (56 sublayers, chunks of 4), 203 two-phase
-    (14 shared parts: 1 + 2 + ... + 14 = 105; own outputs 1 + 2 + 3 + 1 per chunk); the --quick run writes its
-    report and the two-phase schedules (fused prefix, streamed) agree with the per-sublayer one."""
-    import argparse
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from benchmarks.dar_schedule import reads
-
-    assert reads(argparse.Namespace(sublayers=56, chunk=4)) == {"per_sublayer": 518, "two_phase": 203}
-    assert reads(argparse.Namespace(sublayers=3, chunk=4)) == {"per_sublayer": 2 + 3 + 4, "two_phase": 1 + 1 + 2 + 3}
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "dar_schedule.py"
-    subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], check=True, capture_output=True)
-    report = json.loads((tmp_path / "dar_schedule.json").read_text())
-    assert set(report["schedules"]) == {"per_sublayer", "two_phase", "streamed"}
-    for schedule in ("two_phase", "streamed"):
-        errors = report["agreement"][schedule]
-        assert errors["outputs"] < 1e-2 and errors["worst source grad error"] < 2e-2, (schedule, errors)
-    assert (tmp_path / "dar_schedule.md").exists() and (tmp_path / "dar_schedule.png").exists()
+def test_summary_writes_its_table_and_never_reads_it_back(tmp_path):
+    _write(tmp_path / "throughput_a.json", "2026-01-01", [_row("vanilla", 100.0), _row("routekit", 60.0)])
+    for _ in range(2):  # the second run finds throughput_backbones.json among throughput_*.json
+        run_benchmark("summarise.py", str(tmp_path))
+    (row,) = labelled(tmp_path, "throughput_backbones", "python benchmarks/summarise.py")["rows"]
+    assert row["speedup"] == pytest.approx(100 / 60) and row["of_limit"] == pytest.approx(100 / 60 / 1.7)
+    assert "| 100.0 | 60.0 | 1.667× | 1.700× | 0.980 |" in (tmp_path / "throughput_backbones.md").read_text()
 
 
-def test_stream_probe_kernels_match_torch_under_the_interpreter():
-    """The go/no-go probe for a streaming prefix times its kernels only if they are right."""
-    from benchmarks import dar_stream_probe
-
-    errors = dar_stream_probe.check("cpu")
-    assert set(errors) == {"mix", "lse", "dl", "dv"} and max(errors.values()) < 1e-5, errors
+# ---------------------------------------------------------------- smoke runs
 
 
-@pytest.mark.parametrize("given_dot", [[], ["--given-dot"]])
-def test_merge_probe_checks_every_setting_against_the_generic_kernel_on_cpu(tmp_path, given_dot):
-    """The merges' probe times a setting only if its gradients match the generic kernel's; --quick checks
-    them all under the interpreter (a mismatch makes it exit non-zero), also handed their rows' g . o."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_throughput_quick_runs_every_kind_of_variant_and_the_two_routes_agree_on_flops(tmp_path):
+    """Vanilla, routekit, the hand-written route and a DAR row, on DiT and on a scan backbone (which has no
+    hand-written route). routekit and the hand-written route place the same route, so their FLOPs match; DAR's
+    aggregations add FLOPs to the routed step."""
+    run_benchmark("throughput.py", "--quick", "--backbone", "dit", "mamba", "--variants", "vanilla", "routekit",
+                  "manual", "dar_tread", "--out", str(tmp_path), "--name", "t")
+    rows = labelled(tmp_path, "t", "python benchmarks/throughput.py --quick")["rows"]
+    found = {(r["backbone"], r["variant"]): r for r in rows}
+    assert sorted(found) == sorted([("dit", v) for v in ("vanilla", "routekit", "manual", "dar_tread")]
+                                   + [("mamba", v) for v in ("vanilla", "routekit", "dar_tread")])
+    assert all(r["step_ms"] > 0 and r["mode"] == "eager" for r in rows)
+    assert found["dit", "vanilla"]["flop_limit"] == 1.0
+    assert found["dit", "routekit"]["flop_limit"] == pytest.approx(found["dit", "manual"]["flop_limit"])
+    for backbone in ("dit", "mamba"):
+        assert found[backbone, "dar_tread"]["flop_limit"] < found[backbone, "routekit"]["flop_limit"]
+        assert found[backbone, "routekit"]["flop_limit"] > 1.0
+    assert "Token mixer (mamba)" in (tmp_path / "t.md").read_text()
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "dar_merge_probe.py"
-    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path), *given_dot],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    rows = json.loads((tmp_path / "dar_merge_probe_quick.json").read_text())["rows"]
-    assert len(rows) > 1 and all(r["max_error"] < 1e-5 for r in rows), rows
+
+def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
+    run_benchmark("scaling.py", "--quick", "--out", str(tmp_path), "--name", "scaling_test")
+    (row,) = labelled(tmp_path, "scaling_test", "python benchmarks/scaling.py --quick")["rows"]
+    assert row["gpus"] == 1 and row["global_batch"] == 2 and row["steps"] == 6 and row["images_per_s"] > 0
 
 
-def test_kernel_diff_pairs_inductors_numbered_kernels_and_sets_routekits_apart(tmp_path):
-    from benchmarks import kernel_diff
+def test_convergence_quick_merges_methods_run_by_separate_commands(tmp_path):
+    """One method per command (as on two GPUs), merged into one report that says which command ran each."""
+    for method in ("tread", "vanilla"):
+        run_benchmark("convergence.py", "--quick", "--methods", method, "--budget-s", "0.5", "--eval-every-s", "0.5",
+                      "--out", str(tmp_path))
+    data = labelled(tmp_path, "convergence", "python benchmarks/convergence.py --quick --methods vanilla")
+    assert list(data["results"]) == ["vanilla", "tread"]  # METHODS order, whatever order they ran in
+    assert data["results"]["tread"]["run"]["command"].endswith(f"--methods tread --budget-s 0.5 --eval-every-s 0.5 "
+                                                               f"--out {tmp_path}")
+    assert all(r["steps"] > 0 and r["evals"] for r in data["results"].values())
+    assert "| tread |" in (tmp_path / "convergence.md").read_text()
 
-    def row(variant, kernels):
-        return {"variant": variant, "all_kernels": [{"kind": "kernel", "kernel": k, "ms": ms, "calls": 1.0}
-                                                    for k, ms in kernels] + [{"kind": "op", "kernel": "aten::mm",
-                                                                              "ms": 99.0, "calls": 1.0}]}
 
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"rows": [
-        row("vanilla", [("triton_poi_fused_add_7", 2.0), ("gemm", 10.0)]),
-        row("dar_static_c4", [("triton_poi_fused_add_31", 1.5), ("triton_poi_fused_add_32", 1.0), ("gemm", 10.0),
-                              ("_merge_bwd_kernel", 3.0), ("_wsum_fwd_kernel", 1.0)])]}))
-    dar, vanilla = kernel_diff.kernel_times(path, "dar_static_c4"), kernel_diff.kernel_times(path, "vanilla")
-    assert dar["triton_poi_fused_add"] == [2.5, 2.0] and vanilla["triton_poi_fused_add"] == [2.0, 1.0]
-    text = kernel_diff.diff(dar, vanilla, top=3)
-    assert "**16.5 ms** against 12.0 (+4.5 ms, +37.5%)" in text
-    assert "routekit's Triton kernels 4.0 ms" in text and "everything else +0.5 ms" in text
-    assert "| +3.00 | 3.00 | 1 | 0.00 | 0 | `_merge_bwd_kernel` |" in text
-    path.write_text(json.dumps({"rows": [{"variant": "vanilla"}]}))
-    with pytest.raises(SystemExit, match="--gpu-busy"):
-        kernel_diff.kernel_times(path, "vanilla")
+def test_dar_kernel_quick_checks_and_times_the_kernel_on_cpu(tmp_path):
+    """The Triton kernel under the interpreter against the reference, at tiny shapes."""
+    run_benchmark("dar_kernel.py", "--quick", "--out", str(tmp_path))
+    assert json.loads((tmp_path / "dar_kernel.json").read_text())
+    assert "python benchmarks/dar_kernel.py --quick" in (tmp_path / "dar_kernel.md").read_text()
