@@ -19,6 +19,7 @@ from torch import nn
 from .analysis import GraphReport, block_runs, find_timestep_embedding
 from .config import DAR, Route
 from .errors import ConfigError
+from .report import draw_plan, format_plan
 from .routing import select_tokens
 from .selectors import get_selector, keeps_rows, needs_grid
 
@@ -80,14 +81,10 @@ class Plan:
         return getattr(self.report, name)
 
     def __str__(self) -> str:
-        from .report import format_plan
-
         return format_plan(self)
 
     def draw(self, path: str) -> str:
         """Write a PNG of the block stack with the routes marked; returns the path."""
-        from .report import draw_plan
-
         return draw_plan(self, path)
 
     def route_at(self) -> dict[int, int]:

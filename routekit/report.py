@@ -1,14 +1,15 @@
-"""Printing and drawing a plan: a table for the terminal, a PNG for docs."""
+"""Printing and drawing a plan (`routekit.plan.Plan`): a table for the terminal, a PNG for docs.
+
+Rendering sits below the plan it renders (the plan's `__str__` and `draw` call it), so it reads the
+plan's fields without importing its module.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .plan import Plan
+from typing import Any
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Any) -> str:
     r = plan.report
     batch, tokens, channels = r.stream.shape
     grid = "none found"
@@ -66,7 +67,7 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def draw_plan(plan: Plan, path: str) -> str:
+def draw_plan(plan: Any, path: str) -> str:
     try:
         import matplotlib
 
