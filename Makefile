@@ -1,29 +1,51 @@
 # Two entry points on a fresh machine: `make demo` and `make test`.
-# Both create .venv, install CPU torch 2.13.0 when no GPU is present (an unpinned
-# torch would pull a multi-GB CUDA build), then the package with its dev extra.
+# Both create .venv with the pinned CPU torch (an unpinned torch would pull a multi-GB CUDA build when no GPU is
+# present), then the package with its dev extra. `make test` also builds .venv-latest with the newest torch release
+# (a CUDA build that runs on the CPU; pip's cache keeps re-installs cheap) plus torchvision and timm, and runs the
+# whole suite in both: the two ends of the torch range routekit claims on CPU.
 PYTHON ?= python3
-VENV := .venv
-PY := $(VENV)/bin/python
-STAMP := $(VENV)/.routekit-installed
+PINNED_TORCH := 2.13.0
+LATEST_TORCH := 2.14.1
+LATEST_TORCHVISION := 0.29.1
 
-.PHONY: demo test lint clean
+VENV := .venv
+LATEST := .venv-latest
+STAMP := $(VENV)/.routekit-installed
+LATEST_STAMP := $(LATEST)/.routekit-installed
+PYTEST := -m pytest -n 2 --dist loadfile
+
+.PHONY: demo test test-pinned test-latest lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	else $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(VENV)/bin/python -m pip install -q torch; \
+	else $(VENV)/bin/python -m pip install -q torch==$(PINNED_TORCH); fi
+	$(VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+$(LATEST_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q torch==$(LATEST_TORCH) torchvision==$(LATEST_TORCHVISION)
+	$(LATEST)/bin/python -m pip install -q -e '.[dev,timm]'
+	touch $(LATEST_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/routekit demo
 
-test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+test: test-pinned test-latest
+
+test-pinned: $(STAMP)
+	@echo "== tests on torch $$($(VENV)/bin/python -c 'import torch; print(torch.__version__)') =="
+	$(VENV)/bin/python $(PYTEST)
+
+test-latest: $(LATEST_STAMP)
+	@echo "== tests on torch $$($(LATEST)/bin/python -c 'import torch; print(torch.__version__)') =="
+	$(LATEST)/bin/python $(PYTEST)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check routekit backbones recipes tests benchmarks
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LATEST)

@@ -14,6 +14,7 @@ from .errors import (
     InputError,
     NonFiniteError,
     RoutekitError,
+    SelectorError,
     TraceError,
 )
 from .inspection import inspect
@@ -24,7 +25,7 @@ from .verify import verify
 
 __all__ = [
     "DAR", "AnalysisError", "ConfigError", "FallbackWarning", "GraphReport", "InferenceChanged", "InputError",
-    "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "TraceError", "apply", "inspect", "last_route_mask",
-    "register_selector", "report_of", "selector_names", "strip", "verify",
+    "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "SelectorError", "TraceError", "apply",
+    "inspect", "last_route_mask", "register_selector", "report_of", "selector_names", "strip", "verify",
 ]
 __version__ = "0.1.0"

@@ -32,3 +32,7 @@ class InferenceChanged(RoutekitError, AssertionError):
 
 class NonFiniteError(RoutekitError, FloatingPointError):
     """A routed forward produced NaN or Inf while `check_finite=True`."""
+
+
+class SelectorError(ConfigError):
+    """A selector returned indices a route cannot use; the message says which rule it broke."""

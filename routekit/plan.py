@@ -21,7 +21,7 @@ from .config import DAR, Route
 from .errors import ConfigError
 from .report import draw_plan, format_plan
 from .routing import select_tokens
-from .selectors import get_selector, keeps_rows, needs_grid
+from .selectors import keeps_rows, needs_grid
 
 if TYPE_CHECKING:
     from .analysis import BlockInfo
@@ -254,7 +254,7 @@ def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, 
     others = tokens - len(keep)
     if needs_grid(selector) and (grid is None or grid[0] * grid[1] != others):
         return len(keep) + others - int(others * rate)
-    index = select_tokens(get_selector(selector), 1, tokens, rate, keep, grid=grid,
+    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid,
                           generator=torch.Generator().manual_seed(0), device="cpu")
     return index.shape[1]
 

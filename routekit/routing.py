@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .config import Route
-from .selectors import get_selector
+from .selectors import checked, get_selector
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,6 @@ class RouteSelect(nn.Module):
     def __init__(self, route: Route, keep: tuple[int, ...] = (), grid: tuple[int, int] | None = None):
         super().__init__()
         self.route, self.keep, self.grid = route, tuple(keep), grid
-        self.select = get_selector(route.selector)
         self.generator: torch.Generator | None = None
         self.last_index: torch.Tensor | None = None
         self.last_tokens = 0
@@ -53,8 +52,8 @@ class RouteSelect(nn.Module):
         grid = self.grid
         if grid is None and grid_source is not None:
             grid = (grid_source.shape[-2], grid_source.shape[-1])
-        index = select_tokens(self.select, batch, tokens, self.route.rate, self.keep, grid=grid, generator=self.generator,
-                              device=stream.device)
+        index = select_tokens(self.route.selector, batch, tokens, self.route.rate, self.keep, grid=grid,
+                              generator=self.generator, device=stream.device)
         self.last_index, self.last_tokens = index, tokens
         return index
 
@@ -64,14 +63,21 @@ class RouteSelect(nn.Module):
         return f"blocks {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}{keep}"
 
 
-def select_tokens(select, batch: int, tokens: int, rate: float, keep: tuple[int, ...] = (), *, grid, generator,
+def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tuple[int, ...] = (), *, grid, generator,
                   device) -> torch.Tensor:
-    """(batch, kept) sorted unique indices: the positions `keep` always, the selector's choice among the others."""
+    """(batch, kept) sorted unique indices: the positions `keep` always, the selector's choice among the others.
+
+    At rate 0 every token is kept and no selector runs: nothing is drawn from the RNG, so a model with
+    dropout makes the same draws as without the route.
+    """
+    if rate == 0:
+        return torch.arange(tokens, device=device).expand(batch, tokens)
+    select = get_selector(selector)
+    others = [i for i in range(tokens) if i not in set(keep)]
+    picked = checked(selector, select(batch, len(others), rate, grid=grid, generator=generator, device=device),
+                     batch, len(others))
     if not keep:
-        return select(batch, tokens, rate, grid=grid, generator=generator, device=device)
-    keep_set = set(keep)
-    others = [i for i in range(tokens) if i not in keep_set]
-    picked = select(batch, len(others), rate, grid=grid, generator=generator, device=device)
+        return picked
     positions = torch.tensor(others, dtype=torch.long, device=picked.device)[picked]
     fixed = torch.tensor(keep, dtype=torch.long, device=picked.device).expand(batch, len(keep))
     return torch.cat([fixed, positions], dim=1).sort(dim=1).values

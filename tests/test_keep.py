@@ -16,7 +16,6 @@ from torch import nn
 import routekit as rk
 from routekit.plan import kept_tokens, resolve_keep
 from routekit.routing import select_tokens
-from routekit.selectors import get_selector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +64,7 @@ def test_the_selection_always_holds_keep_and_the_rate_applies_to_the_other_token
     keep = data.draw(st.lists(st.integers(-tokens, tokens - 1), max_size=tokens - 1, unique_by=lambda i: i % tokens))
     route = rk.Route(start=0, end=0, rate=rate, keep=keep)
     resolved = resolve_keep(route.keep, tokens)
-    index = select_tokens(get_selector("random"), 3, tokens, rate, resolved, grid=None,
+    index = select_tokens("random", 3, tokens, rate, resolved, grid=None,
                           generator=torch.Generator().manual_seed(0), device="cpu")
     others = tokens - len(keep)
     assert index.shape == (3, len(keep) + others - int(others * rate)) == (3, kept_tokens("random", rate, resolved,

@@ -1,0 +1,131 @@
+"""The selector contract, held at run time and by properties.
+
+A selection is a LongTensor (batch, kept) whose rows are sorted, unique and in range; `random` draws an
+independent subset per sample; rate 0 keeps every token without drawing; the built-ins cannot be
+replaced by accident.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import routekit as rk
+from routekit.routing import select_tokens
+from routekit.selectors import get_selector
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DIM = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x))
+
+
+class Net(nn.Module):
+    """Tokens in, tokens out, with dropout inside the blocks and after them."""
+
+    def __init__(self, depth: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.drop(x)
+
+
+def routed_with(selector: str, batch: int = 4, tokens: int = 12, rate: float = 0.5):
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(batch, tokens, DIM)
+    return model, rk.apply(model, rk.Route(start=1, end=2, rate=rate, selector=selector), example_inputs=(x,)), x
+
+
+def _register_once(name: str, fn) -> None:
+    if name not in rk.selector_names():
+        rk.register_selector(name)(fn)
+
+
+@pytest.mark.parametrize("name, fn, rule", [
+    ("t_duplicates", lambda b, n, rate, **kw: torch.zeros(b, n // 2, dtype=torch.long), "unique"),
+    ("t_unsorted", lambda b, n, rate, **kw: torch.arange(n // 2).flip(0).expand(b, -1), "sorted"),
+    ("t_out_of_range", lambda b, n, rate, **kw: torch.arange(1, n + 1)[: n // 2 + 1].expand(b, -1) + n // 2, "within"),
+    ("t_wrong_dtype", lambda b, n, rate, **kw: torch.arange(n // 2).float().expand(b, -1), "LongTensor"),
+    ("t_wrong_batch", lambda b, n, rate, **kw: torch.arange(n // 2).expand(b + 1, -1), "samples"),
+    ("t_empty", lambda b, n, rate, **kw: torch.zeros(b, 0, dtype=torch.long), "kept"),
+])
+def test_a_selector_that_breaks_the_contract_is_refused_naming_the_rule(name, fn, rule):
+    _register_once(name, fn)
+    with pytest.raises(rk.SelectorError, match=rule):
+        routed_with(name)
+
+
+def test_built_in_selectors_cannot_be_replaced_by_accident():
+    before = get_selector("random")
+    with pytest.raises(rk.ConfigError, match="override=True"):
+        rk.register_selector("random")(lambda b, n, rate, **kw: torch.arange(n).expand(b, -1))
+    assert get_selector("random") is before
+    _register_once("t_first", lambda b, n, rate, **kw: torch.arange(n // 2).expand(b, -1))
+    with pytest.raises(rk.ConfigError, match="already registered"):
+        rk.register_selector("t_first")(lambda b, n, rate, **kw: torch.arange(n // 2).expand(b, -1))
+
+    def second(b, n, rate, **kw):
+        return torch.arange(n - n // 2, n).expand(b, -1)
+
+    rk.register_selector("t_first", override=True)(second)
+    assert get_selector("t_first") is second
+
+
+def test_random_selects_per_sample():
+    """A route's selection differs between the samples of a batch: TREAD draws a subset per sample."""
+    _, routed, x = routed_with("random", batch=8, tokens=16)
+    routed.train()
+    routed(x)
+    mask = rk.last_route_mask(routed)
+    assert len({tuple(row.tolist()) for row in mask}) == 8
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(2, 64), tokens=st.integers(4, 64), rate=st.floats(0.1, 0.9), seed=st.integers(0, 2**16))
+def test_random_draws_an_independent_uniform_subset_per_sample(batch, tokens, rate, seed):
+    """Every sample keeps the same count, every position is equally likely, and samples do not share
+    their draws: over many batches each position's keep frequency is near 1 - rate in every sample,
+    and two samples agree on a position about as often as independence predicts."""
+    generator = torch.Generator().manual_seed(seed)
+    rounds = 400
+    picks = torch.stack([select_tokens("random", batch, tokens, rate, grid=None, generator=generator, device="cpu")
+                         for _ in range(rounds)])  # (rounds, batch, kept)
+    kept = tokens - int(tokens * rate)
+    assert picks.shape == (rounds, batch, kept)
+    masks = torch.zeros(rounds, batch, tokens).scatter_(2, picks, 1.0)
+    p = kept / tokens
+    freq = masks.mean(0)  # (batch, tokens)
+    assert (freq - p).abs().max() < 5 * (p * (1 - p) / rounds) ** 0.5 + 1e-6
+    agree = (masks[:, 0] == masks[:, 1]).float().mean()
+    expected = p * p + (1 - p) * (1 - p)
+    assert abs(agree - expected) < 5 * (expected * (1 - expected) / (rounds * tokens)) ** 0.5 + 0.02
+
+
+def test_rate_zero_keeps_every_token_and_draws_nothing():
+    """At rate 0 a routed model with dropout makes exactly the draws the plain model makes."""
+    model, routed, x = routed_with("random", rate=0.0)
+    model.train()
+    routed.train()
+    torch.manual_seed(3)
+    want = model(x)
+    torch.manual_seed(3)
+    got = routed(x)
+    assert torch.equal(got, want)
+    assert not rk.last_route_mask(routed).any()
