@@ -1,7 +1,8 @@
-"""The fused DAR kernel is held against its reference, and both obey DAR's laws.
+"""Every kernel entry point is held against its reference in ``routekit.kernels.naive`` (forward values
+and gradients), and both obey DAR's laws.
 
-Without CUDA the Triton kernel runs in Triton's CPU interpreter; tensors stay small so the
-file finishes in well under a minute on two cores.
+Without CUDA the Triton kernels run in Triton's CPU interpreter; tensors stay small so the file
+finishes in a few minutes on two cores.
 """
 
 import dataclasses

@@ -74,10 +74,14 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
     return s, b, n, d
 
 
+def _keys(values: Tensor, eps: float) -> Tensor:
+    """RMSNorm(v) over the last dim, without a weight."""
+    return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def _logits(values: Tensor, query: Tensor, eps: float) -> Tensor:
     """q . RMSNorm(v) / sqrt(D) over the last dim: values (..., S, B, N, D) in fp32."""
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-    return (keys * query.float()).sum(-1) / math.sqrt(values.shape[-1])
+    return (_keys(values, eps) * query.float()).sum(-1) / math.sqrt(values.shape[-1])
 
 
 def _stacked(sources: Sources) -> Tensor:
@@ -142,8 +146,7 @@ def source_logits(v: Tensor, queries: Tensor, temb: Tensor | None = None, eps: f
     timestep embedding e(t), (B, 1, D), or None. Computed outside any autocast region."""
     with torch.autocast(v.device.type, enabled=False):
         wide = torch.promote_types(v.dtype, torch.float32)
-        values = v.to(wide)
-        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+        keys = _keys(v.to(wide), eps)
         z = keys @ queries.to(wide).t()
         if temb is not None:
             z = z + (keys * temb.to(wide)).sum(-1, keepdim=True)
