@@ -6,10 +6,13 @@ fused kernel reads each source once.  This script measures what that buys, on on
 
     python benchmarks/dar_kernel.py                      # H200: batch 32 and 256, bf16
     python benchmarks/dar_kernel.py --quick --out /tmp/dar  # CPU smoke (Triton interpreter)
+    python benchmarks/dar_kernel.py --launch 1,1,1,2,4,1    # the fused kernel at another launch
 
 It checks the fused kernel against the reference first, then times forward and
 forward+backward of each variant (backward = the difference), records activation memory,
-sweeps the fused kernel's launch configuration, and writes dar_kernel.{json,md,png}.
+sweeps the fused kernel's launch configuration around its launch (the default of
+routekit.kernels.launch, or --launch in ``parse_launch("aggregate", ...)``'s form), and writes
+dar_kernel.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from pathlib import Path
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before routekit.kernels.dar_triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before routekit.kernels.aggregation is imported
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import device_or_exit  # noqa: E402
-from routekit.kernels.dar_reference import dar_aggregate_reference  # noqa: E402
+from routekit.errors import ConfigError  # noqa: E402
+from routekit.kernels.launch import AggregateLaunch, aggregate_launch, parse_launch  # noqa: E402
+from routekit.kernels.naive import aggregate as dar_aggregate_reference  # noqa: E402
 
 VARIANTS = ("naive", "compiled", "fused")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -51,12 +56,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--graphed", type=int, nargs="*", default=[32], metavar="BATCH",
                         help="batches at which each variant is also timed as CUDA-graph replays (no host work)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fused kernel's launch-config sweep")
+    parser.add_argument("--launch", metavar="ROWS,FWD_SOURCES,FWD_WARPS,BWD_SOURCES,BWD_WARPS,FUSED_REDUCE",
+                        help="the fused kernel's launch (default: routekit's for each shape), e.g. 1,1,1,2,4,1")
     parser.add_argument("--quick", action="store_true", help="tiny shapes that run on CPU in seconds")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
+    try:
+        args.launch = None if args.launch is None else parse_launch("aggregate", args.launch)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.quick:
         args.sources, args.dim, args.tokens, args.batches = 5, 40, 8, [2]
     return args
+
+
+def launch_for(args: argparse.Namespace, batch: int) -> AggregateLaunch:
+    """The fused kernel's launch at ``batch``: --launch, else routekit's default for the shape."""
+    return args.launch or aggregate_launch(args.dim, batch * args.tokens)
 
 
 def synchronize() -> None:
@@ -220,24 +236,23 @@ def measure(fn, sources, query, grad, graph: bool = False) -> dict[str, object]:
         free_memory()
 
 
-def sweep(sources, query, grad) -> list[dict[str, object]]:
+def sweep(sources, query, grad, default: AggregateLaunch) -> list[dict[str, object]]:
     """The fused ops timed alone (no autograd around them, so at small batches the host's launch
     work is not mistaken for kernel time) over sources per tile and warps per program, each phase
-    with the other at its default; then the default with the other reduction style. To retune
-    dar_triton.launch_config on this GPU."""
+    with the other at ``default``'s; then ``default`` with the other reduction style. To retune
+    routekit.kernels.launch's defaults on this GPU."""
     from dataclasses import replace
 
-    from routekit.kernels import dar_triton as dt
+    from routekit.kernels import aggregation
 
-    default = dt.launch_config(sources[0].shape[-1], sources[0].shape[0] * sources[0].shape[1])
     values, q = [s.detach() for s in sources], query.detach()
-    _, saved, lse, _ = dt.dar_fused(values, q, 1e-6, values[0].dtype, True, default.as_list())
+    _, saved, lse, _ = aggregation.aggregate_op(values, q, 1e-6, values[0].dtype, True, default.as_list())
 
     def forward(launch):
-        return dt.dar_fused(values, q, 1e-6, values[0].dtype, True, launch.as_list())
+        return aggregation.aggregate_op(values, q, 1e-6, values[0].dtype, True, launch.as_list())
 
     def backward(launch):
-        return dt.dar_fused_backward(values, q, grad, saved, lse, 1e-6, launch.as_list())
+        return aggregation.aggregate_backward_op(values, q, grad, saved, lse, 1e-6, launch.as_list())
 
     configs = [("fwd", replace(default, fwd_sources=bs, fwd_warps=w)) for bs in (1, 2, 4) for w in (1, 2, 4, 8)]
     configs += [("bwd", replace(default, bwd_sources=bs, bwd_warps=w)) for bs in (1, 2, 4) for w in (4, 8, 16)]
@@ -252,7 +267,7 @@ def sweep(sources, query, grad) -> list[dict[str, object]]:
                 row["bwd_ms"] = time_ms(lambda launch=launch: backward(launch))
         except Exception as exc:
             row = {"status": f"{type(exc).__name__}: {str(exc)[:120]}"}
-        rows.append({"phase": phase, "launch": launch.as_list(), **row})
+        rows.append({"phase": phase, "launch": launch.generic(), **row})
         print(f"  sweep {rows[-1]}", flush=True)
     return rows
 
@@ -304,11 +319,16 @@ def speedup(results: dict, phase: str, against: str, prefix: str = "") -> float 
 
 
 def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, object]:
-    from routekit.kernels.dar_triton import dar_aggregate_triton
+    from routekit.kernels.aggregation import aggregate_triton
+
+    launch = launch_for(args, batch)
+
+    def dar_aggregate_triton(sources, query):
+        return aggregate_triton(sources, query, launch=launch)
 
     dtype = DTYPES[args.dtype]
     sources, query, grad = make_inputs(args.sources, batch, args.tokens, args.dim, dtype, device)
-    record: dict[str, object] = {"batch": batch}
+    record: dict[str, object] = {"batch": batch, "launch": launch.generic()}
     try:
         record["correctness"] = check_correctness(dar_aggregate_triton, sources, query, grad)
     except torch.OutOfMemoryError:
@@ -337,7 +357,7 @@ def run_batch(args: argparse.Namespace, batch: int, device: str) -> dict[str, ob
         for other in ("naive", "compiled")
     }
     if not args.no_sweep:
-        record["sweep"] = sweep(sources, query, grad)
+        record["sweep"] = sweep(sources, query, grad, launch)
     return record
 
 
@@ -406,12 +426,12 @@ def markdown(report: dict) -> str:
             lines.append(f"  fused source traffic: fwd {bw['fwd']:.0f} GB/s, bwd {bw['bwd']:.0f} GB/s")
     for record in report["batches"]:
         if "sweep" in record:
-            lines += ["", f"Fused launch-config sweep at batch {record['batch']} (default marked *):", ""]
+            lines += ["", f"Fused launch-config sweep at batch {record['batch']} (its launch marked *):", ""]
             lines += ["The ops timed alone (no autograd). Launch = [rows, fwd sources per tile, fwd warps, bwd "
                       "sources per tile, bwd warps, fused reduce]; a row varies the phase it names (both: the "
-                      "default with the other reduction).", "",
+                      "launch with the other reduction).", "",
                       "| varied | launch | fwd ms | bwd ms |", "|---|---|---|---|"]
-            default = report["default_launch_config"]
+            default = record["launch"]
             for row in record["sweep"]:
                 mark = "*" if row["launch"] == default else ""
                 fwd, bwd = fmt(row.get("fwd_ms", row.get("status", "")), 3), fmt(row.get("bwd_ms", ""), 3)
@@ -455,12 +475,10 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     args = parse_args()
     device = device_or_exit(args.quick)
-    from routekit.kernels.dar_triton import launch_config
-
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "environment": environment(args),
-        "default_launch_config": launch_config(args.dim, min(args.batches) * args.tokens).as_list(),
+        "launch_override": None if args.launch is None else args.launch.generic(),
         "batches": [],
     }
     print(json.dumps(report["environment"], indent=1), flush=True)

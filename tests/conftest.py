@@ -1,7 +1,7 @@
 # --- DAR kernel tests (tests/test_dar_kernel.py): keep these lines first. ---
 # Without CUDA, Triton kernels must run in Triton's CPU interpreter, and `triton.jit` picks
 # interpreter or compiler when a kernel module is imported; so set it before any test module
-# (collected in one process with xdist --dist loadfile) can import routekit.kernels.dar_triton.
+# (collected in one process with xdist --dist loadfile) can import routekit.kernels.aggregation.
 import os
 
 import torch

@@ -23,10 +23,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from routekit.kernels import dar_merge, dar_stream, dar_triton  # noqa: E402
+from routekit.kernels import aggregation, merge, weighted_sums  # noqa: E402
+from routekit.kernels.launch import DEFAULTS, aggregate_launch, head_tail  # noqa: E402
 
 D = 1152
-BF16_POINTERS = {"like_ptr", "g_ptr", "o_ptr", "out_ptr", "prefix_ptr", "dprefix_ptr", "mix_ptr"}
+BF16_POINTERS = {"like_ptr", "g_ptr", "o_ptr", "out_ptr", "mix_ptr"}
 
 
 def compile_sm90(kernel, constexprs: dict, warps: int):
@@ -61,44 +62,33 @@ def resources(compiled) -> str:
 
 def cases():
     """(label, kernel, constexprs, warps) for the kernels routekit launches on the H200."""
-    launch = dar_triton.launch_config(D, 65536)
-    prefix = dar_triton.prefix_launch_config(D)
-    head, tail = dar_triton._head_tail(D)
+    launch = aggregate_launch(D, 65536)
+    head, tail = head_tail(D)
     common = {"BLOCK_R": launch.block_rows, "BLOCK_D": triton.next_power_of_2(D), "ALIGNED": True,
               "FUSED_REDUCE": launch.fused_reduce}
-    for has_prefix, paired in ((False, False), (True, False), (True, True)):
-        yield (f"aggregation forward, prefix={has_prefix}, paired={paired}", dar_triton._dar_fwd_kernel,
-               {**common, "BLOCK_S": launch.fwd_sources, "STORE_O32": False, "HAS_PREFIX": has_prefix, "PAIRED": paired},
-               launch.fwd_warps)
-        yield (f"aggregation backward, prefix={has_prefix}, paired={paired}", dar_triton._dar_bwd_kernel,
-               {**common, "BLOCK_S": launch.bwd_sources, "HAS_PREFIX": has_prefix, "DQ_PER_ROW": False, "PAIRED": paired},
-               launch.bwd_warps)
-    yield ("fused prefix forward", dar_triton._dar_prefix_fwd_kernel,
-           {**common, "BLOCK_S": launch.fwd_sources, "BLOCK_D": head, "FUSED_REDUCE": launch.fused_reduce,
-            "BLOCK_T": tail}, prefix.fwd_warps)
-    yield ("fused prefix backward", dar_triton._dar_prefix_bwd_kernel,
-           {**common, "BLOCK_K": 4, "DQ_PER_ROW": False, "FUSED_REDUCE": prefix.fused_reduce,
-            "RELOAD_Q": prefix.reload_query}, prefix.bwd_warps)
-    bwd, fwd = dar_merge.merge_launch("BWD"), dar_merge.merge_launch("FWD")
+    for merges in (False, True):  # with a weighted sum's mix and state: a merge the merge kernels do not take
+        yield (f"aggregation forward, merge={merges}", aggregation._dar_fwd_kernel,
+               {**common, "BLOCK_S": launch.fwd_sources, "STORE_O32": False, "HAS_PREFIX": merges}, launch.fwd_warps)
+        yield (f"aggregation backward, merge={merges}", aggregation._dar_bwd_kernel,
+               {**common, "BLOCK_S": launch.bwd_sources, "HAS_PREFIX": merges, "DQ_PER_ROW": False}, launch.bwd_warps)
+    bwd, fwd = launch.merge_bwd, launch.merge_fwd
     merge_bwd = {"BLOCK_S": bwd.tile, "HEAD": head, "TAIL": tail, "PREFETCH": bwd.prefetch,
                  "FUSED_REDUCE": bwd.fused_reduce}
-    for paired in (False, True):
-        yield (f"merge backward, paired={paired}", dar_merge._merge_bwd_kernel,
-               {**merge_bwd, "PAIRED": paired, "GIVEN_DOT": False}, bwd.warps)
-        for stats in (False, True):  # with stats: its rows' norm statistics, in compiled steps
-            yield (f"merge forward, paired={paired}, stats={stats}", dar_merge._merge_fwd_kernel,
-                   {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "PAIRED": paired, "STATS": stats}, fwd.warps)
-    yield ("merge backward, paired=True, handed g . o (compiled steps)", dar_merge._merge_bwd_kernel,
-           {**merge_bwd, "PAIRED": True, "GIVEN_DOT": True}, bwd.warps)
-    fwd_warps, bwd_warps, fwd_split, bwd_split = dar_stream.wsum_launch()
-    for split in sorted({fwd_split, 2}):
-        _, h, t = dar_stream._slices(D, split)
-        yield (f"weighted sum forward, split {split}", dar_stream._wsum_fwd_kernel,
-               {"BLOCK_K": 4, "BLOCK_S": 16, "HEAD": h, "TAIL": t, "SPLIT": split}, fwd_warps)
-    for split in sorted({bwd_split, 2}):
-        _, h, t = dar_stream._slices(D, split)
-        yield (f"weighted sum backward, split {split}", dar_stream._wsum_bwd_kernel,
-               {"BLOCK_K": 4, "HEAD": h, "TAIL": t, "SPLIT": split}, bwd_warps)
+    yield ("merge backward", merge._merge_bwd_kernel, {**merge_bwd, "GIVEN_DOT": False}, bwd.warps)
+    for stats in (False, True):  # with stats: its rows' norm statistics, in compiled steps
+        yield (f"merge forward, stats={stats}", merge._merge_fwd_kernel,
+               {"HEAD": head, "TAIL": tail, "PREFETCH": fwd.prefetch, "STATS": stats}, fwd.warps)
+    yield ("merge backward, handed g . o (compiled steps)", merge._merge_bwd_kernel,
+           {**merge_bwd, "GIVEN_DOT": True}, bwd.warps)
+    wsum = DEFAULTS["weighted_sum"]
+    for split in sorted({wsum.fwd_split, 2}):
+        _, h, t = weighted_sums._slices(D, split)
+        yield (f"weighted sum forward, split {split}", weighted_sums._wsum_fwd_kernel,
+               {"BLOCK_K": 4, "BLOCK_S": 16, "HEAD": h, "TAIL": t, "SPLIT": split}, wsum.fwd_warps)
+    for split in sorted({wsum.bwd_split, 2}):
+        _, h, t = weighted_sums._slices(D, split)
+        yield (f"weighted sum backward, split {split}", weighted_sums._wsum_bwd_kernel,
+               {"BLOCK_K": 4, "HEAD": h, "TAIL": t, "SPLIT": split}, wsum.bwd_warps)
 
 
 def main() -> int:

@@ -2,8 +2,10 @@
 
 With static queries (``static``, ``static_t``) a source's logits for every later aggregation that
 reads it are known when the source is made, so two-phase chunks take them from one GEMM per shared
-source (``source_logits``) and only weight their shared sources per chunk (``dar_weighted_sum``).
-The backward sends the logits' gradients to the source, the queries and e(t).
+source (``source_logits``) and only weight their shared sources per chunk (``weighted_sum``).
+The backward sends the logits' gradients to the source, the queries and e(t), without copying the
+source to fp32: on CUDA the fp32 factors are split into high and low halves of the source's dtype, so
+its GEMMs run on tensor cores with ~16 bits of mantissa (``_mm_fp32``, ``_mm_split``).
 """
 
 from __future__ import annotations
@@ -13,15 +15,14 @@ import math
 import torch
 from torch import Tensor
 
-from routekit.kernels.dar_reference import env_choice
-
 
 def _source_grad(dzr: Tensor, w: Tensor, temb: Tensor | None, c: Tensor, v: Tensor) -> Tensor:
     """dv = dzr @ w (+ rowsum(dzr) e(t)) - c v, in v's dtype: the logits' gradient back to the source
     (dzr = dz r, c = rowsum(dz z) r^2, both per row)."""
-    if dzr.is_cuda and v.dtype in _LOW:  # dv is rounded to v's dtype: ~16-bit halves of both factors suffice
-        out = v.dtype if _source_grad_out() == "low" else torch.float32
-        along_q = _mm_split(dzr.flatten(0, 1), w.to(dzr.dtype), v.dtype, out).view(v.shape)
+    if dzr.is_cuda and v.dtype in _LOW:
+        # dv is rounded to v's dtype: ~16-bit halves of both factors suffice, and so does the GEMM's output in
+        # v's dtype (one rounding more before ``- c v``; an fp32 output is twice the bytes written and read back)
+        along_q = _mm_split(dzr.flatten(0, 1), w.to(dzr.dtype), v.dtype, v.dtype).view(v.shape)
     else:
         along_q = (dzr.flatten(0, 1) @ w.to(dzr.dtype)).view(v.shape)
     if temb is not None:
@@ -30,15 +31,6 @@ def _source_grad(dzr: Tensor, w: Tensor, temb: Tensor | None, c: Tensor, v: Tens
 
 
 _LOW = (torch.bfloat16, torch.float16)
-SOURCE_GRAD_OUT = ("fp32", "low")
-
-
-def _source_grad_out() -> str:
-    """The source gradient GEMM's output on CUDA for a bf16/fp16 source: "low" (default: the source's
-    dtype, as autocast would give; one rounding more before ``- c v``, whose result is rounded to that
-    dtype anyway) or "fp32" (twice the bytes written and read back: ~1.7 ms a DiT-XL/2 b256 step,
-    benchmarks/results/DAR_LOG.md); ROUTEKIT_DAR_SOURCE_GRAD_OUT chooses, for A/B."""
-    return env_choice("ROUTEKIT_DAR_SOURCE_GRAD_OUT", SOURCE_GRAD_OUT, "low")
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -119,5 +111,5 @@ def source_logits(v: Tensor, queries: Tensor, temb: Tensor | None = None, eps: f
     (q_f + e) . RMSNorm(v) / sqrt(D), an fp32 (B, N, F) tensor. ``queries`` (F, D); ``temb`` the
     timestep embedding e(t), (B, 1, D), or None. With static queries a source's logits for every
     later aggregation are known when it is made, so one GEMM gives them all (two-phase chunks then
-    only weight their shared sources: ``dar_weighted_sum``)."""
+    only weight their shared sources: ``weighted_sum``)."""
     return _SourceLogits.apply(v, queries, temb, eps)

@@ -1,23 +1,18 @@
-"""A two-phase chunk's shared part as a streaming weighted sum, in Triton.
+"""A two-phase chunk's shared part in Triton: K softmax-weighted sums of its sources from given logits.
 
-With static queries every shared source's logits for all the aggregations that will read it are
-known when the source is made, and one GEMM gives them (``dar_logits.source_logits``). A chunk's
-shared part is then K softmax-weighted sums of its sources from given logits: no RMS, no query
-and no query gradient per row, so a row's state is its K accumulators (forward) or its K mixes'
-gradients (backward), and the kernels stream the sources instead of being bound by issue and
-registers as the fused prefix is (benchmarks/results/dar_stream_probe.md: 1.8-2.5 TB/s against
-~1.1 for the fused prefix backward). The logits' gradients go back to the sources and queries
-through that GEMM's backward, once per source.
+With static queries each shared source's logits for every aggregation that will read it are known
+when the source is made, and one GEMM gives them (``logits.source_logits``). A chunk's shared part is
+then K weighted sums of its S shared sources: no RMS, no query and no query gradient per row, so the
+kernels stream the sources; the logits' gradients go back to the sources and queries through that
+GEMM's backward, once per source. A program holds a row, or a 1/split slice of one
+(``launch.WeightedSumLaunch``), as a power-of-two head and tail of lanes (1024 + 128 at D=1152).
 
-A program holds a row, or a slice of one (``wsum_launch``), as a power-of-two head and tail of lanes
-(1024 + 128 for a row at D=1152, ``_head_tail``): the backward on one warp went from 22.0 to 15.9 ms over
-DiT-XL/2's 14 chunks at batch 256 that way.
-In backward the mixes need nothing written for them: a merge hands back its own gradient g as its
-mix's gradient and, through the state (K, B, N, 2) that stands in for the mixes' log-sum-exps, the
-row values g . o and L - l (its own log-sum-exp L less the mix's l; zero where no merge reads the
-mix). With P = exp(logit - L) (the source's weight within the merge, p_A folded in), a source's
-gradient is sum_k P_k g_k and a logit's P (g . v - g . o), without the mix and without a p_A g
-tensor per merge (8.5 GB less written per DiT-XL/2 b256 step).
+Each mix k comes with a (B, N, 2) state that stands in for its log-sum-exp: slot 0 holds it, slot 1 a
+zero. The mix's merge (``merge``) continues from both, and in backward needs nothing written for the
+mix: it hands back its own gradient g as the mix's and, through the state's gradient, its rows' g . o
+and its own log-sum-exp L less the mix's l (zero where no merge reads the mix). With P = exp(logit - L)
+(the source's weight within the merge), a source's gradient is sum_k P_k g_k and a logit's
+P (g . v - g . o): neither the mix nor a p g tensor per merge is kept or written.
 """
 
 from __future__ import annotations
@@ -27,33 +22,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routekit.kernels.dar_reference import DarInputError, check_logits
-from routekit.kernels.dar_triton import _contiguous, _from_env, _lane_split, _pointer_table
-
-# From the H200 sweep of these kernels (benchmarks/results/dar_stream_routekit_1b29539.md, a step's 14 chunks):
-# forward on one warp a quarter of a row (7.99 ms; a whole row on 4 warps 9.12), backward one warp a row (14.32
-# ms; split in 2 or 4 slices 14.86-26.82).
-FWD_WARPS, BWD_WARPS, FWD_SPLIT, BWD_SPLIT = 1, 1, 4, 1
-
-
-def wsum_launch() -> list[int]:
-    """[forward warps, backward warps, forward split, backward split]: a split of P gives each row P
-    programs, each a 1/P slice of its lanes (the backward's K mixes' gradients are held in registers,
-    all of a row's on one warp, which leaves a few warps per SM). ROUTEKIT_DAR_WSUM="fwd,bwd,fsplit,bsplit"
-    overrides them for tuning."""
-    def build(values: list[int]) -> list[int]:
-        if min(values) < 1 or any(v & (v - 1) for v in values[2:]):
-            raise DarInputError(f"warps must be at least 1 and splits powers of two, got {values}")
-        return values
-
-    return _from_env("ROUTEKIT_DAR_WSUM", build, 4, "fwd_warps,bwd_warps,fwd_split,bwd_split, e.g. 4,1,1,2") or [
-        FWD_WARPS, BWD_WARPS, FWD_SPLIT, BWD_SPLIT]
+from routekit.kernels.aggregation import contiguous, pointer_table
+from routekit.kernels.launch import DEFAULTS, WeightedSumLaunch, cdiv, lane_split
+from routekit.kernels.naive import DarInputError, check_logits
 
 
 def _slices(d: int, split: int) -> tuple[int, int, int]:
     """(slice width, head lanes, tail lanes) for rows of d lanes cut into ``split`` slices."""
-    width = triton.cdiv(d, split)
-    return width, *_lane_split(width)
+    width = cdiv(d, split)
+    return width, *lane_split(width)
 
 
 @triton.jit
@@ -143,11 +120,11 @@ def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dm
         tl.store(out + offs_t, tl.sum(p[:, None] * g_t, 0).to(like_ptr.dtype.element_ty), mask=ok_t)
 
 
-@torch.library.custom_op("routekit::dar_wsum", mutates_args=())
-def dar_wsum(sources: list[Tensor], logits: Tensor, launch: list[int]) -> tuple[list[Tensor], Tensor]:
+@torch.library.custom_op("routekit::weighted_sum", mutates_args=())
+def weighted_sum_op(sources: list[Tensor], logits: Tensor, launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """K mixes (in the sources' dtype) and their states (K, B, N, 2) from fp32 logits (S, B, N, K): a
-    state holds the mix's log-sum-exp and a zero whose gradient brings the merge's own back (see above)."""
-    sources = _contiguous(sources)
+    state holds the mix's log-sum-exp and a zero whose gradient brings the merge's own back (the module docstring)."""
+    sources = contiguous(sources)
     like = sources[0]
     s, b, n, k = logits.shape
     d = like.shape[-1]
@@ -157,26 +134,26 @@ def dar_wsum(sources: list[Tensor], logits: Tensor, launch: list[int]) -> tuple[
         split = launch[2]
         width, head, tail = _slices(d, split)
         _wsum_fwd_kernel[(b * n * split,)](
-            _pointer_table(sources)[0], like, logits.contiguous(), _pointer_table(mixes)[0], state, s, k, b * n, d,
+            pointer_table(sources)[0], like, logits.contiguous(), pointer_table(mixes)[0], state, s, k, b * n, d,
             width, BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail,
             SPLIT=split, num_warps=launch[0],
         )  # fmt: skip
     return mixes, state
 
 
-@dar_wsum.register_fake
+@weighted_sum_op.register_fake
 def _(sources, logits, launch):
     like = sources[0]
     return [like.new_empty(like.shape) for _ in range(logits.shape[-1])], \
         like.new_empty((logits.shape[-1], *like.shape[:2], 2), dtype=torch.float32)
 
 
-@torch.library.custom_op("routekit::dar_wsum_backward", mutates_args=())
-def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_mixes: list[Tensor], y: Tensor,
-                      launch: list[int]) -> tuple[list[Tensor], Tensor]:
+@torch.library.custom_op("routekit::weighted_sum_backward", mutates_args=())
+def weighted_sum_backward_op(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_mixes: list[Tensor], y: Tensor,
+                             launch: list[int]) -> tuple[list[Tensor], Tensor]:
     """(gradient of each source along the weights, gradient of the logits (S, B, N, K)), for mixes'
     gradients g_k weighted by exp(logit - lse_k) and row factors y (both (K, B, N))."""
-    sources = _contiguous(sources)
+    sources = contiguous(sources)
     like = sources[0]
     s, b, n, k = logits.shape
     d = like.shape[-1]
@@ -187,8 +164,8 @@ def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_m
     if b * n:
         width, head, tail = _slices(d, split)
         _wsum_bwd_kernel[(b * n * split,)](
-            _pointer_table(sources)[0], _pointer_table(grads)[0], like, logits.contiguous(), lse.contiguous(),
-            _pointer_table(grad_mixes)[0], y.contiguous(), dlogits, s, k, b * n, d, width,
+            pointer_table(sources)[0], pointer_table(grads)[0], like, logits.contiguous(), lse.contiguous(),
+            pointer_table(grad_mixes)[0], y.contiguous(), dlogits, s, k, b * n, d, width,
             BLOCK_K=triton.next_power_of_2(k), HEAD=head, TAIL=tail, SPLIT=split, num_warps=launch[1],
         )  # fmt: skip
     else:
@@ -196,7 +173,7 @@ def dar_wsum_backward(sources: list[Tensor], logits: Tensor, lse: Tensor, grad_m
     return grads, dlogits if split == 1 else dlogits.sum(0)
 
 
-@dar_wsum_backward.register_fake
+@weighted_sum_backward_op.register_fake
 def _(sources, logits, lse, grad_mixes, y, launch):
     return [t.new_empty(t.shape) for t in sources], logits.new_empty(logits.shape)
 
@@ -214,17 +191,19 @@ def _backward(ctx, grad_mixes, grad_state):
     if grad_state is None:
         grad_state = torch.zeros_like(state)
     lse = state[..., 0] + grad_state[..., 1]  # each merge's own log-sum-exp
-    grads, dlogits = dar_wsum_backward(sources, logits, lse, grad_mixes, -grad_state[..., 0], ctx.launch)
+    grads, dlogits = weighted_sum_backward_op(sources, logits, lse, grad_mixes, -grad_state[..., 0], ctx.launch)
     return grads, dlogits, None
 
 
-dar_wsum.register_autograd(_backward, setup_context=_setup_context)
+weighted_sum_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def weighted_sum_triton(sources: list[Tensor], logits: Tensor) -> tuple[list[Tensor], Tensor]:
-    """``weighted_sum_reference``'s contract for a merge by the Triton kernel (the backward pair above)."""
+def weighted_sum_triton(sources: list[Tensor], logits: Tensor, launch: WeightedSumLaunch | None = None,
+                        ) -> tuple[list[Tensor], Tensor]:
+    """``naive.weighted_sum``'s contract, with (K, B, N, 2) states in place of the log-sum-exps, for merges
+    by the Triton aggregation (the backward pair above). ``launch`` overrides ``DEFAULTS["weighted_sum"]``."""
     sources = list(sources)
     check_logits(len(sources), *sources[0].shape[:2], logits)
     if logits.dtype != torch.float32:
         raise DarInputError(f"logits must be fp32 for the Triton kernel, got {logits.dtype}")
-    return dar_wsum(sources, logits, wsum_launch())
+    return weighted_sum_op(sources, logits, (launch or DEFAULTS["weighted_sum"]).as_list())

@@ -1,15 +1,18 @@
-"""Reference DAR aggregation: the plain PyTorch path and the oracle for the fused kernel.
+"""Plain PyTorch references for every kernel entry point, and the contract they all share.
 
-DAR (Diffusion-Adaptive Routing) replaces the residual sum by a softmax-weighted mix of
-every earlier source: h = sum_s softmax_s(q . RMSNorm(v_s) / sqrt(D)) v_s.  This module
-keeps the obvious implementation (stack, normalise, softmax, weighted sum) so the kernel
-in ``dar_triton`` has something simple to be held against.
+Each function here is the obvious implementation (stack, normalise, softmax, weighted sum, all in fp32)
+of one public entry point of ``routekit.kernels``, with its signature less ``kernel``: the path that
+runs where a kernel cannot (``kernel="torch"``, CPU, no triton), and the oracle the tests hold each
+kernel to. ``check_dar_inputs`` and ``check_logits`` are the contract: every implementation refuses
+the same inputs with the same message.
+
+DAR (Diffusion-Adaptive Routing) replaces the residual sum by a softmax-weighted mix of every earlier
+source: h = sum_s softmax_s(q . RMSNorm(v_s) / sqrt(D)) v_s.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -21,16 +24,7 @@ Sources = Tensor | Sequence[Tensor]
 
 
 class DarInputError(InputError):
-    """Sources or query of a DAR aggregation that no implementation can use."""
-
-
-def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    """The A/B setting ``name`` from the environment (``default`` when unset or empty), refused unless it
-    is one of ``choices``: the kernels' switches between measured alternatives."""
-    value = os.environ.get(name) or default
-    if value not in choices:
-        raise DarInputError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
+    """Sources, query, logits or a prefix of a DAR op that no implementation can use."""
 
 
 def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, int]:
@@ -80,24 +74,31 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
     return s, b, n, d
 
 
+def _keys(values: Tensor, eps: float) -> Tensor:
+    """RMSNorm(v) over the last dim, without a weight."""
+    return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def _logits(values: Tensor, query: Tensor, eps: float) -> Tensor:
     """q . RMSNorm(v) / sqrt(D) over the last dim: values (..., S, B, N, D) in fp32."""
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-    return (keys * query.float()).sum(-1) / math.sqrt(values.shape[-1])
+    return (_keys(values, eps) * query.float()).sum(-1) / math.sqrt(values.shape[-1])
 
 
-def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6, *,
-                            out_dtype: torch.dtype | None = None,
-                            prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def _stacked(sources: Sources) -> Tensor:
+    return sources if isinstance(sources, Tensor) else torch.stack(list(sources))
+
+
+def aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
+              prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Softmax-over-sources mix of ``sources`` keyed by their RMS-normalised values.
 
-    ``sources`` is a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors and
-    ``query`` broadcasts to (B, N, D).  Math is fp32; the result has ``out_dtype``, by default
-    the sources' dtype.  ``prefix``: a (mix, lse) pair from ``dar_prefix_reference``, which
-    joins the softmax as one more source of value ``mix`` and logit ``lse``.
+    ``sources`` is a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors and ``query``
+    broadcasts to (B, N, D). Math is fp32; the result has ``out_dtype``, by default the sources' dtype.
+    ``prefix``: one (mix, lse) pair of ``weighted_sum``, which joins the softmax as one more source of
+    value ``mix`` and logit ``lse``: the result is then the mix over its sources and these together.
     """
     check_dar_inputs(sources, query)
-    stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
+    stacked = _stacked(sources)
     values = stacked.float()
     logits = _logits(values, query, eps)
     if prefix is not None:
@@ -111,27 +112,13 @@ def dar_aggregate_reference(sources: Sources, query: Tensor, eps: float = 1e-6, 
     return (weights.unsqueeze(-1) * values).sum(0).to(out_dtype or stacked.dtype)
 
 
-def prefix_queries(queries: Tensor) -> Tensor:
-    """A chunk's K queries as (K, B, N, D) or broadcasting to it: (K, D) gains two unit axes; any
-    other shape but 4-D is refused, as is K = 0."""
-    if not isinstance(queries, Tensor) or queries.dim() not in (2, 4) or queries.shape[0] < 1:
-        got = tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__
-        raise DarInputError(f"queries must be (K, D) or (K, B, N, D) with K >= 1, got {got}")
-    return queries[:, None, None, :] if queries.dim() == 2 else queries
-
-
-def dar_prefix_reference(sources: Sources, queries: Tensor, eps: float = 1e-6) -> tuple[list[Tensor], Tensor]:
-    """The part of K aggregations that their shared ``sources`` make: per query the mix over those
-    sources (in their dtype) and its log-sum-exp (K, B, N); ``queries`` (K, D) or broadcasting to
-    (K, B, N, D). Merged by ``dar_aggregate_reference(..., prefix=(mixes[k], lse[k]))``, the result
-    equals the aggregation over all sources at once."""
-    queries = prefix_queries(queries)
-    check_dar_inputs(sources, queries[0])
-    stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
-    values = stacked.float()
-    logits = _logits(values[None], queries[:, None], eps)  # (K, S, B, N)
-    mixes = (torch.softmax(logits, dim=1).unsqueeze(-1) * values[None]).sum(1).to(stacked.dtype)
-    return list(mixes.unbind(0)), torch.logsumexp(logits, dim=1)
+def merge_with_stats(sources: Sources, query: Tensor, eps: float, *, prefix: tuple[Tensor, Tensor],
+                     norm_eps: float) -> tuple[Tensor, Tensor]:
+    """``aggregate(sources, query, eps, prefix=prefix)`` (in the sources' dtype) and its rows' LayerNorm
+    statistics as (B, N, 2) fp32: the mean and 1/sqrt(var + norm_eps) of each row as returned (rounded)."""
+    mix = aggregate(sources, query, eps, prefix=prefix)
+    var, mean = torch.var_mean(mix.float(), -1, correction=0)
+    return mix, torch.stack([mean, torch.rsqrt(var + norm_eps)], -1)
 
 
 def check_logits(s: int, b: int, n: int, logits: Tensor) -> None:
@@ -141,12 +128,26 @@ def check_logits(s: int, b: int, n: int, logits: Tensor) -> None:
                             f"got {tuple(logits.shape)}")
 
 
-def weighted_sum_reference(sources: Sources, logits: Tensor) -> tuple[list[Tensor], Tensor]:
-    """The K mixes sum_s softmax_s(logits) v_s over S sources (in their dtype) and their log-sum-exps
-    (K, B, N), from given fp32 ``logits`` (S, B, N, K); what ``dar_prefix_reference`` returns when
-    the logits are those of its queries."""
-    stacked = sources if isinstance(sources, Tensor) else torch.stack(list(sources))
+def weighted_sum(sources: Sources, logits: Tensor) -> tuple[list[Tensor], Tensor]:
+    """A two-phase chunk's shared part: the K mixes sum_s softmax_s(logits) v_s over S sources (in their
+    dtype) and their log-sum-exps (K, B, N), from given fp32 ``logits`` (S, B, N, K) (``source_logits``
+    of each source for the chunk's K queries). Mix k continues in ``aggregate(own_sources, query_k,
+    prefix=(mixes[k], lse[k]))``, which then equals the aggregation over all the sources at once."""
+    stacked = _stacked(sources)
     check_logits(stacked.shape[0], *stacked.shape[1:3], logits)
     weights = torch.softmax(logits.float(), dim=0)
     mixes = torch.einsum("sbnk,sbnd->kbnd", weights, stacked.float()).to(stacked.dtype)
     return list(mixes.unbind(0)), torch.logsumexp(logits.float(), dim=0).permute(2, 0, 1)
+
+
+def source_logits(v: Tensor, queries: Tensor, temb: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """One source's logits for F queries at once, as ``aggregate`` computes them: (q_f + e) . RMSNorm(v)
+    / sqrt(D), an fp32 (B, N, F) tensor (float64 for a float64 source). ``queries`` (F, D); ``temb`` the
+    timestep embedding e(t), (B, 1, D), or None. Computed outside any autocast region."""
+    with torch.autocast(v.device.type, enabled=False):
+        wide = torch.promote_types(v.dtype, torch.float32)
+        keys = _keys(v.to(wide), eps)
+        z = keys @ queries.to(wide).t()
+        if temb is not None:
+            z = z + (keys * temb.to(wide)).sum(-1, keepdim=True)
+        return z / math.sqrt(v.shape[-1])
