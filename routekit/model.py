@@ -87,9 +87,10 @@ class Program:
         return pytree.tree_unflatten(list(self.fn(module, *tensors, *self.constants)), self.out_spec)
 
 
-def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool) -> Program:
-    """The plan written into the trace (routes if `training`, DAR either way), as a Python function."""
-    rewritten = rewrite(tr, plan, model, training)
+def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, routes: bool | None = None) -> Program:
+    """The plan written into the trace (routes if `training`, unless `routes` says otherwise; DAR either way),
+    as a Python function."""
+    rewritten = rewrite(tr, plan, model, training if routes is None else routes)
     values = constants_to_inputs(rewritten.graph, rewritten.constants)
     label = f"{plan.report.model} {'train' if training else 'eval'} graph"
     called = frozenset(n.target for n in rewritten.graph.nodes if n.op == "call_module")
@@ -114,6 +115,11 @@ class Programs:
         tensors, program = self.program(routed, args, kwargs)
         return program(routed, tensors)
 
+    def run_fresh(self, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Any:
+        """The output of a program traced now (not the cached one) for this call, with or without the routes."""
+        program = _build(self.plan, routed, args, kwargs, routes)
+        return program(routed, call_tensors(routed, args, kwargs))
+
     def called(self) -> frozenset[str]:
         """Every module some program calls."""
         return frozenset().union(*(p.called for bucket in self.programs.values() for p in bucket.values()))
@@ -123,7 +129,7 @@ class Programs:
         """The program for this call, built on first use; `seed` fills the cache with one already built."""
         bound = bind_arguments(routed._routekit_base.forward, args, kwargs)
         spec = call_spec(bound)
-        tensors = [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
+        tensors = _call_tensors(bound, spec)
         bucket = self.programs.setdefault((routed.training, spec.key()), {})
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
         found = bucket.get(None, bucket.get(shapes))
@@ -133,12 +139,22 @@ class Programs:
         return tensors, found
 
 
-def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict) -> Program:
+def _call_tensors(bound, spec) -> list[torch.Tensor]:
+    return [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
+
+
+def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """A call's tensors in the order its program takes them."""
+    bound = bind_arguments(routed._routekit_base.forward, args, kwargs)
+    return _call_tensors(bound, call_spec(bound))
+
+
+def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Program:
     """Trace the original forward for this call and write the plan into it (planned again on this call's analysis)."""
     original = shallow_copy(routed, cls=routed._routekit_base)
     tr = trace(original, args, kwargs)
     report = analyse(tr, original, stack=plan.report.stack, residual=plan.dar is not None)
-    return build_program(tr, plan.with_report(report, original, tr.graph), original, routed.training)
+    return build_program(tr, plan.with_report(report, original, tr.graph), original, routed.training, routes)
 
 
 def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict) -> Program:
@@ -279,8 +295,7 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
                      graph=tr.graph if tr is not None else None)
     routed = assemble(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
     _dry_run(routed, plan, tr, args, kwargs)
-    routed.train(model.training)
-    return rewrap(routed)
+    return rewrap(routed)  # in the model's modes, module by module (they are the same modules)
 
 
 def unwrap_compiled(model: Any):

@@ -1,8 +1,22 @@
-"""`verify`: prove the routed model's inference is the original's, node for node and bit for bit."""
+"""`verify`: prove that a routed model changes only what was asked, in eval and in training.
+
+Three checks, each of which raises `InferenceChanged` with what differs:
+
+1. eval: the routed model in eval is the original model: the same traced graph, node for node, and
+   bit-identical outputs under the same seed. A DAR model changes the model, so its eval is held to the
+   DAR graph that a fresh trace builds now (a program built at `apply` must not have gone stale).
+2. train at rate 0: the routed model's own training program, with every route keeping every token,
+   reproduces the original forward in train mode (the model as the routed model holds it now, same
+   seed) bit for bit: routes are pure gathers and scatters, nothing else in the graph may differ.
+3. the kept tokens: at the first route's start, with its real rate, the route's first block gets exactly
+   the original block's inputs gathered at the kept tokens: the stream and every per-token side input.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -10,10 +24,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
+from .config import Route
 from .errors import InferenceChanged, InputError, TraceError
-from .model import RoutedModel, example_call, unwrap_compiled
+from .model import RoutedModel, example_call, report_of, unwrap_compiled
+from .rewrite import STATE
+from .routing import gather_tokens
 from .state import training_mode
-from .trace import flatten, preserved_state, trace
+from .trace import flatten, preserved_state, shallow_copy, trace
 
 
 def graph_lines(graph: fx.Graph) -> list[str]:
@@ -27,65 +44,149 @@ def graph_lines(graph: fx.Graph) -> list[str]:
 
 def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Tensor = (),
            example_kwargs: dict | None = None, *, seed: int = 0) -> dict:
-    """Check that `routed` in eval mode is `model`: the same traced graph and bit-identical outputs.
-
-    Both run under the routed model's parameters (torch.func.functional_call), with the same RNG
-    seed. Raises InferenceChanged with a readable diff otherwise; returns what was compared. Where
-    the eval forward does not trace (boundary mode, or an owner that builds a cache in eval), the
-    outputs alone are compared and "nodes" is None.
-    """
+    """Check `routed` against `model` on the example inputs (see the module docstring); returns what was
+    compared: {"mode", "nodes" (eval graph nodes compared, or None), "outputs", "train", "kept"}."""
     model, routed = unwrap_compiled(model)[0], unwrap_compiled(routed)[0]
     if type(seed) is not int:
         raise InputError(f"seed is an int, got {seed!r:.80}")
     if not isinstance(routed, RoutedModel):
         raise InputError(f"verify compares a model with routekit.apply(model, ...); got {type(routed).__name__}")
     args, kwargs = example_call(model, example_inputs, example_kwargs)
-    with training_mode(model, False), training_mode(routed, False):
+    plan = report_of(routed)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    with preserved_state(model, tensors), preserved_state(routed, tensors):
+        nodes, outputs = _eval(model, routed, args, kwargs, seed)
+        train = _train_at_rate_zero(routed, args, kwargs, seed) if plan.placed else None
+        kept = _kept_tokens(routed, args, kwargs, seed) if plan.placed and plan.dar is None else 0
+    return {"mode": plan.report.mode, "nodes": nodes, "outputs": outputs, "train": train, "kept": kept}
+
+
+def _original(routed: nn.Module) -> nn.Module:
+    """The routed model as its original class: the original forward over the routed model's state now."""
+    view = shallow_copy(routed, cls=routed._routekit_base)
+    del view._modules[STATE]
+    return view
+
+
+def _run(module: nn.Module, args: tuple, kwargs: dict, seed: int, what: str, error=InferenceChanged) -> Any:
+    torch.manual_seed(seed)
+    try:
+        return module(*args, **kwargs)
+    except Exception as err:
+        raise error(f"{what} fails on the example inputs: {type(err).__name__}: {err}") from err
+
+
+def _eval(model: nn.Module, routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> tuple[int | None, int]:
+    plan = report_of(routed)
+    with training_mode(model, False), training_mode(routed, False), torch.no_grad():
+        if plan.dar is not None:
+            want = _run(lambda *a, **k: routed._routekit_executor.run_fresh(routed, a, k), args, kwargs, seed,
+                        "the DAR graph traced afresh")
+            _compare(want, _run(routed, args, kwargs, seed, "the routed model in eval"), "the DAR model's eval program",
+                     "the DAR graph traced afresh")
+            return None, len(flatten(want)[0])
         try:
             original = graph_lines(trace(model, args, kwargs).graph)
         except TraceError:
-            original = None
-        inference = original and graph_lines(trace(routed, args, kwargs, signature_of=routed._routekit_base.forward).graph)
-        if original != inference:
-            diff = "\n".join(difflib.unified_diff(original, inference, "original eval graph", "routed eval graph",
-                                                  lineterm="", n=1))
-            raise InferenceChanged(f"the routed model's eval graph differs from the original's:\n{diff}")
+            original = None  # an owner that does not trace in eval (boundary mode): outputs alone are compared
+        if original is not None:
+            now = graph_lines(trace(_original(routed), args, kwargs).graph)
+            if original != now:
+                diff = "\n".join(difflib.unified_diff(original, now, "original eval graph", "routed eval graph",
+                                                      lineterm="", n=1))
+                raise InferenceChanged(f"the routed model's eval graph differs from the original's:\n{diff}")
         keys = set(model.state_dict(keep_vars=True))
         state = {k: v for k, v in routed.state_dict(keep_vars=True).items() if k in keys}
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        with preserved_state(model, tensors):
-            torch.manual_seed(seed)
-            try:
-                expected = functional_call(model, state, args, kwargs)
-            except Exception as err:
-                raise InputError(f"{type(model).__name__} fails in eval on the example inputs: "
-                                 f"{type(err).__name__}: {err}") from None
-            torch.manual_seed(seed)
-            try:
-                got = routed(*args, **kwargs)
-            except Exception as err:
-                raise InferenceChanged(f"the routed model fails in eval where the original runs: "
-                                       f"{type(err).__name__}: {err}") from err
-    _compare(expected, got)
-    return {"mode": routed._routekit_plan.report.mode, "nodes": original and len(original),
-            "outputs": len(flatten(expected)[0])}
+        want = _run(lambda *a, **k: functional_call(model, state, a, k), args, kwargs, seed,
+                    f"{type(model).__name__} in eval", InputError)
+        got = _run(routed, args, kwargs, seed, "the routed model in eval")
+    _compare(want, got, "original", "routed")
+    return (len(original) if original is not None else None), len(flatten(want)[0])
 
 
-def _compare(expected, got, depth: int = 0) -> None:
+@contextlib.contextmanager
+def _rate_zero(routed: nn.Module):
+    """Every route of `routed` keeps every token, for the duration."""
+    selects = list(getattr(routed, STATE).routes)
+    saved = [s.route for s in selects]
+    for s in selects:
+        s.route = Route(**{**s.route.model_dump(), "rate": 0.0})
+    try:
+        yield
+    finally:
+        for s, route in zip(selects, saved):
+            s.route = route
+
+
+def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> str:
+    plan = report_of(routed)
+    with training_mode(routed, True):
+        with _rate_zero(routed):
+            got = _run(routed, args, kwargs, seed, "the routed training graph at rate 0")
+        if plan.dar is not None:
+            reference = lambda *a, **k: routed._routekit_executor.run_fresh(routed, a, k, routes=False)  # noqa: E731
+        else:
+            reference = _original(routed)
+        want = _run(reference, args, kwargs, seed, "the original forward in train mode", InputError)
+    if plan.dar is not None:  # the same sums in another order (route boundaries split two-phase chunks)
+        _compare(want, got, "DAR without routes", "routed DAR at rate 0", close=True)
+        return "rate 0 matches DAR without routes (to rounding)"
+    _compare(want, got, "original in train mode", "routed training graph at rate 0")
+    return "rate 0 bit-identical"
+
+
+def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int:
+    """The first route's first block gets the original block's inputs at the kept tokens."""
+    plan = report_of(routed)
+    route, report = plan.placed[0], plan.report
+    block = report.blocks[route.start]
+    seen: dict[str, tuple[tuple, dict]] = {}
+
+    def capture(key):
+        def hook(module, a, kw):
+            seen.setdefault(key, (a, kw))
+        return hook
+
+    with training_mode(routed, True):
+        original = _original(routed)
+        for key, root in (("routed", routed), ("original", original)):
+            handle = root.get_submodule(block.qualname).register_forward_pre_hook(capture(key), with_kwargs=True)
+            try:
+                _run(root, args, kwargs, seed, f"the {key} model in train mode")
+            finally:
+                handle.remove()
+    index = getattr(routed, STATE).routes[0].last_index
+    slots = [(report.stream_slot, "per-token")] + [(s.slot, s.kind) for s in block.side_inputs]
+    for slot, kind in slots:
+        want, got = (_slot(*seen[k], slot) for k in ("original", "routed"))
+        if kind == "per-token" and isinstance(want, torch.Tensor):
+            want = gather_tokens(want, index)
+        _compare(want, got, f"{block.qualname}'s input {slot!r} in the original, gathered",
+                 f"{block.qualname}'s input {slot!r} in route 0")
+    return 1
+
+
+def _slot(args: tuple, kwargs: dict, slot) -> Any:
+    return args[slot] if isinstance(slot, int) and slot < len(args) else kwargs.get(slot)
+
+
+def _compare(expected, got, want_name: str, got_name: str, close: bool = False, depth: int = 0) -> None:
     want, have = flatten(expected), flatten(got)
     if want[1] != have[1]:
-        raise InferenceChanged(f"output structure differs: original {want[1]}, routed {have[1]}")
+        raise InferenceChanged(f"output structure differs: {want_name} {want[1]}, {got_name} {have[1]}")
     for i, (a, b) in enumerate(zip(want[0], have[0])):
         if isinstance(a, torch.Tensor):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise InferenceChanged(f"output {i}: original {a.dtype}{list(a.shape)}, routed {b.dtype}{list(b.shape)}")
-            if not torch.equal(a, b):
+            if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                described = f"{b.dtype}{list(b.shape)}" if isinstance(b, torch.Tensor) else repr(b)
+                raise InferenceChanged(f"output {i}: {want_name} {a.dtype}{list(a.shape)}, {got_name} {described}")
+            same = torch.allclose(a, b, rtol=1e-4, atol=1e-5) if close else torch.equal(a, b)
+            if not same:
                 diff = (a.double() - b.double()).abs()
                 raise InferenceChanged(
-                    f"output {i} is not bit-identical: {int((diff > 0).sum())} of {diff.numel()} elements differ, "
-                    f"max |Δ| = {diff.max().item():.3e}"
+                    f"output {i} of {got_name} is not {'close to' if close else 'bit-identical to'} {want_name}'s: "
+                    f"{int((diff > 0).sum())} of {diff.numel()} elements differ, max |Δ| = {diff.max().item():.3e}"
                 )
         elif type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") and depth < 4:
-            _compare(vars(a), vars(b), depth + 1)  # an object without equality (a cache): compare what it holds
+            _compare(vars(a), vars(b), want_name, got_name, close, depth + 1)  # an object without equality (a cache)
         elif a != b:
-            raise InferenceChanged(f"output {i}: original {a!r}, routed {b!r}")
+            raise InferenceChanged(f"output {i}: {want_name} {a!r}, {got_name} {b!r}")

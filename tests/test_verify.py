@@ -1,0 +1,228 @@
+"""`verify` can fail: every way a routed model can differ from what was asked is a test that must see
+InferenceChanged; and it works on DAR models.
+
+Also: apply, inspect and verify leave the user's model bit-identical (parameters, buffers, RNG state,
+module modes, hooks), in graph and in boundary mode.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import routekit as rk
+import routekit.rewrite
+from backbones import dit
+from routekit.routing import gather_tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DIM = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, DIM)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x, mask):
+        return x + self.drop(self.fc(self.norm(x))) * mask[..., None]
+
+
+class Owner(nn.Module):
+    """Tokens through a BatchNorm (running statistics), blocks with a per-token mask, a Python scale read in
+    the forward; `cache=True` makes the owner untraceable (boundary mode)."""
+
+    def __init__(self, cache: bool = False, depth: int = 5):
+        super().__init__()
+        self.cache = cache
+        self.scale = 1.5
+        self.embed = nn.Linear(3, DIM)
+        self.bn = nn.BatchNorm1d(DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x, mask):
+        h = self.embed(x)
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2) * self.scale
+        calls = [] if self.cache else None
+        for block in self.blocks:
+            h = block(h, mask)
+            if calls is not None:
+                calls.append(object())  # a Python object fx cannot hold in a graph
+                if len(calls) > len(self.blocks):
+                    raise RuntimeError
+        return self.head(h)
+
+
+def example(batch: int = 3, tokens: int = 10):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(batch, tokens, 3, generator=g), (torch.rand(batch, tokens, generator=g) > 0.3).float()
+
+
+def routed_owner(mode: str = "graph", **options):
+    torch.manual_seed(0)
+    model = Owner(cache=mode == "boundary")
+    args = example()
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=args, mode=mode,
+                      generator=torch.Generator().manual_seed(2), **options)
+    return model, routed, args
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_verify_passes_and_checks_eval_train_and_the_kept_tokens(mode):
+    model, routed, args = routed_owner(mode)
+    checked = rk.verify(model, routed, args)
+    assert checked["train"] == "rate 0 bit-identical" and checked["kept"] == 1 and checked["outputs"] == 1
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_an_eval_that_differs_is_caught(mode):
+    model, routed, args = routed_owner(mode)
+    routed.scale = 2.0  # the routed model's own attribute: its eval now differs from the model's
+    with pytest.raises(rk.InferenceChanged, match="graph differs|not bit-identical"):
+        rk.verify(model, routed, args)
+
+
+def test_a_training_graph_that_differs_from_the_original_forward_is_caught(monkeypatch):
+    """A rewrite that changes more than the routes (here: one block's call dropped from the training graph)
+    fails the rate-0 check."""
+    original = routekit.rewrite.place_routes
+
+    def dropping_a_block(graph, plan, routes):
+        placed = original(graph, plan, routes)
+        call = next(n for n in graph.nodes if n.op == "call_module" and n.target == "blocks.4")
+        call.replace_all_uses_with(call.args[0])
+        graph.erase_node(call)
+        return placed
+
+    monkeypatch.setattr(routekit.rewrite, "place_routes", dropping_a_block)
+    model, routed, args = routed_owner()
+    with pytest.raises(rk.InferenceChanged, match="rate 0"):
+        rk.verify(model, routed, args)
+
+
+def test_a_route_that_gathers_the_wrong_tokens_is_caught(monkeypatch):
+    """The route's first block must see the original inputs at the kept tokens. A gather that hands each
+    sample another sample's selection is exact at rate 0 (every row is 0..N-1) and keeps every shape, so
+    only the kept-token check can see it."""
+
+    def other_samples(x, index):
+        return gather_tokens(x, index.roll(1, dims=0))
+
+    monkeypatch.setattr(routekit.rewrite, "gather_tokens", other_samples)
+    model, routed, args = routed_owner()
+    with pytest.raises(rk.InferenceChanged, match="input 'x'|input 0"):
+        rk.verify(model, routed, args)
+
+
+def test_a_side_input_left_ungathered_is_caught(monkeypatch):
+    """A per-token side input (the mask) handed to the route's blocks at full size is caught, before it can
+    fail or broadcast silently inside the block."""
+    original = routekit.rewrite.place_routes
+
+    def forgetting_side_inputs(graph, plan, routes):
+        placed = original(graph, plan, routes)
+        for node in graph.nodes:
+            if node.op == "call_module" and node.target.startswith("blocks.") and len(node.args) > 1:
+                mask = node.args[1]
+                if mask.op == "call_function" and mask.target is routekit.rewrite.gather_tokens:
+                    node.update_arg(1, next(a for a in mask.args if a.op == "placeholder"))
+        return placed
+
+    monkeypatch.setattr(routekit.rewrite, "place_routes", forgetting_side_inputs)
+    with pytest.raises(rk.RoutekitError):
+        model, routed, args = routed_owner()
+        rk.verify(model, routed, args)
+
+
+def tiny_dit(depth: int = 4):
+    """A small DiT off its adaLN-Zero init (there every block's branches are gated to zero)."""
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=depth, hidden=32, heads=2, input_size=8, num_classes=10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model, dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("routes", [None, [rk.Route(start=1, end=2)]])
+def test_verify_works_on_dar_models(routes):
+    model, args = tiny_dit()
+    routed = rk.apply(model, routes=routes, residual=rk.DAR(chunk=2), example_inputs=args)
+    with torch.no_grad():
+        routed.routekit.dar.query.normal_(generator=torch.Generator().manual_seed(3))
+    checked = rk.verify(model, routed, args)
+    assert checked["nodes"] is None and checked["outputs"] == 1
+    assert checked["train"] == (None if routes is None else "rate 0 matches DAR without routes (to rounding)")
+
+
+def test_a_stale_dar_eval_program_is_caught():
+    model, args = tiny_dit()
+    routed = rk.apply(model, residual=rk.DAR(chunk=2), example_inputs=args)
+    routed.eval()
+    routed(*args)  # builds and caches the eval program
+    routed.blocks[1].attn.heads = 1  # read by the traced attention: the cached program no longer matches
+    with pytest.raises(rk.InferenceChanged, match="DAR"):
+        rk.verify(model, routed, args)
+
+
+# --- apply, inspect and verify leave the model untouched -----------------------------------------------------
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "modes": {name: m.training for name, m in model.named_modules()},
+        "hooks": {name: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+                  for name, m in model.named_modules()},
+        "attributes": {name: sorted(m.__dict__) for name, m in model.named_modules()},
+        "rng": torch.get_rng_state(),
+        "grads": {k: p.grad for k, p in model.named_parameters()},
+    }
+
+
+def assert_same(before: dict, after: dict) -> None:
+    assert before["state"].keys() == after["state"].keys()
+    for key in before["state"]:
+        assert torch.equal(before["state"][key], after["state"][key]), f"{key} changed"
+    for part in ("modes", "hooks", "attributes", "grads"):
+        assert before[part] == after[part], part
+    assert torch.equal(before["rng"], after["rng"]), "the global RNG moved"
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+@pytest.mark.parametrize("training", [True, False])
+def test_apply_inspect_and_verify_leave_the_model_bit_identical(mode, training):
+    torch.manual_seed(0)
+    model = Owner(cache=mode == "boundary")
+    model.train(training)
+    model.blocks[2].eval()  # mixed modes must come back as they were
+    args = example()
+    before = snapshot(model)
+    rk.inspect(model, args, routes=[rk.Route(start=1, end=3)], mode=mode)
+    assert_same(before, snapshot(model))
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=args, mode=mode)
+    assert_same(before, snapshot(model))
+    rk.verify(model, routed, args)
+    assert_same(before, snapshot(model))
+    assert model.bn.num_batches_tracked.item() == 0
+
+
+def test_a_dar_apply_leaves_the_model_bit_identical():
+    model, args = tiny_dit()
+    model.train()
+    before = snapshot(model)
+    twin = copy.deepcopy(model)
+    routed = rk.apply(model, routes=[rk.Route(start=1, end=2)], residual=rk.DAR(chunk=2), example_inputs=args)
+    rk.verify(model, routed, args)
+    assert_same(before, snapshot(model))
+    torch.manual_seed(5)
+    want = twin(*args)
+    torch.manual_seed(5)
+    assert torch.equal(model(*args), want)
