@@ -33,6 +33,9 @@ class _Config(BaseModel):
 class Route(_Config):
     """A TREAD token route: blocks `start..end` (inclusive) see only the kept tokens.
 
+    Block indices count from 0; negative ones count from the end (-1 = the last block), resolved
+    against the model's stack when the route is planned.
+
     `rate` is the fraction of tokens routed *around* the blocks (TREAD's best is 0.5). At block
     `start` the selector picks the kept tokens; after block `end` the routed tokens rejoin with
     their value at the route start.
@@ -54,13 +57,6 @@ class Route(_Config):
     def _not_bool(cls, v):
         if isinstance(v, bool):
             raise ValueError(f"expected a number, got {v!r}")
-        return v
-
-    @field_validator("start", "end")
-    @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"block index must be >= 0, got {v}")
         return v
 
     @field_validator("rate")
@@ -97,7 +93,7 @@ class Route(_Config):
 
     @model_validator(mode="after")
     def _ordered(self) -> Route:
-        if self.start > self.end:
+        if (self.start < 0) == (self.end < 0) and self.start > self.end:
             raise ValueError(f"start ({self.start}) must be <= end ({self.end}); the route covers blocks start..end")
         return self
 

@@ -29,23 +29,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """One route, resolved against the stream: its blocks, the positions it always keeps, its kept count."""
+    """One route, resolved against the stack and the stream: its first and last block (non-negative), the
+    positions it always keeps, its kept count."""
 
     route: Route
+    start: int
+    end: int
     keep: tuple[int, ...]  # sorted non-negative positions every selection contains
     kept: int  # tokens the route's blocks see
 
     @property
-    def start(self) -> int:
-        return self.route.start
-
-    @property
-    def end(self) -> int:
-        return self.route.end
-
-    @property
     def blocks(self) -> range:
-        return range(self.route.start, self.route.end + 1)
+        return range(self.start, self.end + 1)
 
 
 @dataclass(frozen=True)
@@ -120,12 +115,13 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
     """
     given = grid is not None
     grid = checked_grid(grid, report.tokens) if given else report.grid
-    check_blocks(routes, [b.qualname for b in report.blocks])
+    spans = resolve_blocks(routes, [b.qualname for b in report.blocks])
     planned = []
-    for k, route in enumerate(routes):
+    for k, (route, (start, end)) in enumerate(zip(routes, spans)):
         keep = _checked_keep(k, route, report, grid)
-        _check_blocks_of(k, route, report, grid, model)
-        planned.append(RoutePlan(route, keep, kept_tokens(route.selector, route.rate, keep, report.tokens, grid)))
+        _check_blocks_of(k, route, start, end, report, grid, model)
+        planned.append(RoutePlan(route, start, end, keep,
+                                 kept_tokens(route.selector, route.rate, keep, report.tokens, grid)))
     dar = _dar_plan(residual, report, planned, graph) if residual is not None else None
     return Plan(report, tuple(planned), dar, grid, given)
 
@@ -139,23 +135,33 @@ def checked_grid(grid, tokens: int) -> tuple[int, int]:
     return (int(grid[0]), int(grid[1]))
 
 
-def check_blocks(routes: list[Route], block_names: list[str]) -> None:
-    """Refuse routes that do not fit a stack with these blocks; the error lists the valid blocks."""
+def resolve_blocks(routes: list[Route], block_names: list[str]) -> list[tuple[int, int]]:
+    """Each route's (start, end) as non-negative block indices (negative ones count from the end); refuses
+    routes that do not fit a stack with these blocks, listing the valid blocks, and routes that overlap."""
     depth = len(block_names)
     listing = ", ".join(f"{i}: {n}" for i, n in enumerate(block_names))
+    spans = []
     for k, r in enumerate(routes):
-        if r.end >= depth:
+        bad = [i for i in (r.start, r.end) if not -depth <= i < depth]
+        if bad:
             raise ConfigError(
-                f"route {k} ({r.start}→{r.end}) ends past the last block: valid block indices are "
-                f"0..{depth - 1} ({listing})"
+                f"route {k} ({r.start}→{r.end}): block {bad[0]} is outside the stack: valid block indices are "
+                f"0..{depth - 1}, or -{depth}..-1 counting from the end ({listing})"
             )
-    ordered = sorted(enumerate(routes), key=lambda kr: kr[1].start)
-    for (i, a), (j, b) in zip(ordered, ordered[1:]):
-        if b.start <= a.end:
+        start, end = r.start % depth, r.end % depth
+        if start > end:
+            raise ConfigError(f"route {k} ({r.start}→{r.end}) starts at block {start}, after its end at block {end}; "
+                              "the route covers blocks start..end")
+        spans.append((start, end))
+    ordered = sorted(range(len(spans)), key=lambda k: spans[k][0])
+    for i, j in zip(ordered, ordered[1:]):
+        (a_start, a_end), (b_start, b_end) = spans[i], spans[j]
+        if b_start <= a_end:
             raise ConfigError(
-                f"route {j} ({b.start}→{b.end}) overlaps route {i} ({a.start}→{a.end}): routes must be disjoint; "
-                f"a route after route {i} can start at block {a.end + 1} or later"
+                f"route {j} ({b_start}→{b_end}) overlaps route {i} ({a_start}→{a_end}): routes must be disjoint; "
+                f"a route after route {i} can start at block {a_end + 1} or later"
             )
+    return spans
 
 
 def resolve_keep(keep: tuple[int, ...] | None, tokens: int) -> tuple[int, ...]:
@@ -206,9 +212,9 @@ def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int,
     return keep
 
 
-def _check_blocks_of(k: int, route: Route, report: GraphReport, grid, model: nn.Module) -> None:
+def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphReport, grid, model: nn.Module) -> None:
     """Refuse blocks the route cannot contain or pass through, and selectors its blocks cannot take."""
-    blocks = report.blocks[route.start:route.end + 1]
+    blocks = report.blocks[start:end + 1]
     for block in blocks:
         bad = [s for s in block.side_inputs if s.kind == "token-first"]
         if bad:

@@ -49,10 +49,10 @@ def format_plan(plan: Any) -> str:
         lines.append(f"  boundary mode: routes sit at block calls, because the owner forward is not traceable: {r.fallback}")
     for k, rp in enumerate(plan.placed):
         route, kept = rp.route, rp.kept
-        share = (route.end - route.start + 1) / r.depth
+        share = len(rp.blocks) / r.depth
         keep = f", always keeping {list(route.keep)}" if route.keep else ""
         lines.append(
-            f"  route {k}: blocks {route.start}→{route.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
+            f"  route {k}: blocks {rp.start}→{rp.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
             f"{kept} of {tokens} tokens go through; {share:.0%} of the blocks see {kept / tokens:.0%} of the tokens"
         )
     if plan.placed:
@@ -89,10 +89,10 @@ def draw_plan(plan: Any, path: str) -> str:
         for i in rp.blocks:
             kept[i] = rp.kept / tokens
         c = colours[k % len(colours)]
-        left, right = x0 + route.start - 0.45, x0 + route.end + 0.45
+        left, right = x0 + rp.start - 0.45, x0 + rp.end + 0.45
         ax.annotate("", xy=(right + 0.5, 0.1), xytext=(left - 0.5, 0.1),
                     arrowprops=dict(arrowstyle="->", color=c, lw=2, connectionstyle="arc3,rad=0.25"))
-        ax.text((left + right) / 2, -0.8, f"route {k}: {route.start}→{route.end}, {route.rate:.0%} routed "
+        ax.text((left + right) / 2, -0.8, f"route {k}: {rp.start}→{rp.end}, {route.rate:.0%} routed "
                 f"({route.selector})", ha="center", color=c, fontsize=9)
     for i, _b in enumerate(r.blocks):
         h = 1.6 * kept.get(i, 1.0)

@@ -60,7 +60,7 @@ class RouteSelect(nn.Module):
     def extra_repr(self) -> str:
         r = self.route
         keep = f", keep={list(r.keep)}" if r.keep else ""
-        return f"blocks {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}{keep}"
+        return f"route {r.start}→{r.end}, rate={r.rate}, selector={r.selector!r}{keep}"
 
 
 def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tuple[int, ...] = (), *, grid, generator,

@@ -51,7 +51,7 @@ def test_a_route_past_the_last_block_lists_the_valid_block_indices_and_names() -
     with pytest.raises(rk.ConfigError) as err:
         apply(routes=rk.Route(start=1, end=DEPTH))
     message = str(err.value)
-    assert "ends past the last block" in message and f"0..{DEPTH - 1}" in message
+    assert "outside the stack" in message and f"0..{DEPTH - 1}" in message
     assert all(f"{i}: blocks.{i}" in message for i in range(DEPTH))
 
 
@@ -328,11 +328,14 @@ def plan_is_valid(routes: list[dict], depth: int, has_grid: bool) -> bool:
     for r in routes:
         if set(r) - {"start", "end", "rate", "selector"}:
             return False
-        if not (0 <= r["start"] <= r["end"] < depth and 0 <= r["rate"] < 1 and r["selector"] in rk.selector_names()):
+        if not all(-depth <= r[k] < depth for k in ("start", "end")):
+            return False
+        start, end = r["start"] % depth, r["end"] % depth  # negative indices count from the end
+        if not (start <= end and 0 <= r["rate"] < 1 and r["selector"] in rk.selector_names()):
             return False
         if r["selector"] in ("row", "window", "column") and not has_grid:
             return False
-        spans.append((r["start"], r["end"]))
+        spans.append((start, end))
     spans.sort()
     return all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
 

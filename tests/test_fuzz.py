@@ -107,7 +107,7 @@ def valid_route(draw, cls_token: bool) -> dict:
 def corrupt_route(route: dict, cls_token: bool):
     """Strategy: `route` with one field made invalid for this model (or the route replaced by garbage)."""
     tokens = GRID[0] * GRID[1] + cls_token
-    bad_index = st.one_of(st.integers(max_value=-1), st.integers(min_value=DEPTH), st.floats(0.1, 3.9).filter(
+    bad_index = st.one_of(st.integers(max_value=-DEPTH - 1), st.integers(min_value=DEPTH), st.floats(0.1, 3.9).filter(
         lambda f: f != int(f)), st.text(max_size=3).filter(lambda t: not t.strip().lstrip("+-").isdigit()), st.none())
     bad_keep = st.one_of(
         st.lists(st.integers(min_value=tokens, max_value=10**9), min_size=1, max_size=3),
@@ -116,7 +116,7 @@ def corrupt_route(route: dict, cls_token: bool):
         st.integers(), st.just(["0"]),
     )
     fields = {
-        "start": bad_index, "end": bad_index,
+        "start": bad_index, "end": bad_index | st.integers(-DEPTH, -1).filter(lambda e: e % DEPTH < route["start"]),
         "rate": st.one_of(st.floats(max_value=-1e-9), st.floats(min_value=1.0), st.just(math.nan), st.text(max_size=3)
                           .filter(lambda t: not _is_number(t)), st.none()),
         "selector": st.text(max_size=8).filter(lambda t: t not in rk.selector_names()) | st.none() | st.integers(),

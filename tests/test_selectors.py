@@ -129,3 +129,29 @@ def test_rate_zero_keeps_every_token_and_draws_nothing():
     got = routed(x)
     assert torch.equal(got, want)
     assert not rk.last_route_mask(routed).any()
+
+
+def test_negative_block_indices_count_from_the_end():
+    """SimpleTuner's convention: -1 is the last block. A route 1→-2 on 4 blocks covers blocks 1..2."""
+    torch.manual_seed(0)
+    model = Net(depth=4)
+    x = torch.randn(2, 12, DIM)
+    routed = rk.apply(model, rk.Route(start=1, end=-2), example_inputs=(x,))
+    placed = rk.report_of(routed).placed[0]
+    assert (placed.start, placed.end) == (1, 2)
+    assert "route 0: blocks 1→2" in str(rk.report_of(routed))
+    explicit = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
+    for r in (routed, explicit):
+        r.routekit.routes[0].generator = torch.Generator().manual_seed(4)
+        r.train()
+        torch.manual_seed(1)
+    torch.manual_seed(1)
+    a = routed(x)
+    torch.manual_seed(1)
+    assert torch.equal(a, explicit(x))
+    with pytest.raises(rk.ConfigError, match="-4..-1"):
+        rk.apply(model, rk.Route(start=-5, end=-1), example_inputs=(x,))
+    with pytest.raises(rk.ConfigError, match="after its end"):
+        rk.apply(model, rk.Route(start=-1, end=1), example_inputs=(x,))
+    with pytest.raises(rk.ConfigError, match="start"):
+        rk.Route(start=-1, end=-3)
