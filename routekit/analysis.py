@@ -14,6 +14,7 @@ its residual adds are found (what DAR rewrites).
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -212,10 +213,10 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
                                 sides))
     blocks = _with_escapes(blocks, by_name, tokens)
     if images is None:
-        grid, grid_node, special = _graph_grid(tr.graph, first_in, batch, tokens)
+        grid, grid_node, special = _graph_grid(tr.graph, model, first_in, batch, tokens)
     else:
         grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], slot, batch, tokens, call)
-    fewer = tokens - (grid[1] if grid else 1)  # a whole grid row fewer: blocks that reshape to rows still run
+    fewer = tokens - (grid[-1] if grid else 1)  # a whole grid row fewer: blocks that reshape to rows still run
     blocks = [_resolved(model, b, slot, stream, fewer) for b in blocks]
     granularity = None
     if residual:
@@ -329,46 +330,55 @@ def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: 
     return result
 
 
-def _graph_grid(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int):
-    """(grid, grid node, special positions) from a traced graph: the nearest 4-D (B, C, H, W) ancestor of
-    the stream with H·W == tokens, or with H·W < tokens joined with other tokens by a `cat`."""
+def grid_of(meta: Any, batch: int) -> tuple[int, ...] | None:
+    """The spatial grid of a (batch, C, H, W) or (batch, C, T, H, W) tensor: what a patch embedding makes."""
+    if isinstance(meta, TensorMeta) and len(meta.shape) in (4, 5) and meta.shape[0] == batch:
+        return tuple(meta.shape[2:])
+    return None
+
+
+_PATCH_EMBEDDINGS = (nn.Conv2d, nn.Conv3d)
+
+
+def _graph_grid(graph: fx.Graph, model: nn.Module, stream_in: fx.Node, batch: int, tokens: int):
+    """(grid, grid node, special positions) from a traced graph: the patch embedding the stream comes from (a
+    Conv2d/Conv3d's output, else the nearest (B, C, H, W) or (B, C, T, H, W) ancestor) with as many cells as
+    the stream has tokens, or with fewer, joined with other tokens by a `cat`."""
     g = to_networkx(graph)
     ancestors = nx.ancestors(g, stream_in.name) | {stream_in.name}
-    for node in reversed(graph.nodes):
-        if node.name not in ancestors:
-            continue
-        meta = node.meta["rk"]
-        if isinstance(meta, TensorMeta) and len(meta.shape) == 4 and meta.shape[0] == batch:
-            if meta.shape[2] * meta.shape[3] == tokens:
-                return (meta.shape[2], meta.shape[3]), node.name, ()
-    return _special_tokens(graph, g, stream_in, ancestors, batch, tokens)
+    nearest = [n for n in reversed(graph.nodes) if n.name in ancestors and grid_of(n.meta["rk"], batch)]
+    convs = [n for n in nearest if n.op == "call_module" and isinstance(model.get_submodule(n.target),
+                                                                       _PATCH_EMBEDDINGS)]
+    for node in convs + nearest:
+        grid = grid_of(node.meta["rk"], batch)
+        if math.prod(grid) == tokens:
+            return grid, node.name, ()
+    return _special_tokens(graph, g, convs + nearest, ancestors, batch, tokens)
 
 
 _CATS = {torch.cat, torch.concat, torch.concatenate}
 
 
-def _special_tokens(graph: fx.Graph, g: nx.DiGraph, stream_in: fx.Node, ancestors: set, batch: int, tokens: int):
+def _special_tokens(graph: fx.Graph, g: nx.DiGraph, candidates: list[fx.Node], ancestors: set, batch: int,
+                    tokens: int):
     """(grid, grid node, special positions) when the stream is a patch grid joined with other tokens.
 
-    Looks for the nearest 4-D (batch, C, H, W) ancestor of the stream with H·W < tokens, and a `cat`
+    Takes the first candidate grid with fewer cells than the stream has tokens, and looks for a `cat`
     along the token axis between it and the stream whose other operands hold the extra tokens.
     Returns (None, None, ()) when the graph does not show it.
     """
     by_name = {n.name: n for n in graph.nodes}
     order = {name: i for i, name in enumerate(by_name)}
-    for node in reversed(graph.nodes):
-        meta = node.meta.get("rk")
-        if node.name not in ancestors or not isinstance(meta, TensorMeta) or len(meta.shape) != 4:
-            continue
-        height, width = meta.shape[2], meta.shape[3]
-        if meta.shape[0] != batch or not 0 < height * width < tokens:
+    for node in candidates:
+        cells = math.prod(grid_of(node.meta["rk"], batch))
+        if not 0 < cells < tokens:
             continue
         below = nx.descendants(g, node.name) & ancestors
         for name in sorted(below, key=order.get, reverse=True):
-            split = _cat_split(by_name[name], node.name, g, tokens, height * width)
+            split = _cat_split(by_name[name], node.name, g, tokens, cells)
             if split is not None:
                 before, after = split
-                return (height, width), node.name, tuple(range(before)) + tuple(range(-after, 0))
+                return grid_of(node.meta["rk"], batch), node.name, tuple(range(before)) + tuple(range(-after, 0))
         return None, None, ()
     return None, None, ()
 
@@ -404,11 +414,11 @@ def _recorded_grid(model: nn.Module, images: list[Image], tr: Trace, first: Bloc
     image = grid_image(images, first_call, batch, tokens)
     if image is None:
         return None, None, ()
-    grid = (image.shape[2], image.shape[3])
+    grid = image.shape[2:]
     special: tuple[int, ...] = ()
-    if grid[0] * grid[1] < tokens and call is not None:
+    if math.prod(grid) < tokens and call is not None:
         special = tokens_not_from(model, *call, image.module, first.qualname, slot)
-        if len(special) != tokens - grid[0] * grid[1]:
+        if len(special) != tokens - math.prod(grid):
             special = ()  # the measurement does not account for the extra tokens: leave them to `keep`
     return grid, image.module, special
 

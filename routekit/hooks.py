@@ -147,7 +147,7 @@ class _GridSource:
         self.hooks = hooks
 
     def __call__(self, module, args, output):
-        if self.hooks.active and isinstance(output, torch.Tensor) and output.dim() == 4:
+        if self.hooks.active and isinstance(output, torch.Tensor) and output.dim() in (4, 5):
             self.hooks.grid_source = output
 
 

@@ -9,6 +9,7 @@ through, selectors against the grid and the blocks (whole rows), DAR's sources a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,13 +127,14 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
     return Plan(report, tuple(planned), dar, grid, given)
 
 
-def checked_grid(grid, tokens: int) -> tuple[int, int]:
-    """A user's grid=(H, W): two positive ints with H·W equal to the stream's tokens."""
-    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(type(g) is int and g > 0 for g in grid)):
-        raise ConfigError(f"grid is (H, W), two positive ints, got {grid!r:.80}")
-    if grid[0] * grid[1] != tokens:
-        raise ConfigError(f"grid {tuple(grid)} does not match the stream's {tokens} tokens (H·W must equal it)")
-    return (int(grid[0]), int(grid[1]))
+def checked_grid(grid, tokens: int) -> tuple[int, ...]:
+    """A user's grid=(H, W) or (T, H, W): positive ints whose product is the stream's tokens."""
+    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(type(g) is int and g > 0 for g in grid)):
+        raise ConfigError(f"grid is (H, W) or (T, H, W), positive ints, got {grid!r:.80}")
+    if math.prod(grid) != tokens:
+        raise ConfigError(f"grid {tuple(grid)} does not match the stream's {tokens} tokens (their product must "
+                          "equal it)")
+    return tuple(int(g) for g in grid)
 
 
 def resolve_blocks(routes: list[Route], block_names: list[str]) -> list[tuple[int, int]]:
@@ -193,20 +195,19 @@ def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int,
     except ConfigError as err:
         raise ConfigError(f"route {k}: {err}") from None
     if report.special and route.keep is None:
-        height, width = report.grid
         raise ConfigError(
-            f"route {k}: the stream has {len(report.special)} token(s) besides its {height}×{width} patch grid "
+            f"route {k}: the stream has {len(report.special)} token(s) besides its {'×'.join(map(str, report.grid))} "
+            "patch grid "
             f"(positions {list(report.special)}: class, register or text tokens) and the route would set them aside "
             f"too; pass Route(..., {suggestion(report.special)}) to always keep them, or keep=[] to route them like "
             "patch tokens"
         )
     if needs_grid(route.selector) and grid is not None:
-        height, width = grid
         special = resolve_keep(report.special, tokens)
-        if tokens - len(keep) != height * width or (special and keep != special):
+        if tokens - len(keep) != math.prod(grid) or (special and keep != special):
             fix = f"; keep exactly the special tokens: {suggestion(report.special)}" if report.special else ""
             raise ConfigError(
-                f"route {k}: selector {route.selector!r} picks from the {height}×{width} grid, but with "
+                f"route {k}: selector {route.selector!r} picks from the {'×'.join(map(str, grid))} grid, but with "
                 f"keep={list(route.keep or [])} {tokens - len(keep)} of the {tokens} tokens are left to pick from{fix}"
             )
     return keep
@@ -250,7 +251,7 @@ def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphRe
 
 def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockInfo) -> bool:
     """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows."""
-    if grid is None or grid[1] == 1:
+    if grid is None or grid[-1] == 1:
         return False
     return not block_runs(model, block, report.stream_slot, report.stream, report.tokens - 1)
 
@@ -258,10 +259,10 @@ def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockI
 def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
     """How many tokens a route's blocks see: the kept positions plus the selector's share of the others."""
     others = tokens - len(keep)
-    if needs_grid(selector) and (grid is None or grid[0] * grid[1] != others):
+    if needs_grid(selector) and (grid is None or math.prod(grid) != others):
         return len(keep) + others - int(others * rate)
-    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid,
-                          generator=torch.Generator().manual_seed(0), device="cpu")
+    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid, generator=torch.Generator().manual_seed(0),
+                          device="cpu", stream=torch.zeros(1, tokens, 1))
     return index.shape[1]
 
 

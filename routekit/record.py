@@ -15,6 +15,7 @@ tokens) are those that do not change when the grid module's output does.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,13 @@ from .trace import CallSpec, Trace, container_members, describe, flatten, preser
 
 @dataclass(frozen=True)
 class Image:
-    """A 4-D module output seen while recording: how many block calls preceded it, the module, its shape."""
+    """A (B, C, H, W) or (B, C, T, H, W) module output seen while recording: how many block calls preceded it,
+    the module, its shape, and whether the module is a convolution (a patch embedding)."""
 
     calls_before: int
     module: str
     shape: tuple[int, ...]
+    conv: bool
 
 
 @dataclass
@@ -70,8 +73,8 @@ def record(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Trace, list[Ima
 
     def image(name):
         def hook(module, a, out):
-            if isinstance(out, torch.Tensor) and out.dim() == 4:
-                images.append(Image(len(calls), name, tuple(out.shape)))
+            if isinstance(out, torch.Tensor) and out.dim() in (4, 5):
+                images.append(Image(len(calls), name, tuple(out.shape), isinstance(module, (nn.Conv2d, nn.Conv3d))))
 
         return hook
 
@@ -127,14 +130,14 @@ def _call_graph(calls: list[_Call], out: Any) -> Trace:
 
 
 def grid_image(images: list[Image], first_call: int, batch: int, tokens: int) -> Image | None:
-    """The last 4-D (batch, C, H, W) module output before the first block with 0 < H·W <= tokens.
+    """The patch embedding's output: the last (batch, C, *grid) module output before the first block with
+    0 < cells <= tokens, a convolution's if there is one.
 
-    With H·W < tokens the stream holds other tokens too (`tokens_not_from`).
+    With fewer cells than tokens the stream holds other tokens too (`tokens_not_from`).
     """
-    for image in reversed(images):
-        if image.calls_before <= first_call and image.shape[0] == batch and 0 < image.shape[2] * image.shape[3] <= tokens:
-            return image
-    return None
+    fits = [i for i in reversed(images) if i.calls_before <= first_call and i.shape[0] == batch
+            and 0 < math.prod(i.shape[2:]) <= tokens]
+    return next((i for i in fits if i.conv), fits[0] if fits else None)
 
 
 def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, source: str, block: str, slot) -> tuple[int, ...]:

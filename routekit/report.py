@@ -6,6 +6,7 @@ plan's fields without importing its module.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -14,10 +15,10 @@ def format_plan(plan: Any) -> str:
     batch, tokens, channels = r.stream.shape
     grid = "none found"
     if plan.grid:
-        grid = f"{plan.grid[0]}×{plan.grid[1]}" + (" (given)" if plan.grid_given else f" (read off {r.grid_node})")
+        grid = "×".join(map(str, plan.grid)) + (" (given)" if plan.grid_given else f" (read off {r.grid_node})")
     others = {k: v for k, v in r.candidates.items() if k != r.stack}
-    if plan.grid and not r.special and plan.grid[0] * plan.grid[1] < tokens:
-        grid += (f"; plus {tokens - plan.grid[0] * plan.grid[1]} other token(s) at positions routekit could not "
+    if plan.grid and not r.special and math.prod(plan.grid) < tokens:
+        grid += (f"; plus {tokens - math.prod(plan.grid)} other token(s) at positions routekit could not "
                  "tell: name them in Route(keep=[...])")
     if r.special:
         grid += (f"; plus {len(r.special)} other token(s) at positions {list(r.special)} (class/register/text "
@@ -104,7 +105,7 @@ def draw_plan(plan: Any, path: str) -> str:
     end = x0 + r.depth + 0.2
     ax.add_patch(FancyBboxPatch((end, 1.0), 0.9, 1.2, boxstyle="round,pad=0.02", fc="#dddddd", ec="black"))
     ax.text(end + 0.45, 1.6, "head", ha="center", va="center", fontsize=8)
-    grid = f", grid {plan.grid[0]}×{plan.grid[1]}" if plan.grid else ""
+    grid = f", grid {'×'.join(map(str, plan.grid))}" if plan.grid else ""
     ax.set_title(f"{r.model}: {r.stack} ({r.depth} blocks), stream {r.stream}{grid}; box height = tokens seen",
                  fontsize=10)
     ax.set_xlim(-0.3, end + 1.2)

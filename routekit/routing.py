@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from .config import Route
-from .selectors import checked, get_selector
+from .selectors import checked
+from .selectors import selector as selector_spec
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -50,10 +51,10 @@ class RouteSelect(nn.Module):
     def forward(self, stream: torch.Tensor, grid_source: torch.Tensor | None = None) -> torch.Tensor:
         batch, tokens = stream.shape[0], stream.shape[1]
         grid = self.grid
-        if grid is None and grid_source is not None:
-            grid = (grid_source.shape[-2], grid_source.shape[-1])
+        if grid is None and grid_source is not None:  # (B, C, H, W) or (B, C, T, H, W): the grid of this call
+            grid = tuple(grid_source.shape[2:])
         index = select_tokens(self.route.selector, batch, tokens, self.route.rate, self.keep, grid=grid,
-                              generator=self.generator, device=stream.device)
+                              generator=self.generator, device=stream.device, stream=stream)
         self.last_index, self.last_tokens = index, tokens
         return index
 
@@ -64,7 +65,7 @@ class RouteSelect(nn.Module):
 
 
 def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tuple[int, ...] = (), *, grid, generator,
-                  device) -> torch.Tensor:
+                  device, stream: torch.Tensor | None = None) -> torch.Tensor:
     """(batch, kept) sorted unique indices: the positions `keep` always, the selector's choice among the others.
 
     At rate 0 every token is kept and no selector runs: nothing is drawn from the RNG, so a model with
@@ -72,10 +73,13 @@ def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tup
     """
     if rate == 0:
         return torch.arange(tokens, device=device).expand(batch, tokens)
-    select = get_selector(selector)
+    spec = selector_spec(selector)
     others = [i for i in range(tokens) if i not in set(keep)]
-    picked = checked(selector, select(batch, len(others), rate, grid=grid, generator=generator, device=device),
-                     batch, len(others))
+    extra = {}
+    if spec.needs_stream:
+        extra["stream"] = stream[:, others] if keep else stream
+    picked = checked(selector, spec.fn(batch, len(others), rate, grid=grid, generator=generator, device=device,
+                                       **extra), batch, len(others))
     if not keep:
         return picked
     positions = torch.tensor(others, dtype=torch.long, device=picked.device)[picked]

@@ -155,3 +155,67 @@ def test_negative_block_indices_count_from_the_end():
         rk.apply(model, rk.Route(start=-1, end=1), example_inputs=(x,))
     with pytest.raises(rk.ConfigError, match="start"):
         rk.Route(start=-1, end=-3)
+
+
+class Video(nn.Module):
+    """A Conv3d patch embedding over (frames, height, width): the stream's tokens are a T×H×W grid."""
+
+    def __init__(self, depth: int = 4):
+        super().__init__()
+        self.embed = nn.Conv3d(3, DIM, (1, 2, 2), (1, 2, 2))
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+
+    def forward(self, video):
+        x = self.embed(video).flatten(2).transpose(1, 2)  # (B, T·H·W, D)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("selector", ["frame", "tube", "row", "column"])
+def test_video_grids_are_read_off_a_conv3d_and_grid_selectors_keep_whole_lines(selector):
+    torch.manual_seed(0)
+    model = Video()
+    video = torch.randn(2, 3, 4, 6, 8)  # T=4 frames of 3×4 patches
+    routed = rk.apply(model, rk.Route(start=1, end=2, selector=selector), example_inputs=(video,),
+                      generator=torch.Generator().manual_seed(1))
+    assert rk.report_of(routed).grid == (4, 3, 4)
+    routed.train()
+    routed(video)
+    kept = ~rk.last_route_mask(routed).reshape(2, 4, 3, 4)  # (B, T, H, W)
+    if selector == "frame":
+        assert (kept.flatten(2).all(2) | ~kept.flatten(2).any(2)).all() and kept.flatten(2).all(2).sum(1).eq(2).all()
+    if selector == "tube":  # the same positions in every frame
+        assert (kept == kept[:, :1]).all() and kept[:, 0].sum((1, 2)).eq(6).all()
+    if selector == "row":
+        assert (kept.all(3) | ~kept.any(3)).all()
+    if selector == "column":
+        assert (kept.all(2) | ~kept.any(2)).all() and (kept == kept[:, :1]).all()
+
+
+def test_frame_and_tube_need_a_video_grid():
+    torch.manual_seed(0)
+    with pytest.raises(rk.ConfigError, match="T×H×W"):
+        select_tokens("frame", 2, 12, 0.5, grid=(3, 4), generator=None, device="cpu")
+
+
+def test_importance_keeps_the_largest_tokens_and_mixes_in_chance():
+    from routekit.selectors import importance
+
+    stream = torch.randn(3, 20, DIM)
+    norms = stream.abs().sum(-1)
+    top = norms.topk(10, dim=1).indices.sort(1).values
+    by_norm = importance(mix=0.0)(3, 20, 0.5, stream=stream, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(by_norm, top)
+    mixed = select_tokens("importance", 3, 20, 0.5, grid=None, generator=torch.Generator().manual_seed(0),
+                          device="cpu", stream=stream)
+    assert mixed.shape == (3, 10) and not torch.equal(mixed, top)
+    with pytest.raises(rk.ConfigError, match="mix"):
+        importance(mix=1.5)
+
+
+def test_the_importance_selector_routes_a_model():
+    _, routed, x = routed_with("importance")
+    routed.train()
+    routed(x)
+    assert rk.last_route_mask(routed).sum(1).tolist() == [6] * 4
