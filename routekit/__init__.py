@@ -18,7 +18,7 @@ from .errors import (
     TraceError,
 )
 from .inspection import inspect
-from .model import FallbackWarning, RoutedModel, apply, last_route_mask, report_of, strip
+from .model import FallbackWarning, RoutedModel, apply, force_keep, last_route_mask, report_of, strip
 from .plan import Plan
 from .selectors import register_selector, selector_names
 from .verify import verify
@@ -26,6 +26,6 @@ from .verify import verify
 __all__ = [
     "DAR", "AnalysisError", "ConfigError", "FallbackWarning", "GraphReport", "InferenceChanged", "InputError",
     "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "SelectorError", "TraceError", "apply",
-    "inspect", "last_route_mask", "register_selector", "report_of", "selector_names", "strip", "verify",
+    "force_keep", "inspect", "last_route_mask", "register_selector", "report_of", "selector_names", "strip", "verify",
 ]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ the same frozen plan, made by the same checks.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -398,6 +399,30 @@ def report_of(routed: nn.Module) -> Plan:
     if not isinstance(routed, RoutedModel):
         raise InputError(f"expected a model returned by routekit.apply, got {type(routed).__name__}")
     return routed._routekit_plan
+
+
+@contextlib.contextmanager
+def force_keep(routed: nn.Module, mask: torch.Tensor):
+    """Within the block, every route of `routed` keeps the tokens `mask` marks (bool (batch, tokens)), e.g. the
+    tokens a masked loss reads: they are never routed around. The selector's choice fills the rest of the
+    route's kept count; a sample with more marked tokens than that raises the count for the whole batch.
+
+        with rk.force_keep(routed, loss_mask):
+            loss = (routed(x, t, y) - target)[loss_mask].pow(2).mean()
+    """
+    routed = unwrap_compiled(routed)[0]
+    selects = list(getattr(routed, STATE).routes) if isinstance(routed, RoutedModel) else []
+    if not selects:
+        raise InputError("force_keep needs a model returned by routekit.apply with at least one route")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise InputError(f"force_keep's mask is a bool (batch, tokens) tensor, got {mask!r:.80}")
+    for select in selects:
+        select.force = mask
+    try:
+        yield routed
+    finally:
+        for select in selects:
+            select.force = None
 
 
 def last_route_mask(routed: nn.Module, route: int | None = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .config import Route
+from .errors import SelectorError
 from .selectors import checked
 from .selectors import selector as selector_spec
 
@@ -45,6 +46,7 @@ class RouteSelect(nn.Module):
         super().__init__()
         self.route, self.keep, self.grid = route, tuple(keep), grid
         self.generator: torch.Generator | None = None
+        self.force: torch.Tensor | None = None  # (batch, tokens) bool: tokens this call must keep (`force_keep`)
         self.last_index: torch.Tensor | None = None
         self.last_tokens = 0
 
@@ -55,6 +57,8 @@ class RouteSelect(nn.Module):
             grid = tuple(grid_source.shape[2:])
         index = select_tokens(self.route.selector, batch, tokens, self.route.rate, self.keep, grid=grid,
                               generator=self.generator, device=stream.device, stream=stream)
+        if self.force is not None and self.route.rate > 0:
+            index = with_forced(index, self.force, self.route.selector, self.generator)
         self.last_index, self.last_tokens = index, tokens
         return index
 
@@ -85,3 +89,22 @@ def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tup
     positions = torch.tensor(others, dtype=torch.long, device=picked.device)[picked]
     fixed = torch.tensor(keep, dtype=torch.long, device=picked.device).expand(batch, len(keep))
     return torch.cat([fixed, positions], dim=1).sort(dim=1).values
+
+
+def with_forced(index: torch.Tensor, force: torch.Tensor, selector: str, generator) -> torch.Tensor:
+    """`index` changed so that every sample keeps its `force`d tokens (bool (batch, tokens)): a forced token
+    replaces one the selector picked, and where a sample has more forced tokens than the route keeps, every
+    sample keeps that many (one count per batch, so the routed blocks see one shape). The count is read on
+    the host: a route with a force mask waits for it."""
+    batch, kept = index.shape
+    if force.dim() != 2 or force.shape[0] != batch or force.dtype != torch.bool:
+        raise SelectorError(f"a force-keep mask is a bool (batch, tokens) tensor, got {force.dtype} "
+                            f"{tuple(force.shape)} for a batch of {batch}")
+    if selector_spec(selector).keeps_rows or selector_spec(selector).needs_grid:
+        raise SelectorError(f"selector {selector!r} keeps whole lines of the grid; a force-keep mask picks single "
+                            "tokens, so use it with a selector that does too (random, importance)")
+    force = force.to(index.device)
+    chosen = torch.zeros(force.shape, device=index.device).scatter_(1, index, 1.0)
+    scores = 4.0 * force + 2.0 * chosen + torch.rand(force.shape, generator=generator, device=index.device)
+    count = max(kept, int(force.sum(1).max()))
+    return scores.topk(count, dim=1, sorted=False).indices.sort(dim=1).values

@@ -219,3 +219,35 @@ def test_the_importance_selector_routes_a_model():
     routed.train()
     routed(x)
     assert rk.last_route_mask(routed).sum(1).tolist() == [6] * 4
+
+
+@pytest.mark.parametrize("selector", ["random", "importance"])
+def test_force_keep_masks_are_never_routed_and_the_batch_keeps_one_count(selector):
+    _, routed, x = routed_with(selector, batch=4, tokens=12, rate=0.5)
+    routed.train()
+    force = torch.zeros(4, 12, dtype=torch.bool)
+    force[0, :3] = True  # fewer than the 6 the route keeps: the count stays 6
+    force[1, 5] = True
+    with rk.force_keep(routed, force):
+        routed(x)
+    routed_out = rk.last_route_mask(routed)
+    assert not (routed_out & force).any() and (~routed_out).sum(1).tolist() == [6] * 4
+    force[2, :9] = True  # more than 6: every sample keeps 9, so the blocks see one shape
+    with rk.force_keep(routed, force):
+        out = routed(x)
+    routed_out = rk.last_route_mask(routed)
+    assert not (routed_out & force).any() and (~routed_out).sum(1).tolist() == [9] * 4
+    assert out.shape == x.shape
+    routed(x)  # outside the block the mask is gone
+    assert (~rk.last_route_mask(routed)).sum(1).tolist() == [6] * 4
+
+
+def test_force_keep_refuses_what_it_cannot_honour():
+    _, routed, x = routed_with("random")
+    with pytest.raises(rk.InputError, match="bool"):
+        with rk.force_keep(routed, torch.ones(4, 12)):
+            pass
+    routed.train()
+    with pytest.raises(rk.SelectorError, match="batch"):
+        with rk.force_keep(routed, torch.ones(3, 12, dtype=torch.bool)):
+            routed(x)
