@@ -65,3 +65,81 @@ def test_compiled_routed_dit_matches_eager_in_train_mode(backend: str, selector:
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
     for c, e in zip(compiled[1], eager[1]):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
+class ExternalDiT(torch.nn.Module):
+    """A DiT as people write it outside this project: the owner reads the grid off the token count
+    (`int(N ** 0.5)`, specialised when traced) and the blocks are plain modules."""
+
+    def __init__(self, depth: int = 5, hidden: int = 32, patch: int = 2, channels: int = 4):
+        super().__init__()
+        self.patch, self.channels = patch, channels
+        self.embed = torch.nn.Conv2d(channels, hidden, patch, patch)
+        self.time = torch.nn.Sequential(torch.nn.Linear(1, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, hidden))
+        self.blocks = torch.nn.ModuleList(ExternalBlock(hidden) for _ in range(depth))
+        self.head = torch.nn.Linear(hidden, patch * patch * channels)
+
+    def forward(self, x, t):
+        h = self.embed(x).flatten(2).transpose(1, 2)
+        c = self.time(t[:, None])
+        for block in self.blocks:
+            h = block(h, c)
+        h = self.head(h)
+        side = int(h.shape[1] ** 0.5)
+        h = h.reshape(h.shape[0], side, side, self.patch, self.patch, self.channels)
+        return torch.einsum("nhwpqc->nchpwq", h).reshape(h.shape[0], self.channels, side * self.patch, side * self.patch)
+
+
+class ExternalBlock(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.attn = torch.nn.MultiheadAttention(hidden, 2, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * hidden, hidden))
+        self.mod = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x, c):
+        h = self.norm1(x) * (1 + self.mod(c)[:, None])
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("variant", ["routes", "dar"])
+def test_applied_at_batch_2_compiled_and_trained_at_another_batch(variant: str) -> None:
+    """Apply with a batch-2 example, torch.compile the routed model, train three steps at a larger batch: the
+    losses are those of the uncompiled routed model (CPU: aot_eager at batch 8; GPU: inductor at batch 256,
+    bf16 autocast). A call at a new batch size never traces under Dynamo."""
+    backend, batch = ("inductor", 256) if DEVICE == "cuda" else ("aot_eager", 8)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        models = [ExternalDiT().to(DEVICE) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        example = (torch.randn(2, 4, 8, 8, device=DEVICE), torch.rand(2, device=DEVICE))
+        options = {"routes": [rk.Route(start=1, end=3, selector="test_checkerboard")]} if variant == "routes" \
+            else {"residual": rk.DAR(chunk=2)}
+        routed = [rk.apply(m, example_inputs=example, **options).train() for m in models]
+        data = torch.Generator(DEVICE).manual_seed(3)
+        batches = [(torch.randn(batch, 4, 8, 8, device=DEVICE, generator=data),
+                    torch.rand(batch, device=DEVICE, generator=data)) for _ in range(3)]
+
+        def losses(model) -> list[float]:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            out = []
+            for x, t in batches:
+                with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+                    loss = (model(x, t).float() - x).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out.append(loss.item())
+            return out
+
+        torch._dynamo.reset()
+        compiled = losses(torch.compile(routed[0], backend=backend))
+        eager = losses(routed[1])
+    tolerance = 2e-2 if DEVICE == "cuda" else 1e-4  # bf16 autocast on the GPU
+    assert compiled == pytest.approx(eager, rel=tolerance), (compiled, eager)
