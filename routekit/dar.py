@@ -35,15 +35,21 @@ from .kernels import aggregate, merge_with_stats, source_logits, weighted_sum
 
 
 class DarState(nn.Module):
-    """DAR's parameters, one query per aggregation point: the only parameters routekit adds."""
+    """DAR's parameters, one query per aggregation point: the only parameters routekit adds.
+
+    static / static_t: `query` (points, dim), the w_l (static_t adds the model's e(t) to it). dynamic:
+    `dynamic` (points, dim, dim), the W_l of q_l = W_l v. Every parameter is read by every step, so DDP
+    needs no find_unused_parameters.
+    """
 
     def __init__(self, config: DAR, points: int, dim: int):
         super().__init__()
         self.config, self.points, self.dim = config, points, dim
-        # zero-initialised queries: every aggregation starts as the uniform average of its history
-        self.query = nn.Parameter(torch.zeros(points, dim))
+        # zero-initialised: every aggregation starts as the uniform average of its history
         if config.query == "dynamic":
             self.dynamic = nn.Parameter(torch.zeros(points, dim, dim))
+        else:
+            self.query = nn.Parameter(torch.zeros(points, dim))
 
     def extra_repr(self) -> str:
         c = self.config

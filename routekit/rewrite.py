@@ -178,8 +178,8 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     temb = by_name[plan.dar.timestep] if plan.dar.timestep else None
     first = by_name[report.blocks[0].node]
     with graph.inserting_before(first):
-        query = graph.get_attr(f"{STATE}.dar.query")
-        dynamic = graph.get_attr(f"{STATE}.dar.dynamic") if config.query == "dynamic" else None
+        dynamic = config.query == "dynamic"
+        query = graph.get_attr(f"{STATE}.dar.{'dynamic' if dynamic else 'query'}")
         if temb is not None:
             temb = graph.call_method("unsqueeze", (temb, 1))
     history = _History(graph, v0, config.chunk)
@@ -205,12 +205,11 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     def aggregate(v: fx.Node) -> fx.Node:
         nonlocal point, chunk
         history.append(v)
-        q = graph.call_function(operator.getitem, (query, point))
-        if config.query == "static_t":
+        q = graph.call_function(operator.getitem, (query, point))  # w_l, or W_l for dynamic queries
+        if dynamic:
+            q = graph.call_function(F.linear, (v, q))
+        elif config.query == "static_t":
             q = graph.call_function(operator.add, (q, temb))
-        elif config.query == "dynamic":
-            w = graph.call_function(operator.getitem, (dynamic, point))
-            q = graph.call_function(F.linear, (v, w))
         if point in two_phase:  # a chunk begins: its shared sources, once for all its queries
             shared = history.sources()[:-1]
             logits = logits_for(shared, point, two_phase[point])
