@@ -14,6 +14,7 @@ its residual adds are found (what DAR rewrites).
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -28,20 +29,41 @@ from torch import nn
 
 from .errors import AnalysisError, RoutekitError
 from .record import Image, grid_image, tokens_not_from
+from .routing import Gather, Shrink, gather_tokens, keys, route_side
 from .trace import TensorMeta, Trace, bind_arguments, preserved_state, trace
 
 Slot = int | str  # a positional index or a keyword name in a block call
-SideKind = Literal["per-token", "per-sample", "token-first", "constant"]
 
 
 @dataclass(frozen=True)
 class SideInput:
-    """A block input other than the stream."""
+    """A block input other than the stream, and how a route must change it.
+
+    `meta` is what it holds (tensors as TensorMeta, inside any tuple/list/dict); `tokens` the tensors in it
+    that carry the stream's tokens (gathered with a route's indices, wherever their token axes are, with or
+    without a batch axis); `grid` the numbers in it that are the token grid's sizes, as (path, grid axis)
+    (height and width handed to a block that reshapes its tokens to the grid).
+    """
 
     slot: Slot
-    node: str | None  # the node feeding it (None for a constant)
-    kind: SideKind
+    node: str | None  # the node feeding it whole (None for a constant or a container of nodes)
     meta: Any
+    tokens: tuple[Gather, ...] = ()
+    grid: tuple[tuple[tuple, int], ...] = ()
+    unordered: tuple[tuple, ...] = ()  # joint tables whose layout (other tokens first or last) the block hides
+
+    @property
+    def kind(self) -> str:
+        if self.tokens:
+            return "per-token"
+        if self.grid:
+            return "grid"
+        return "per-sample" if any(isinstance(v, TensorMeta) for v in pytree.tree_leaves(self.meta)) else "constant"
+
+    def describe(self) -> str:
+        """One line, whatever it holds: tensors as dtype[shape], containers by their entries, long values cut."""
+        text = repr(self.meta)
+        return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -208,9 +230,15 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     for i, node in enumerate(nodes):
         out = node if out_index is None else next(
             (u for u in node.users if u.target is operator.getitem and u.args[1] == out_index), node)
-        sides = tuple(_side_input(s, a, batch, tokens, channels) for s, a in slots(node) if s != slot)
-        blocks.append(BlockInfo(i, node.target, type(model.get_submodule(node.target)).__name__, node.name, out.name,
-                                sides))
+        module = model.get_submodule(node.target)
+        arguments = [(s, a) for s, a in slots(node) if s != slot]
+        sequences = {m.shape[1] for _, a in arguments for m in pytree.tree_leaves(_meta_of(a))
+                     if isinstance(m, TensorMeta) and len(m.shape) >= 3 and m.shape[0] == batch
+                     and m.shape[1] != tokens}
+        classified = [_side_input(s, a, _parameter_names(module), batch, tokens, channels, sequences)
+                      for s, a in arguments]
+        info = BlockInfo(i, node.target, type(module).__name__, node.name, out.name, tuple(c[0] for c in classified))
+        blocks.append(_joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     blocks = _with_escapes(blocks, by_name, tokens)
     if images is None:
         grid, grid_node, special = _graph_grid(tr.graph, model, first_in, batch, tokens)
@@ -229,25 +257,84 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     )
 
 
-def _side_input(slot: Slot, arg: Any, batch: int, tokens: int, channels: int) -> SideInput:
-    """Classify a block input by shape. A float (B, X) with X == tokens == channels is ambiguous
-    (adaLN's c, or a per-token weight) and settled by probing the block (`_resolved`)."""
-    meta = arg.meta["rk"] if isinstance(arg, fx.Node) else arg
-    name = arg.name if isinstance(arg, fx.Node) else None
-    if not isinstance(meta, TensorMeta):
-        return SideInput(slot, name, "constant", meta)
+def _side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, channels: int,
+                sequences: set[int]) -> tuple[SideInput, tuple[Gather, ...]]:
+    """Classify a block input: its tensors by their axes (token axes are those as long as the stream, or as
+    the stream joined with another sequence of the block's inputs: `sequences`), its numbers by name. Joint
+    tables come back apart, listed as `unordered` until `_joint_order` reads their layout off the block."""
+    node = arg.name if isinstance(arg, fx.Node) else None
+    meta = _meta_of(arg)
+    gathers, grid, joint = [], [], []
+    for path, leaf in pytree.tree_flatten_with_path(meta)[0]:
+        if isinstance(leaf, TensorMeta):
+            found = _token_axes(leaf, batch, tokens, channels, sequences)
+            if found is not None:
+                axes, batched, is_joint = found
+                (joint if is_joint else gathers).append(Gather(keys(path), axes, batched))
+        elif type(leaf) is int:
+            axis = _grid_axis(names.get(slot, str(slot)), keys(path))
+            if axis is not None:
+                grid.append((keys(path), axis))
+    return SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint)), tuple(joint)
+
+
+def _parameter_names(module: nn.Module) -> dict:
+    """{positional slot: parameter name} of a block's forward (without self), for reading numbers by name."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return {}
+    return dict(enumerate(params))
+
+
+def _meta_of(arg: Any) -> Any:
+    """What a call argument holds: fx nodes replaced by their recorded values (tensors as TensorMeta)."""
+    return pytree.tree_map(lambda v: v.meta.get("rk") if isinstance(v, fx.Node) else v, arg,
+                           is_leaf=lambda v: isinstance(v, fx.Node))
+
+
+def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
+                sequences: set[int]) -> tuple[tuple[int, ...], bool, bool] | None:
+    """(token axes, batched, joint) of a tensor that carries the stream's tokens, else None.
+
+    Batched: the first axis is the batch (or 1, a table shared by it). Token axes: every later axis as long
+    as the stream (an attention mask (B, 1, N, N) has two), the last one only where it is not the feature
+    axis; failing those, one axis as long as the stream joined with another sequence the block takes (a
+    joint text + image table; `joint` says so, and where the stream's part lies is read off the block).
+    """
     shape = meta.shape
-    if len(shape) >= 2 and shape[0] == batch and shape[1] == tokens:
-        return SideInput(slot, name, "per-token", meta)
-    if len(shape) >= 1 and shape[0] == tokens and batch != tokens:
-        return SideInput(slot, name, "token-first", meta)
-    return SideInput(slot, name, "per-sample", meta)
+    batched = len(shape) >= 2 and shape[0] in (batch, 1) and any(d in (tokens,) or d - tokens in sequences
+                                                                 for d in shape[1:])
+    start = 1 if batched else 0
+    last = len(shape) - 1
+    axes = tuple(a for a in range(start, len(shape)) if shape[a] == tokens
+                 and not (a == last and a > start and shape[a] == channels))
+    if axes:
+        return axes, batched, False
+    features = len(shape) - 1 if len(shape) >= 2 else None  # a table's last axis holds its features
+    joint = [a for a in range(start, len(shape)) if a != features and shape[a] > tokens and shape[a] - tokens in sequences]
+    return ((joint[0],), batched, True) if joint else None
+
+
+_GRID_NAMES = {-1: ("width", "w", "cols", "columns"), -2: ("height", "h", "rows"), -3: ("frames", "num_frames", "t",
+                                                                                        "f", "time")}
+
+
+def _grid_axis(name: str, path: tuple) -> int | None:
+    """Which grid size a number handed to a block is, from its argument's (or dict key's) name."""
+    for key in reversed([*map(str, path), name]):
+        words = key.lower().replace("-", "_").split("_")
+        for axis, names in _GRID_NAMES.items():
+            if key.lower() in names or any(w in names[:2] for w in words):
+                return axis
+    return None
 
 
 def _ambiguous(side: SideInput, batch: int, tokens: int, channels: int) -> bool:
+    """A float (B, X) with X == tokens == channels: adaLN's c, or a per-token weight."""
     meta = side.meta
-    return (side.kind == "per-token" and tokens == channels and len(meta.shape) == 2 and meta.shape[0] == batch
-            and meta.dtype.is_floating_point)
+    return (isinstance(meta, TensorMeta) and side.tokens and tokens == channels and len(meta.shape) == 2
+            and meta.shape[0] == batch and meta.dtype.is_floating_point)
 
 
 def _resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, fewer: int) -> BlockInfo:
@@ -258,35 +345,78 @@ def _resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Ten
     for i, side in enumerate(sides):
         if not _ambiguous(side, batch, tokens, channels):
             continue
-        others = {s.slot for s in sides if s.kind == "per-token" and s is not side}
-        if fewer < 1 or block_runs(model, block, stream_slot, stream, fewer, others, sides):
-            kind = "per-sample"
-        else:
-            kind = "per-token" if block_runs(model, block, stream_slot, stream, fewer, others | {side.slot}, sides) \
-                else "per-sample"
-        sides[i] = SideInput(side.slot, side.node, kind, side.meta)
+        unchanged = replace(side, tokens=())
+        without = replace(block, side_inputs=tuple(sides[:i] + [unchanged] + sides[i + 1:]))
+        if fewer < 1 or block_runs(model, without, stream_slot, stream, fewer):
+            sides[i] = unchanged
+        elif not block_runs(model, block, stream_slot, stream, fewer):
+            sides[i] = unchanged
     return replace(block, side_inputs=tuple(sides))
 
 
-def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int, device,
-                      token_slots: set | None = None, sides: list[SideInput] | None = None) -> tuple[list, dict]:
-    """Zero tensors shaped like `block`'s inputs with `tokens` tokens on the stream (and on the side
-    inputs in `token_slots`, by default the per-token ones): to trace or probe a block alone."""
-    sides = list(block.side_inputs if sides is None else sides)
-    if token_slots is None:
-        token_slots = {s.slot for s in sides if s.kind == "per-token"}
+def _joint_order(model: nn.Module, block: BlockInfo, joint: dict, stream_slot: Slot, stream: TensorMeta) -> BlockInfo:
+    """Place the joint tables (`joint`: slot → its Gathers, a token axis holding another sequence and the
+    stream): whether the other sequence comes first is read off the block's own code, where it joins the two
+    along the token axis (a `cat` of a value made without the stream and one made from it). A table whose
+    layout the block does not show stays `unordered`: the plan refuses to route through the block."""
+    if not any(joint.values()):
+        return block
+    try:
+        body, _, start = trace_block(model, block, stream_slot, stream, None, stream.shape[1])
+        first = _cat_order(body, start)
+    except RoutekitError:
+        first = None
+    if first is None:
+        return block
+    sides = []
+    for side in block.side_inputs:
+        placed = tuple(g._replace(rest_first=first) for g in joint.get(side.slot, ()))
+        sides.append(replace(side, tokens=side.tokens + placed, unordered=()) if placed else side)
+    return replace(block, side_inputs=tuple(sides))
 
-    def fake(meta, resize):
+
+def _cat_order(body: Trace, stream: str) -> bool | None:
+    """True when the block joins another input's tokens before the stream's (cat([other, stream]) along some
+    axis), False when after, None when it shows no such join. `stream`: the stream's placeholder in `body`."""
+    g = to_networkx(body.graph)
+    for node in body.graph.nodes:
+        is_cat = (node.op == "call_function" and node.target in _CATS) or (node.op == "call_method" and node.target == "cat")
+        if not is_cat or not isinstance(node.args[0], (list, tuple)) or len(node.args[0]) < 2:
+            continue
+        parts = [p for p in node.args[0] if isinstance(p, fx.Node)]
+        made_from = [nx.ancestors(g, p.name) | {p.name} for p in parts]
+        inputs = {n.name for n in body.graph.nodes if n.op == "placeholder"}
+        kinds = ["stream" if stream in up else "other" if up & inputs else None for up in made_from]
+        if "stream" in kinds and "other" in kinds:
+            return kinds.index("other") < kinds.index("stream")
+    return None
+
+
+def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, device, tokens: int | None = None,
+                      shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True) -> tuple[list, dict]:
+    """Tensors shaped like `block`'s inputs (zeros, or seeded normals with `random`): to trace or probe a block
+    alone. With `tokens`, as a route's blocks see them: the stream and every token-carrying tensor cut to the
+    first `tokens` tokens (tables without a batch axis kept so where `shared`, else made one per sample), and
+    the grid's sizes along the axes `shrink` names shrunk in proportion."""
+    generator = torch.Generator().manual_seed(0)
+
+    def fake(meta):
         if not isinstance(meta, TensorMeta):
             return meta
-        shape = list(meta.shape)
-        if resize:
-            shape[1] = tokens
-        return torch.zeros(shape, dtype=meta.dtype, device=device)
+        if random and meta.dtype.is_floating_point:
+            return torch.randn(meta.shape, generator=generator, dtype=meta.dtype).to(device)
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
 
-    values = {stream_slot: fake(stream, True)}
-    for side in sides:
-        values[side.slot] = fake(side.meta, side.slot in token_slots)
+    values = {stream_slot: fake(stream)}
+    for side in block.side_inputs:
+        values[side.slot] = pytree.tree_map(fake, side.meta)
+    if tokens is not None:
+        full = values[stream_slot]
+        index = torch.arange(tokens, device=device).expand(full.shape[0], tokens)
+        values[stream_slot] = gather_tokens(full, index)
+        for side in block.side_inputs:
+            sizes = tuple(Shrink(path) for path, axis in side.grid if axis in shrink)
+            values[side.slot] = route_side(values[side.slot], full, index, side.tokens + sizes, shared=shared)
     args = [values[i] for i in sorted(s for s in values if isinstance(s, int))]
     return args, {k: v for k, v in values.items() if isinstance(k, str)}
 
@@ -297,15 +427,22 @@ def _device(model: nn.Module):
 
 
 def block_runs(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int,
-               token_slots: set | None = None, sides: list[SideInput] | None = None) -> bool:
-    """Probe: does the block run on `tokens` tokens (zeros), with no lasting side effects?"""
-    args, kwargs = fake_block_inputs(block, stream_slot, stream, tokens, _device(model), token_slots, sides)
-    with preserved_state(model, [a for a in args if isinstance(a, torch.Tensor)]):
+               shrink: tuple[int, ...] = ()) -> bool:
+    """Probe: does the block run as a route's block on `tokens` tokens (zeros), with no lasting side effects?"""
+    return run_block(model, block, stream_slot, stream, tokens, shrink) is not None
+
+
+def run_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int,
+              shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True) -> Any:
+    """The block's output as a route's block on `tokens` tokens (`fake_block_inputs`), or None where it fails;
+    no lasting side effects."""
+    args, kwargs = fake_block_inputs(block, stream_slot, stream, _device(model), tokens, shrink, random, shared)
+    with preserved_state(model, [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]):
+        torch.manual_seed(0)
         try:
-            model.get_submodule(block.qualname)(*args, **kwargs)
+            return model.get_submodule(block.qualname)(*args, **kwargs)
         except Exception:
-            return False
-    return True
+            return None
 
 
 def _carries_tokens(meta: Any, tokens: int) -> bool:
@@ -469,10 +606,12 @@ def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None 
 
 
 def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, out_index: int | None,
-                tokens: int) -> tuple[Trace, tuple[str, ...]]:
-    """Trace one block alone on inputs with `tokens` tokens; its residual adds (node names of the trace)."""
+                tokens: int) -> tuple[Trace, tuple[str, ...], str]:
+    """Trace one block alone on inputs as a route's blocks see them at `tokens` tokens; returns the trace, its
+    residual adds (node names) and the stream's placeholder."""
     module = model.get_submodule(block.qualname)
-    args, kwargs = fake_block_inputs(block, stream_slot, stream, tokens, _device(model))
+    cut = None if tokens == stream.shape[1] else tokens
+    args, kwargs = fake_block_inputs(block, stream_slot, stream, _device(model), cut)
     tr = trace(module, tuple(args), kwargs)
     bound = bind_arguments(type(module).forward, tuple(args), kwargs)
     name = list(bound.arguments)[stream_slot] if isinstance(stream_slot, int) else stream_slot
@@ -480,7 +619,7 @@ def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: T
     leaves = next(n for n in tr.graph.nodes if n.op == "output").args[0]
     out = pytree.tree_unflatten(list(leaves), tr.out_spec)
     out = out if out_index is None else out[out_index]
-    return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out))
+    return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out)), start.name
 
 
 def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], slot: Slot, stream: TensorMeta,
@@ -489,7 +628,7 @@ def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], slot: Slot, s
     adds were found, "block" when none were (each block is one source, v = output - input), "mixed"
     otherwise; or why the blocks could not be traced."""
     try:
-        traced = [trace_block(model, b, slot, stream, out_index, stream.shape[1]) for b in blocks]
+        traced = [trace_block(model, b, slot, stream, out_index, stream.shape[1])[:2] for b in blocks]
     except RoutekitError as err:
         return blocks, f"unknown ({err})"
     found = [bool(adds) for _, adds in traced]

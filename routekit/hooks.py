@@ -18,7 +18,7 @@ from torch import nn
 from .analysis import BlockInfo, Slot
 from .errors import ConfigError
 from .plan import Plan
-from .routing import gather_tokens, scatter_tokens
+from .routing import gather_tokens, route_side, scatter_tokens
 from .trace import shallow_copy
 
 
@@ -85,15 +85,16 @@ class Hooks:
             module = module._modules[atom]
         return module
 
-    def gather_sides(self, block: BlockInfo, index: torch.Tensor, args: tuple, kwargs: dict):
+    def route_sides(self, route: int, block: BlockInfo, stream: torch.Tensor, index: torch.Tensor, args: tuple,
+                    kwargs: dict):
+        placed = self.plan.placed[route]
         for side in block.side_inputs:
-            if side.kind != "per-token":
+            cuts = placed.cuts(side)
+            if not cuts:
                 continue
             value = _get(args, kwargs, side.slot, block)
-            if not isinstance(value, torch.Tensor):
-                continue
-            if id(value) not in self.gathered:  # one gather per tensor and forward, kept alive with it
-                self.gathered[id(value)] = (value, gather_tokens(value, index))
+            if id(value) not in self.gathered:  # once per value and forward, kept alive with it
+                self.gathered[id(value)] = (value, route_side(value, stream, index, cuts, placed.shared))
             args, kwargs = _put(args, kwargs, side.slot, self.gathered[id(value)][1])
         return args, kwargs
 
@@ -117,7 +118,8 @@ class _Before:
             args, kwargs = _put(args, kwargs, slot, gather_tokens(stream, index))
         elif self.route not in hooks.pending:
             return None
-        return hooks.gather_sides(self.block, hooks.pending[self.route][1], args, kwargs)
+        stream, index = hooks.pending[self.route]
+        return hooks.route_sides(self.route, self.block, stream, index, args, kwargs)
 
 
 class _After:

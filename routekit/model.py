@@ -193,7 +193,7 @@ class RoutekitState(nn.Module):
     def __init__(self, plan: Plan, dar: DarState | None = None):
         super().__init__()
         grid = plan.grid if plan.grid_given else None
-        self.routes = nn.ModuleList([RouteSelect(r.route, r.keep, grid) for r in plan.placed])
+        self.routes = nn.ModuleList([RouteSelect(r.route, r.keep, grid, r.shared) for r in plan.placed])
         if dar is not None:
             self.dar = dar
 

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import GraphReport, block_runs, find_timestep_embedding
+from .analysis import GraphReport, block_runs, find_timestep_embedding, run_block
 from .config import DAR, Route
 from .errors import ConfigError
 from .report import draw_plan, format_plan
-from .routing import select_tokens
-from .selectors import keeps_rows, needs_grid
+from .routing import Shrink, select_tokens
+from .selectors import keeps_rows, needs_grid, selector
 
 if TYPE_CHECKING:
     from .analysis import BlockInfo
@@ -38,10 +39,17 @@ class RoutePlan:
     end: int
     keep: tuple[int, ...]  # sorted non-negative positions every selection contains
     kept: int  # tokens the route's blocks see
+    shared: bool = False  # one selection for the whole batch: a block reads a table without a batch axis
+    shrink: tuple[int, ...] = ()  # the grid axes whose sizes, handed to the blocks as numbers, shrink
 
     @property
     def blocks(self) -> range:
         return range(self.start, self.end + 1)
+
+    def cuts(self, side) -> tuple:
+        """What this route changes in a block's side input (an `analysis.SideInput`): its token-carrying tensors
+        (gathered) and the grid sizes the selector shrinks; () where it passes unchanged."""
+        return side.tokens + tuple(Shrink(path, len(self.keep)) for path, axis in side.grid if axis in self.shrink)
 
 
 @dataclass(frozen=True)
@@ -120,9 +128,11 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
     planned = []
     for k, (route, (start, end)) in enumerate(zip(routes, spans)):
         keep = _checked_keep(k, route, report, grid)
-        _check_blocks_of(k, route, start, end, report, grid, model)
-        planned.append(RoutePlan(route, start, end, keep,
-                                 kept_tokens(route.selector, route.rate, keep, report.tokens, grid)))
+        kept = kept_tokens(route.selector, route.rate, keep, report.tokens, grid)
+        shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
+        _check_blocks_of(k, route, start, end, report, grid, model, shrink)
+        shared = _shared(model, report, report.blocks[start:end + 1], kept, shrink)
+        planned.append(RoutePlan(route, start, end, keep, kept, shared, shrink))
     dar = _dar_plan(residual, report, planned, graph) if residual is not None else None
     return Plan(report, tuple(planned), dar, grid, given)
 
@@ -213,15 +223,18 @@ def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int,
     return keep
 
 
-def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphReport, grid, model: nn.Module) -> None:
+def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphReport, grid, model: nn.Module,
+                     shrink: tuple[int, ...]) -> None:
     """Refuse blocks the route cannot contain or pass through, and selectors its blocks cannot take."""
     blocks = report.blocks[start:end + 1]
     for block in blocks:
-        bad = [s for s in block.side_inputs if s.kind == "token-first"]
-        if bad:
+        hidden = [s for s in block.side_inputs if s.unordered]
+        if hidden:
             raise ConfigError(
-                f"route {k} cannot contain {block.qualname}: its input {bad[0].slot!r} has the token axis first "
-                f"and no batch axis ({bad[0].meta}); per-sample selection would need it batched"
+                f"route {k} cannot contain {block.qualname}: its input {hidden[0].slot!r} holds a table over the "
+                f"stream's tokens joined with another input's ({hidden[0].describe()}), and the block's code does not "
+                "show which come first (routekit reads that off a cat of the two inside the block); end the route "
+                "before this block"
             )
         if block.aux_escapes:
             raise ConfigError(
@@ -242,18 +255,54 @@ def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphRe
         )
     if not keeps_rows(route.selector):
         for block in blocks:
-            if _needs_whole_rows(model, report, grid, block):
+            if _needs_whole_rows(model, report, grid, block, shrink):
                 raise ConfigError(
                     f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
                     f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
                 )
 
 
-def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockInfo) -> bool:
+def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockInfo, shrink: tuple[int, ...]) -> bool:
     """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows."""
     if grid is None or grid[-1] == 1:
         return False
-    return not block_runs(model, block, report.stream_slot, report.stream, report.tokens - 1)
+    return not block_runs(model, block, report.stream_slot, report.stream, report.tokens - 1, shrink)
+
+
+def _shrink(k: int, route: Route, blocks, grid) -> tuple[int, ...]:
+    """The grid axes (negative) whose sizes the route's blocks are handed and its selector shrinks; refuses a
+    selector whose kept tokens form no grid, where a block takes the grid's sizes."""
+    takers = [b for b in blocks if any(s.grid for s in b.side_inputs)]
+    if not takers or grid is None:
+        return ()
+    spec = selector(route.selector)
+    kept = spec.kept_grid(grid, route.rate) if spec.kept_grid else None
+    if kept is None:
+        names = [s.slot for s in takers[0].side_inputs if s.grid]
+        raise ConfigError(
+            f"route {k}: {takers[0].qualname} is handed the token grid's sizes ({', '.join(map(repr, names))}), so "
+            f"its kept tokens must form a smaller {'×'.join(map(str, grid))} grid, and selector {route.selector!r}'s do "
+            "not; use selector='row', 'window' or 'column' ('frame' for video)"
+        )
+    return tuple(axis - len(grid) for axis in range(len(grid)) if kept[axis] != grid[axis])
+
+
+def _shared(model: nn.Module, report: GraphReport, blocks, kept: int, shrink: tuple[int, ...]) -> bool:
+    """Whether the route must select one set of tokens for the whole batch: where a block reads a table without
+    a batch axis (a RoPE table (N, d)) and does not compute the same with it made one per sample (B, N', d):
+    probed on random inputs at the kept count, each way."""
+    for block in blocks:
+        if not any(not g.batched for s in block.side_inputs for g in s.tokens):
+            continue
+        args = (model, block, report.stream_slot, report.stream, kept, shrink, True)
+        one, per_sample = run_block(*args, shared=True), run_block(*args, shared=False)
+        if one is None or per_sample is None:
+            return per_sample is None
+        same = [a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in
+                zip(pytree.tree_leaves(one), pytree.tree_leaves(per_sample)) if isinstance(a, torch.Tensor)]
+        if not same or not all(same):
+            return True
+    return False
 
 
 def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:

@@ -105,13 +105,14 @@ def _call_graph(calls: list[_Call], out: Any) -> Trace:
     graph = fx.Graph()
     nodes: dict[int, fx.Node] = {}
 
-    def node_of(value):
-        if not isinstance(value, torch.Tensor):
-            return value
+    def tensor_node(value: torch.Tensor) -> fx.Node:
         if id(value) not in nodes:
             nodes[id(value)] = graph.placeholder(f"input_{len(nodes)}")
             nodes[id(value)].meta["rk"] = describe(value)
         return nodes[id(value)]
+
+    def node_of(value):  # tensors, also inside tuples, lists and dicts, become nodes; the rest stays
+        return pytree.tree_map(lambda v: tensor_node(v) if isinstance(v, torch.Tensor) else v, value)
 
     for call in calls:
         node = graph.create_node("call_module", call.qualname, tuple(node_of(v) for v in call.args),

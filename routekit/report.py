@@ -34,7 +34,7 @@ def format_plan(plan: Any) -> str:
     ]
     routed = plan.route_at()
     for b in r.blocks:
-        sides = ", ".join(f"{s.slot}: {s.kind} {s.meta}" for s in b.side_inputs) or "-"
+        sides = ", ".join(f"{s.slot}: {s.kind} {s.describe()}" for s in b.side_inputs) or "-"
         notes = []
         if b.index in routed:
             notes.append(f"route {routed[b.index]}")

@@ -33,7 +33,7 @@ from . import dar
 from .analysis import BlockInfo, slot_value, trace_block
 from .errors import ConfigError
 from .plan import Plan, RoutePlan
-from .routing import gather_tokens, scatter_tokens
+from .routing import gather_tokens, route_side, scatter_tokens
 from .trace import Trace, bind_arguments
 
 _counter = itertools.count()
@@ -81,16 +81,19 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
             index = graph.call_module(f"{STATE}.routes.{k}", args)
             kept = graph.call_function(gather_tokens, (stream_in, index))
         _set_slot(first, report.stream_slot, kept)
-        gathered: dict[str, fx.Node] = {}
+        routed: dict[str, fx.Node] = {}  # one call per side input and route, however many blocks read it
         for block in blocks:
             node = by_name[block.node]
             for side in block.side_inputs:
-                if side.kind != "per-token":
+                cuts = route.cuts(side)
+                if not cuts:
                     continue
-                if side.node not in gathered:
+                value = slot_value(node, side.slot)
+                key = repr(fx.node.map_arg(value, lambda n: n.name))
+                if key not in routed:
                     with graph.inserting_before(node):
-                        gathered[side.node] = graph.call_function(gather_tokens, (by_name[side.node], index))
-                _set_slot(node, side.slot, gathered[side.node])
+                        routed[key] = graph.call_function(route_side, (value, stream_in, index, cuts, route.shared))
+                _set_slot(node, side.slot, routed[key])
         out = by_name[blocks[-1].stream_out]
         with graph.inserting_after(out):
             full = graph.call_function(scatter_tokens, (stream_in, index, out))

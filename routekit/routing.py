@@ -6,7 +6,10 @@ route computes the same thing whichever places it. Plain torch ops, so torch.com
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .config import Route
@@ -28,6 +31,85 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index)
 
 
+class Gather(NamedTuple):
+    """A tensor inside a block argument that carries the stream's tokens, at `path` (the keys and indices leading
+    to it inside the argument's value; () for the argument itself). A NamedTuple of plain values, so a
+    rewritten graph can hold it as a constant.
+
+    axes: its token axes (an attention mask (B, 1, N, N) has two). batched: its first axis is the batch
+    (of size B, or 1 for a table shared by the batch); otherwise it is one table for every sample, e.g. a
+    RoPE table (N, d). rest_first: the token axes are longer than the stream, other tokens first (a joint
+    text + image table: text rows, then image rows); otherwise the stream's tokens come first.
+    """
+
+    path: tuple
+    axes: tuple[int, ...]
+    batched: bool = True
+    rest_first: bool = False
+
+
+class Shrink(NamedTuple):
+    """A number inside a block argument that a route changes: a grid size (height, width or frames) along the
+    axis whose lines the route's selector keeps a share of (`row` keeps rows: the height shrinks). It becomes
+    the kept count, read off the call: the kept grid cells (the kept tokens but the `fixed` positions every
+    selection holds) over all of them, times the number passed."""
+
+    path: tuple
+    fixed: int = 0
+
+
+def route_side(value: Any, stream: torch.Tensor, index: torch.Tensor, cuts: tuple, shared: bool) -> Any:
+    """A block argument as the route's blocks see it: every `Gather`ed tensor at the kept tokens of `index`
+    (B, K) (`stream` gives the token count), every `Shrink`ed number the kept count, the rest as it is.
+
+    A table without a batch axis becomes one per sample (B, ...) unless the route's selection is `shared` by
+    the batch (every row of `index` alike): then it is gathered once and stays one table.
+    """
+    by_path = {cut.path: cut for cut in cuts}
+    tokens = stream.shape[1]
+
+    def cut(path, leaf):
+        rule = by_path.get(keys(path))
+        if isinstance(rule, Shrink):
+            return leaf * (index.shape[1] - rule.fixed) // (tokens - rule.fixed)
+        if rule is None or not isinstance(leaf, torch.Tensor):
+            return leaf
+        for axis in rule.axes:
+            leaf = _gather_axis(leaf, index, axis, tokens, rule.batched, rule.rest_first, shared)
+        return leaf
+
+    return pytree.tree_map_with_path(cut, value)
+
+
+def keys(path: tuple) -> tuple:
+    """A pytree key path as plain keys: sequence indices, mapping keys and attribute names."""
+    return tuple(getattr(k, "idx", getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _gather_axis(x: torch.Tensor, index: torch.Tensor, axis: int, tokens: int, batched: bool, rest_first: bool,
+                 shared: bool) -> torch.Tensor:
+    rest = x.shape[axis] - tokens
+    if rest:  # a joint table: the other tokens stay, the stream's part is gathered
+        own = x.narrow(axis, rest if rest_first else 0, tokens)
+        other = x.narrow(axis, 0 if rest_first else tokens, rest)
+        mine = _gather_axis(own, index, axis, tokens, batched, False, shared)
+        if mine.dim() > other.dim():  # the table gained a batch axis
+            other = other.unsqueeze(0).expand(mine.shape[0], *other.shape)
+            axis += 1
+        return torch.cat([other, mine] if rest_first else [mine, other], dim=axis)
+    if not batched:
+        if shared:
+            return x.index_select(axis, index[0])
+        x, axis = x.unsqueeze(0), axis + 1
+    if x.shape[0] != index.shape[0]:  # shared by the batch as (1, ...): each sample gets its own rows
+        x = x.expand(index.shape[0], *x.shape[1:])
+    shape = [index.shape[0]] + [1] * (x.dim() - 1)
+    shape[axis] = index.shape[1]
+    expanded = list(x.shape)
+    expanded[axis] = index.shape[1]
+    return x.gather(axis, index.reshape(shape).expand(expanded))
+
+
 def scatter_tokens(full: torch.Tensor, index: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """`full` with the tokens `index` replaced by `kept`: routed tokens keep their route-start value."""
     index = index.reshape(*index.shape, *([1] * (kept.dim() - 2))).expand(kept.shape)
@@ -42,9 +124,10 @@ class RouteSelect(nn.Module):
     the grid is read off `grid_source` at each call. Holds no parameters, so the state_dict is the model's.
     """
 
-    def __init__(self, route: Route, keep: tuple[int, ...] = (), grid: tuple[int, int] | None = None):
+    def __init__(self, route: Route, keep: tuple[int, ...] = (), grid: tuple[int, ...] | None = None,
+                 shared: bool = False):
         super().__init__()
-        self.route, self.keep, self.grid = route, tuple(keep), grid
+        self.route, self.keep, self.grid, self.shared = route, tuple(keep), grid, shared
         self.generator: torch.Generator | None = None
         self.force: torch.Tensor | None = None  # (batch, tokens) bool: tokens this call must keep (`force_keep`)
         self.last_index: torch.Tensor | None = None
@@ -55,9 +138,13 @@ class RouteSelect(nn.Module):
         grid = self.grid
         if grid is None and grid_source is not None:  # (B, C, H, W) or (B, C, T, H, W): the grid of this call
             grid = tuple(grid_source.shape[2:])
-        index = select_tokens(self.route.selector, batch, tokens, self.route.rate, self.keep, grid=grid,
-                              generator=self.generator, device=stream.device, stream=stream)
+        rows = 1 if self.shared else batch  # one selection for the whole batch (see Plan: shared)
+        index = select_tokens(self.route.selector, rows, tokens, self.route.rate, self.keep, grid=grid,
+                              generator=self.generator, device=stream.device, stream=stream[:rows]).expand(batch, -1)
         if self.force is not None and self.route.rate > 0:
+            if self.shared:
+                raise SelectorError("a force-keep mask picks tokens per sample, but this route shares one selection "
+                                    "by the batch (a block reads a table without a batch axis): it cannot honour it")
             index = with_forced(index, self.force, self.route.selector, self.generator)
         self.last_index, self.last_tokens = index, tokens
         return index

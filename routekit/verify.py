@@ -28,7 +28,7 @@ from .config import Route
 from .errors import InferenceChanged, InputError, TraceError
 from .model import RoutedModel, example_call, report_of, unwrap_compiled
 from .rewrite import STATE
-from .routing import gather_tokens
+from .routing import gather_tokens, route_side
 from .state import training_mode
 from .trace import flatten, preserved_state, shallow_copy, trace
 
@@ -156,13 +156,15 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
             finally:
                 handle.remove()
     index = getattr(routed, STATE).routes[0].last_index
-    slots = [(report.stream_slot, "per-token")] + [(s.slot, s.kind) for s in block.side_inputs]
-    for slot, kind in slots:
-        want, got = (_slot(*seen[k], slot) for k in ("original", "routed"))
-        if kind == "per-token" and isinstance(want, torch.Tensor):
-            want = gather_tokens(want, index)
-        _compare(want, got, f"{block.qualname}'s input {slot!r} in the original, gathered",
-                 f"{block.qualname}'s input {slot!r} in route 0")
+    stream = _slot(*seen["original"], report.stream_slot)
+    _compare(gather_tokens(stream, index), _slot(*seen["routed"], report.stream_slot),
+             f"{block.qualname}'s input {report.stream_slot!r} in the original, gathered",
+             f"{block.qualname}'s input {report.stream_slot!r} in route 0")
+    for side in block.side_inputs:
+        want, got = (_slot(*seen[k], side.slot) for k in ("original", "routed"))
+        want = route_side(want, stream, index, route.cuts(side), route.shared)
+        _compare(want, got, f"{block.qualname}'s input {side.slot!r} in the original, as the route's plan cuts it",
+                 f"{block.qualname}'s input {side.slot!r} in route 0")
     return 1
 
 

@@ -229,25 +229,6 @@ def test_a_route_through_a_block_whose_output_escapes_is_refused_but_may_end_the
     assert routed.train()(x).shape == x.shape
 
 
-class TokenFirst(nn.Module):
-    """Blocks take an unbatched (N, D) position table: the token axis first, no batch axis."""
-
-    def __init__(self):
-        super().__init__()
-        self.pos = nn.Parameter(torch.randn(6, 8))
-        self.blocks = nn.ModuleList([AddPos() for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x, self.pos)
-        return x
-
-
-class AddPos(nn.Module):
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return x + pos
-
-
 class PerTokenAux(nn.Module):
     """Blocks return (x, per-token score (B, N)) and the owner sums the scores: they escape the blocks."""
 
@@ -269,7 +250,6 @@ class Scored(nn.Module):
 
 
 @pytest.mark.parametrize("model, words", [
-    (TokenFirst(), ["route 0 cannot contain blocks.0", "token axis first"]),
     (PerTokenAux(), ["route 0 cannot contain blocks.0", "returns a per-token value"]),
 ])
 def test_blocks_whose_per_token_values_cannot_be_gathered_are_refused(model: nn.Module, words: list[str]) -> None:
