@@ -333,7 +333,10 @@ class _ConcreteMixin:
         if k in ("node", "tracer", "root", "attr", "_node"):  # fx's own fields, not yet set
             raise AttributeError(k)
         value = getattr(_value_of(self), k)  # AttributeError as for the value: hasattr() answers for it
-        return None if value is None else _ConcreteAttribute(self, k)
+        if value is None:  # the code's `is None` tests must see it: a specialisation to the example's state
+            self.tracer.specialised.append(f".{k} is None at {user_location()}")
+            return None
+        return _ConcreteAttribute(self, k)
 
     def __setitem__(self, key, value):
         """`mask[i, :n] = True` on a tensor the forward made: recorded (and run) as an in-place setitem."""
@@ -382,9 +385,15 @@ class _Tracer(fx.Tracer):
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
     def proxy(self, node: fx.Node) -> fx.Proxy | None:
-        if node.op != "placeholder" and node.meta["value"] is None:
-            return None  # a call that returns None (a setitem, a method run for its effect): the code sees None
-        return _ConcreteProxy(node, self)
+        """A proxy for the node's value; None for a call that returned None (a setitem, a method run for its
+        effect, a cache lookup that found nothing), so the code's `is None` tests see it. The node stays in
+        the graph for its effects; a method of an object returning None is a specialisation to its state."""
+        if node.op == "placeholder" or node.meta["value"] is not None:
+            return _ConcreteProxy(node, self)
+        owner = node.args[0].meta["value"] if node.op == "call_method" and isinstance(node.args[0], fx.Node) else None
+        if owner is not None and not isinstance(owner, torch.Tensor):
+            self.specialised.append(f".{node.target}() returned None at {user_location()}")
+        return None
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         proxies = {}
@@ -430,10 +439,10 @@ class _Tracer(fx.Tracer):
         if id(obj) in self.objects:
             return self.objects[id(obj)][1]
         path = _attribute_path(self.root, obj)
-        if path is not None:
-            return self.create_node("get_attr", path, (), {})
         name = f"_routekit_object_{len(self.objects)}"
-        if _is_constant(obj):
+        if path is not None:
+            node = self.create_node("get_attr", path, (), {})
+        elif _is_constant(obj):
             setattr(self.root, name, obj)
             node = self.create_node("get_attr", name, (), {})
         else:
@@ -462,7 +471,10 @@ class _Tracer(fx.Tracer):
         return None
 
     def call_module(self, m, forward, args, kwargs):
-        qualname = self.path_of_module(m)
+        try:
+            qualname = self.path_of_module(m)
+        except NameError:  # a module the forward made (transformers' ACT2FN[name] builds one per lookup): inline code
+            return forward(*args, **kwargs)
         if self.is_leaf_module(m, qualname):
             return super().call_module(m, forward, args, kwargs)
         try:
