@@ -431,10 +431,11 @@ class _Tracer(fx.Tracer):
     def _object_node(self, obj: Any) -> fx.Node:
         """The node standing for an object a forward passes to a module or function (or returns).
 
-        An attribute of the model is read from it (get_attr). An object the forward made (a generation cache
-        built in the forward) must be new on every run, as in eager: the graph deep-copies its state at first
-        use, once per run, and every use in the run shares that copy. A value-like one (see `_is_constant`)
-        is a constant. Objects passed in as arguments never get here: they are graph inputs.
+        An attribute of the model is read from it (get_attr). A value-like object (see `_is_constant`), or a
+        parameter's default, is a constant: the same object on every run. An object the forward made (a
+        generation cache built in the forward) must be new on every run, as in eager: the graph deep-copies
+        its state at first use, once per run, and every use in the run shares that copy. Objects passed in
+        as arguments never get here: they are graph inputs.
         """
         if id(obj) in self.objects:
             return self.objects[id(obj)][1]
@@ -442,7 +443,7 @@ class _Tracer(fx.Tracer):
         name = f"_routekit_object_{len(self.objects)}"
         if path is not None:
             node = self.create_node("get_attr", path, (), {})
-        elif _is_constant(obj):
+        elif _is_constant(obj) or any(obj is v for v in self.spec.constants.values()):  # e.g. a default
             setattr(self.root, name, obj)
             node = self.create_node("get_attr", name, (), {})
         else:
