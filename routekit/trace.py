@@ -27,7 +27,6 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx._symbolic_trace import _maybe_revert_all_patches
 
 from .errors import InputError, TraceError
 
@@ -356,7 +355,7 @@ class _ConcreteMixin:
 
 def _value_of(proxy: fx.Proxy) -> Any:
     """The example value behind a proxy; an attribute's without recording a getattr (most become method calls)."""
-    if isinstance(proxy, fx.proxy.Attribute) and proxy._node is None:
+    if isinstance(proxy, fx.proxy.Attribute) and getattr(proxy, "_node", None) is None:
         return getattr(_value_of(proxy.root), proxy.attr)
     return proxy.node.meta["value"]
 
@@ -418,7 +417,7 @@ class _Tracer(fx.Tracer):
         if kind == "placeholder":
             node.meta["value"] = self.inputs[target]
         elif kind != "output":
-            with _maybe_revert_all_patches(), _not_fx_tracing():  # run the real modules (compiled ones too)
+            with _patches_reverted(), _not_fx_tracing():  # run the real modules (compiled ones too)
                 node.meta["value"] = self._run(node)
         return node
 
@@ -554,6 +553,32 @@ def _dynamo_compiles_under_fx():
 
 
 _FX_FLAG_SWITCH, _not_fx_tracing = _fx_flag_switch()
+
+# nn.Module's own methods, captured at import (before any trace patches them), for `_modules_restored`
+_MODULE_METHODS = {name: vars(nn.Module)[name] for name in ("__call__", "__getattr__")}
+
+
+def _patch_reverter():
+    """How to run real modules while fx's tracer has patched nn.Module (its `__call__` records a call
+    instead of running it): torch's private `_maybe_revert_all_patches` where it exists (it also undoes
+    the tracer's other patches), else nn.Module's own methods put back for the while."""
+    revert = getattr(torch.fx._symbolic_trace, "_maybe_revert_all_patches", None)
+    return revert if callable(revert) else _modules_restored
+
+
+@contextlib.contextmanager
+def _modules_restored():
+    patched = {name: vars(nn.Module)[name] for name in _MODULE_METHODS}
+    for name, method in _MODULE_METHODS.items():
+        setattr(nn.Module, name, method)
+    try:
+        yield
+    finally:
+        for name, method in patched.items():
+            setattr(nn.Module, name, method)
+
+
+_patches_reverted = _patch_reverter()
 
 
 def _fetch(root: nn.Module, target: str) -> Any:

@@ -616,6 +616,39 @@ def test_a_compiled_block_fails_unless_the_flag_is_switched(monkeypatch) -> None
         trace(compiled_stack(), (randn(0, 2, 5, DIM),))
 
 
+class Nested(nn.Module):
+    """A block whose own submodules run when the block runs as a leaf: they must run, not be recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU())
+
+    def forward(self, x):
+        return x + self.inner(x)
+
+
+class NestedStack(Stack):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Nested(), Nested()])
+
+
+@pytest.mark.parametrize("reverter", ["detected", "nn.Module's own methods"])
+def test_leaves_run_as_real_modules_while_fx_has_patched_nn_module(monkeypatch, reverter: str) -> None:
+    if reverter != "detected":
+        monkeypatch.setattr(rt, "_patches_reverted", rt._modules_restored)
+    model = NestedStack()
+    tr = assert_replays(model, lambda s: ((randn(s, 2, 5, DIM),), {}))
+    assert [n.target for n in tr.graph.nodes if n.op == "call_module"] == ["blocks.0", "blocks.1"]
+
+
+def test_leaves_recorded_instead_of_run_fail(monkeypatch) -> None:
+    """The test above would pass vacuously if leaves ran without undoing fx's patches."""
+    monkeypatch.setattr(rt, "_patches_reverted", contextlib.nullcontext)
+    with pytest.raises(TraceError, match="RecursionError"):  # the leaf's call records itself, forever
+        trace(NestedStack(), (randn(0, 2, 5, DIM),))
+
+
 def test_leaves_run_with_the_tracing_flag_cleared_on_this_torch() -> None:
     if rt._FX_FLAG_SWITCH == "dynamo-config":
         pytest.skip("this torch keeps no tracing flag routekit knows; the Dynamo switch is tested above")
