@@ -6,6 +6,13 @@ the example shapes (and the trace says it was), while data-dependent control flo
 the file and line. The members of every ModuleList/Sequential are leaves, so block internals
 (custom kernels, compiled forwards) are never traced at the owner level; submodules that cannot be
 traced become leaves automatically, and the trace reports which.
+
+Real forwards are traced as they run: the call is made as the caller made it; tensors inside tuple,
+list and dict arguments are graph inputs like top-level ones (`call_inputs` gives them in order);
+an object fx cannot hold (a generation cache) is a graph input when passed in, and, when the forward
+makes it, a fresh copy on every run of the graph; item assignment into a tensor is recorded in place.
+The private parts of torch.fx this needs (its tracing flag, its nn.Module patches) are detected, with
+a fallback each, so a torch release that moves one does not silently turn graph mode off.
 """
 
 from __future__ import annotations
@@ -326,6 +333,8 @@ class _ConcreteMixin:
         value = self.node.meta["value"]
         if isinstance(value, dict):  # a dict iterates over its keys: structure, not values
             return iter(list(value))
+        if not isinstance(value, (tuple, list, torch.Size, torch.Tensor)):  # dict.items(), a generator: a list first
+            return iter(self.tracer.create_proxy("call_function", list, (self,), {}))
         return iter([self[i] for i in range(len(self))])
 
     def __getattr__(self, k: str):
@@ -679,7 +688,10 @@ def _is_shape_value(v: Any) -> bool:
 
 
 def _drop_dead_shape_arithmetic(graph: fx.Graph) -> None:
-    """Remove unused nodes that only computed shapes or numbers, left behind by specialisation."""
+    """Remove unused nodes that only computed shapes or numbers from tensors and numbers, left behind by
+    specialisation; a call on an object (a cache's update returning a count) is kept for its effect."""
     for node in reversed(graph.nodes):
-        if node.op in ("call_function", "call_method") and not node.users and _is_shape_value(node.meta["rk"]):
+        if (node.op in ("call_function", "call_method") and not node.users and _is_shape_value(node.meta["rk"])
+                and all(isinstance(n.meta["rk"], TensorMeta) or _is_shape_value(n.meta["rk"])
+                        for n in node.all_input_nodes)):
             graph.erase_node(node)
