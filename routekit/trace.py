@@ -392,12 +392,17 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
-    def proxy(self, node: fx.Node) -> fx.Proxy | None:
+    def proxy(self, node: fx.Node) -> fx.Proxy | str | None:
         """A proxy for the node's value; None for a call that returned None (a setitem, a method run for its
-        effect, a cache lookup that found nothing), so the code's `is None` tests see it. The node stays in
-        the graph for its effects; a method of an object returning None is a specialisation to its state."""
-        if node.op == "placeholder" or node.meta["value"] is not None:
+        effect, a cache lookup that found nothing), so the code's `is None` tests see it, and a string as
+        itself (a key of a dict from `.items()`: structure, and a proxy could not key a dict argument). The
+        node stays in the graph for its effects; a method of an object returning None is a specialisation
+        to its state."""
+        value = node.meta.get("value")
+        if node.op == "placeholder" or not (value is None or isinstance(value, str)):
             return _ConcreteProxy(node, self)
+        if value is not None:
+            return value
         owner = node.args[0].meta["value"] if node.op == "call_method" and isinstance(node.args[0], fx.Node) else None
         if owner is not None and not isinstance(owner, torch.Tensor):
             self.specialised.append(f".{node.target}() returned None at {user_location()}")

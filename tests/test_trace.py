@@ -500,12 +500,15 @@ class DictBlock(nn.Module):
         super().__init__()
         self.proj = nn.Linear(DIM, DIM)
 
-    def forward(self, x):
+    def forward(self, x, feats=None):
+        if feats is not None:
+            x = x + feats["aux"][..., None]
         return {"main": x + self.proj(x), "aux": x.mean(-1), "extra": None}
 
 
 class LookingOwner(nn.Module):
-    """Iterates over a block's dict output, tests an attribute for None, and asks hasattr of a tensor."""
+    """Iterates over a block's dict output and its items, keys a dict argument with its keys, tests an
+    attribute and a value for None, and asks hasattr of a tensor."""
 
     def __init__(self):
         super().__init__()
@@ -514,10 +517,11 @@ class LookingOwner(nn.Module):
     def forward(self, x):
         if x.grad is not None:  # an input's gradient (a leaf's: no warning)
             x = x * 0
+        feats = None
         for block in self.blocks:
-            out = block(x)
+            out = block(x, feats)
             x = sum(out[k] for k in out if out[k] is not None and out[k].dim() == 3)
-            x = x + sum(v.mean() for _, v in out.items() if v is not None)
+            feats = {k: v for k, v in out.items() if v is not None}
             if out["extra"] is not None or hasattr(x, "routing_hint"):
                 x = x * 0
         return x
@@ -527,6 +531,7 @@ def test_code_that_looks_at_a_value_sees_the_value() -> None:
     model = LookingOwner()
     tr = assert_replays(model, lambda s: ((randn(s, 2, 5, DIM),), {}))
     assert block_calls(tr, model) == ["blocks.0", "blocks.1"] and not any(n.target is operator.mul for n in tr.graph.nodes)
+    assert sum(n.target is list for n in tr.graph.nodes) == 2  # .items() is listed; iterating the dict reads its keys
     assert any(".grad is None" in s for s in tr.specialised)
 
 
