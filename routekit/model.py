@@ -31,7 +31,7 @@ from .record import record
 from .rewrite import STATE, compile_graph, constants_to_inputs, rewrite
 from .routing import RouteSelect
 from .state import training_mode
-from .trace import TensorMeta, Trace, bind_arguments, call_spec, flatten, preserved_state, shallow_copy, trace
+from .trace import TensorMeta, Trace, bind_arguments, call_inputs, call_spec, flatten, preserved_state, shallow_copy, trace
 
 Mode = Literal["auto", "graph", "boundary"]
 
@@ -130,9 +130,9 @@ class Programs:
         """The program for this call, built on first use; `seed` fills the cache with one already built."""
         bound = bind_arguments(routed._routekit_base.forward, args, kwargs)
         spec = call_spec(bound)
-        tensors = _call_tensors(bound, spec)
+        tensors = call_inputs(bound, spec)
         bucket = self.programs.setdefault((routed.training, spec.key()), {})
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
         found = bucket.get(None, bucket.get(shapes))
         if found is None:
             found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs)
@@ -140,14 +140,10 @@ class Programs:
         return tensors, found
 
 
-def _call_tensors(bound, spec) -> list[torch.Tensor]:
-    return [bound.arguments.get(n, bound.kwargs.get(n)) for n in spec.tensor_names]
-
-
-def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """A call's tensors in the order its program takes them."""
+def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
+    """A call's graph inputs (its tensors, and objects a graph cannot hold) in the order its program takes them."""
     bound = bind_arguments(routed._routekit_base.forward, args, kwargs)
-    return _call_tensors(bound, call_spec(bound))
+    return call_inputs(bound, call_spec(bound))
 
 
 def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Program:
@@ -362,8 +358,14 @@ def _dry_run(routed: nn.Module, plan: Plan, tr: Trace | None, args: tuple, kwarg
         if output is not None else got
     for select in getattr(routed, STATE).routes:
         select.last_index = None
-    if [getattr(g, "shape", g) for g in got] != [getattr(w, "shape", w) for w in want]:
+    if [_shape_or_type(g) for g in got] != [_shape_or_type(w) for w in want]:
         raise ConfigError(f"routing changed the training output shapes: original {want}, routed {got}")
+
+
+def _shape_or_type(value: Any) -> Any:
+    """What an output must keep under a route: a tensor its shape, anything else its type (a cache the forward
+    returns is a fresh object each call)."""
+    return value.shape if isinstance(value, TensorMeta) else type(value)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

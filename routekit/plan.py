@@ -23,7 +23,7 @@ from .config import DAR, Route
 from .errors import ConfigError
 from .report import draw_plan, format_plan
 from .routing import Shrink, select_tokens
-from .selectors import keeps_rows, needs_grid, selector
+from .selectors import needs_grid, selector
 
 if TYPE_CHECKING:
     from .analysis import BlockInfo
@@ -130,7 +130,7 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
         keep = _checked_keep(k, route, report, grid)
         kept = kept_tokens(route.selector, route.rate, keep, report.tokens, grid)
         shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
-        _check_blocks_of(k, route, start, end, report, grid, model, shrink)
+        _check_blocks_of(k, route, start, end, report, grid, model, kept, shrink)
         shared = _shared(model, report, report.blocks[start:end + 1], kept, shrink)
         planned.append(RoutePlan(route, start, end, keep, kept, shared, shrink))
     dar = _dar_plan(residual, report, planned, graph) if residual is not None else None
@@ -224,7 +224,7 @@ def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int,
 
 
 def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphReport, grid, model: nn.Module,
-                     shrink: tuple[int, ...]) -> None:
+                     kept: int, shrink: tuple[int, ...]) -> None:
     """Refuse blocks the route cannot contain or pass through, and selectors its blocks cannot take."""
     blocks = report.blocks[start:end + 1]
     for block in blocks:
@@ -253,13 +253,20 @@ def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphRe
             f"route {k}: selector {route.selector!r} needs the token grid, and none was found (no 4-D patch "
             "embedding output upstream of the stream); pass grid=(H, W) to routekit.apply"
         )
-    if not keeps_rows(route.selector):
-        for block in blocks:
-            if _needs_whole_rows(model, report, grid, block, shrink):
+    spec = selector(route.selector)
+    for block in blocks:
+        if spec.kept_grid is not None:  # the kept tokens form a smaller grid: the block must run on it
+            if not block_runs(model, block, report.stream_slot, report.stream, kept, shrink):
                 raise ConfigError(
-                    f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
-                    f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
+                    f"route {k}: {block.qualname} ({block.cls}) fails on the {kept} tokens selector "
+                    f"{route.selector!r} keeps of the {'×'.join(map(str, grid))} grid; try another grid selector "
+                    "('row', 'column', 'window', 'frame') or end the route before this block"
                 )
+        elif _needs_whole_rows(model, report, grid, block, shrink):
+            raise ConfigError(
+                f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
+                f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
+            )
 
 
 def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockInfo, shrink: tuple[int, ...]) -> bool:

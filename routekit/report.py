@@ -56,6 +56,11 @@ def format_plan(plan: Any) -> str:
             f"  route {k}: blocks {rp.start}→{rp.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
             f"{kept} of {tokens} tokens go through; {share:.0%} of the blocks see {kept / tokens:.0%} of the tokens"
         )
+        if rp.shared:
+            lines.append("           one selection for the batch: a block reads a table without a batch axis that it "
+                         "cannot take one per sample")
+        if rp.shrink:
+            lines.append(f"           the grid sizes handed to the blocks shrink along axes {list(rp.shrink)}")
     if plan.placed:
         lines.append(f"  block FLOPs per step: ×{plan.block_flop_fraction():.3f} of the original (token-linear estimate)")
     if r.residual:

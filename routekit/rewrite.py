@@ -34,7 +34,7 @@ from .analysis import BlockInfo, slot_value, trace_block
 from .errors import ConfigError
 from .plan import Plan, RoutePlan
 from .routing import gather_tokens, route_side, scatter_tokens
-from .trace import Trace, bind_arguments
+from .trace import Trace, bind_arguments, call_inputs
 
 _counter = itertools.count()
 STATE = "routekit"  # the one submodule routekit adds to a model: route selectors and DAR's parameters
@@ -270,7 +270,7 @@ def _body(model: nn.Module, plan: Plan, info: BlockInfo, tokens: int) -> tuple[T
     report = plan.report
     if tokens == report.tokens or not info.body.specialised:
         return info.body, info.adds
-    body, adds = trace_block(model, info, report.stream_slot, report.stream, report.stream_out_index, tokens)
+    body, adds, _ = trace_block(model, info, report.stream_slot, report.stream, report.stream_out_index, tokens)
     if len(adds) != len(info.adds):
         raise ConfigError(
             f"DAR: {info.qualname} has {len(adds)} residual adds on the route's {tokens} tokens but {len(info.adds)} "
@@ -299,9 +299,10 @@ def _inline(graph: fx.Graph, call: fx.Node, tr: Trace, qualname: str, forward, c
     names: dict[str, fx.Node] = {}
     outputs = None
     with graph.inserting_before(call):
+        inputs = iter(call_inputs(module_args, tr.spec, step=lambda value, key: _item(graph, value, key)))
         for node in tr.graph.nodes:
             if node.op == "placeholder":
-                env[node] = module_args.arguments[node.target]
+                env[node] = next(inputs)
                 continue
             if node.op == "output":
                 outputs = [env[a] if isinstance(a, fx.Node) else a for a in node.args[0]]
@@ -323,6 +324,14 @@ def _inline(graph: fx.Graph, call: fx.Node, tr: Trace, qualname: str, forward, c
             graph.erase_node(user)
     graph.erase_node(call)
     return names
+
+
+def _item(graph: fx.Graph, value, key):
+    """One step into a block call's argument: a container of nodes is indexed here, a node that holds a
+    container (a leaf's tuple output) gets a getitem node."""
+    if isinstance(value, fx.Node):
+        return graph.call_function(operator.getitem, (value, getattr(key, "idx", getattr(key, "key", key))))
+    return key.get(value)
 
 
 def _plain_layer_norm(module: nn.Module | None) -> bool:

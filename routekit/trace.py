@@ -201,17 +201,19 @@ def call_spec(bound: inspect.BoundArguments) -> CallSpec:
     return CallSpec(tuple(inputs), constants)
 
 
-def call_inputs(bound: inspect.BoundArguments, spec: CallSpec) -> list[Any]:
+def call_inputs(bound: inspect.BoundArguments, spec: CallSpec, step=None) -> list[Any]:
     """The values of a call's graph inputs, in placeholder order: what a graph traced with `spec` is called with.
 
     `bound` is the call bound by `bind_arguments`, and must have `spec`'s key (`call_spec(bound).key()`).
+    `step(value, key)` takes one key of an input's path into its argument (default: the key's own lookup);
+    a graph rewrite passes one that reads an item of a container node.
     """
     arguments = {name: value for name, value, _ in _flat_arguments(bound)}
     values = []
     for inp in spec.inputs:
         value = arguments[inp.argument]
         for key in inp.path:
-            value = key.get(value)
+            value = key.get(value) if step is None else step(value, key)
         values.append(value)
     return values
 

@@ -57,7 +57,8 @@ class Output:
 
 
 class Owner(nn.Module):
-    """A patch-embedding model whose forward fx can trace (`cache=False`) or not (`cache=True`)."""
+    """A patch-embedding model whose forward fx can trace (`cache=False`) or not (`cache=True`: it also checks
+    its input's values, control flow on tensor data that no trace can follow)."""
 
     def __init__(self, cache: bool, depth: int = 5):
         super().__init__()
@@ -67,6 +68,8 @@ class Owner(nn.Module):
         self.head = nn.Linear(DIM, 3)
 
     def forward(self, image, scale=None, mask=None, return_dict: bool = True):
+        if self.cache and not torch.isfinite(image).all():
+            raise ValueError("the image has NaN or Inf")
         x = self.embed(image).flatten(2).transpose(1, 2)
         cache = Cache() if self.cache else None
         aux = 0.0
@@ -108,7 +111,7 @@ def test_apply_falls_back_to_boundary_mode_when_the_owner_does_not_trace_and_say
         route(untraceable, mode="graph")
     routed = route(untraceable)
     report = rk.report_of(routed)
-    assert report.mode == "boundary" and "Cache" in report.fallback
+    assert report.mode == "boundary" and "control flow depends on" in report.fallback
     assert "boundary mode" in str(report) and report.grid == GRID and report.grid_node == "embed"
     assert [s.kind for s in report.blocks[0].side_inputs if s.node] == ["per-token", "per-sample"]
     inspected = rk.inspect(untraceable, args, kwargs)

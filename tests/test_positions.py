@@ -221,7 +221,5 @@ def test_grid_sizes_handed_to_blocks_as_numbers_follow_the_kept_grid(mode, selec
     routed.train()
     assert routed(image).shape == (2, 48, DIM)
     rk.verify(model, routed, (image,))
-    with pytest.raises(rk.ConfigError, match="grid's sizes"):
-        rk.apply(model, rk.Route(start=1, end=2, selector="tube"), example_inputs=(image,), mode=mode)
-    with pytest.raises(rk.ConfigError, match="selector='row'"):
-        rk.apply(model, rk.Route(start=1, end=2), example_inputs=(image,), mode=mode)
+    with pytest.raises(rk.ConfigError, match="grid's sizes.*selector='row'"):
+        rk.apply(model, rk.Route(start=1, end=2, selector="importance"), example_inputs=(image,), mode=mode)

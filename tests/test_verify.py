@@ -131,8 +131,8 @@ def test_a_side_input_left_ungathered_is_caught(monkeypatch):
         for node in graph.nodes:
             if node.op == "call_module" and node.target.startswith("blocks.") and len(node.args) > 1:
                 mask = node.args[1]
-                if mask.op == "call_function" and mask.target is routekit.rewrite.gather_tokens:
-                    node.update_arg(1, next(a for a in mask.args if a.op == "placeholder"))
+                if mask.op == "call_function" and mask.target is routekit.rewrite.route_side:
+                    node.update_arg(1, mask.args[0])
         return placed
 
     monkeypatch.setattr(routekit.rewrite, "place_routes", forgetting_side_inputs)
