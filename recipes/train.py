@@ -151,13 +151,13 @@ class ShardedEMA:
             ema_buffer.copy_(buffer)
 
 
-def fsdp_shard(acc, model: nn.Module, config: TrainConfig) -> nn.Module:
+def fsdp_shard(acc, model: nn.Module) -> nn.Module:
     """With accelerate's FSDP2, a DAR model is sharded here, before ``prepare``, into routekit's units (per
     block, the layers DAR calls), with the settings accelerate would use; ``prepare`` leaves a model that is
     already sharded as it is. Other models are wrapped by accelerate itself, by its auto-wrap policy: routes
     keep the blocks' forward calls, so its per-block units work, and so does its activation checkpointing,
     which DAR (no block forward runs) cannot have."""
-    if config.dar is None:
+    if not (isinstance(model, rk.RoutedModel) and rk.report_of(model).dar is not None):
         return model
     plugin = acc.state.fsdp_plugin
     if plugin.activation_checkpointing:
@@ -359,7 +359,7 @@ class Trainer:
         self.ema = copy.deepcopy(model).eval().requires_grad_(False)
         self.fsdp = bool(self.acc.is_fsdp2)
         if self.fsdp:
-            model = fsdp_shard(self.acc, model, config)
+            model = fsdp_shard(self.acc, model)
         opt = torch.optim.AdamW(model.parameters(), lr=config.optimiser.lr, betas=config.optimiser.betas,
                                 weight_decay=config.optimiser.weight_decay)
         warmup = config.optimiser.warmup_steps
@@ -565,8 +565,11 @@ class Trainer:
                     losses += chunk
                     seconds = self.clock.seconds()
                     bar.set_postfix(loss=f"{chunk[-1]:.4f}", refresh=False)
-                    self._log({"step": self.step, "loss": sum(chunk) / len(chunk),
-                               "lr": self.sched.get_last_lr()[0], "train_seconds": round(seconds, 3)})
+                    record = {"step": self.step, "loss": sum(chunk) / len(chunk),
+                              "lr": self.sched.get_last_lr()[0], "train_seconds": round(seconds, 3)}
+                    if self.device.type == "cuda":  # this process's peak: ranks hold equal shares under DDP and FSDP
+                        record["peak_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+                    self._log(record)
                     if stopped:
                         break
                     if next_eval_s is not None and self._agreed(seconds >= next_eval_s):
