@@ -377,5 +377,58 @@ def test_shard_makes_every_unit_itself_and_routes_keep_per_block_checkpointing(o
     torch.testing.assert_close(loss(routes, generator, "route", 0, 0), expected, **TOL)
 
 
+# --- the recipes' accelerate FSDP2 path, as far as a CPU goes ----------------------------------------------------
+
+
+def fsdp_plugin(monkeypatch, *launch_args: str):
+    """The FSDP plugin `accelerate launch --config_file recipes/configs/accelerate_fsdp2.yaml ...` gives a process."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    config = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "accelerate_fsdp2.yaml"
+    args = launch_command_parser().parse_args(["--config_file", str(config), *launch_args, "-m", "recipes.train", "r"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])  # as accelerate's state does in a GPU process
+    return plugin
+
+
+def test_the_shipped_accelerate_config_is_fsdp2_in_bf16_with_per_block_units_and_checkpointing(monkeypatch):
+    plugin = fsdp_plugin(monkeypatch)
+    assert plugin.fsdp_version == 2 and plugin.transformer_cls_names_to_wrap == ["DiTBlock"]
+    assert plugin.activation_checkpointing and plugin.reshard_after_forward
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    assert not fsdp_plugin(monkeypatch, "--fsdp_activation_checkpointing", "false").activation_checkpointing
+
+
+def test_the_recipes_shard_dar_models_into_routekits_units_and_leave_others_to_accelerate(one_process, monkeypatch):
+    """DAR: routekit's units with the plugin's settings, before prepare, and never with activation checkpointing
+    (the message says how to turn it off); routes and vanilla: untouched, for accelerate's own per-block wrapping."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from recipes.config import ConfigError
+    from recipes.train import fsdp_shard
+
+    with_checkpointing = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=fsdp_plugin(monkeypatch)))
+    routed, _ = build("static+route")
+    with pytest.raises(ConfigError, match="--fsdp_activation_checkpointing false"):
+        fsdp_shard(with_checkpointing, routed)
+    plugin = fsdp_plugin(monkeypatch, "--fsdp_activation_checkpointing", "false")
+    acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    for kind in ("route", "vanilla"):
+        model, _ = build(kind)
+        assert fsdp_shard(acc, model) is model and not any(isinstance(m, FSDPModule) for m in model.modules())
+    sharded = fsdp_shard(acc, routed)
+    assert isinstance(sharded, FSDPModule) and isinstance(sharded.blocks[2].mlp.fc2, FSDPModule)
+    assert sharded.blocks[0].attn.qkv.weight.dtype == torch.float32  # sharded fp32, gathered in the plugin's bf16
+    assert sharded._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
+
+
 if os.name != "posix":  # the file:// store and spawn as used here
     pytest.skip("distributed tests run on POSIX", allow_module_level=True)
