@@ -5,7 +5,7 @@ the same 20 steps, both through `accelerate launch`:
 
 - reference: one GPU, no FSDP (bf16 autocast, as the recipes train); each step takes the world's batch as
   WORLD micro-batches, rank by rank, and averages their gradients;
-- sharded: WORLD GPUs under recipes/configs/accelerate_fsdp2.yaml (bf16 mixed precision; DAR sharded into
+- sharded: WORLD GPUs under recipes/configs/accelerate/fsdp2.yaml (bf16 mixed precision; DAR sharded into
   routekit's units by the recipes' `fsdp_shard`, routes by accelerate's per-block policy with activation
   checkpointing); each rank takes its micro-batch.
 
@@ -40,7 +40,7 @@ from benchmarks.common import REPO, RESULTS, TINY, figure, machine, write  # noq
 
 VARIANTS = {"routes": dict(routes=[{"start": 2, "end": 24, "rate": 0.5}], dar=None),
             "dar": dict(routes=[], dar={"query": "static", "chunk": 4})}
-FSDP_CONFIG = REPO / "recipes" / "configs" / "accelerate_fsdp2.yaml"
+FSDP_CONFIG = REPO / "recipes" / "configs" / "accelerate" / "fsdp2.yaml"
 
 
 # ---- one run (inside accelerate launch) --------------------------------------------------------------------

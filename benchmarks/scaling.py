@@ -3,7 +3,7 @@
 Each run is the real recipe (`accelerate launch -m recipes.train CONFIG`) with evaluation, sampling and
 checkpoints off; the per-GPU batch stays fixed (weak scaling), so the global batch grows with the GPU
 count. One GPU runs the recipe plainly (DDP and FSDP have nothing to do there); N GPUs run it under DDP
-(`--multi_gpu`) and under FSDP2 (recipes/configs/accelerate_fsdp2.yaml: bf16, per-block units; DAR recipes
+(`--multi_gpu`) and under FSDP2 (recipes/configs/accelerate/fsdp2.yaml: bf16, per-block units; DAR recipes
 sharded into routekit's units, without activation checkpointing). Throughput is read back from the run's
 own train.jsonl: images per second between the first and the last logged step (warm-up, compilation and
 launch are not counted); the peak memory per GPU is the main process's, logged there too.
@@ -39,13 +39,15 @@ from recipes.config import load_config, with_overrides  # noqa: E402
 QUICK = {"data.name": "synthetic", "bf16": False}
 
 
-FSDP_CONFIG = REPO / "recipes" / "configs" / "accelerate_fsdp2.yaml"
+FSDP_CONFIG = REPO / "recipes" / "configs" / "accelerate" / "fsdp2.yaml"
 
 
-def launch(config: str, strategy: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, run_dir: Path,
-           extra: tuple[str, ...] = ()) -> dict:
+def launch(config: str, gpus: int, per_gpu_batch: int, steps: int, log_every: int, out: Path,
+           extra: tuple[str, ...] = (), strategy: str = "ddp") -> dict:
     """One `accelerate launch` of the recipe on `gpus` processes under `strategy` ("ddp" or "fsdp"; one
-    process runs plainly); its measured throughput and peak memory. ``extra``: more KEY=VALUE overrides."""
+    process runs plainly), in a run folder under ``out``; its measured throughput and peak memory.
+    ``extra``: more KEY=VALUE overrides for the recipe (the tests shrink the model with them)."""
+    run_dir = out / f"{Path(config).stem}_{strategy if gpus > 1 else 'single'}_gpus{gpus}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a re-run measures afresh; the recipe refuses a folder holding a run
     overrides = [f"batch={per_gpu_batch * gpus}", "eval.every=0", "sample.every=0", "checkpoint.every=0",
                  "checkpoint.final=false", f"log_every={log_every}", "compile=false", *extra]
@@ -156,9 +158,8 @@ def main() -> None:
     for given, config in zip(args.configs, configs):
         for gpus in sorted(args.gpus):
             for strategy in (["single"] if gpus == 1 else args.strategies):
-                run_dir = runs / f"{Path(given).stem}_{strategy}_gpus{gpus}"
-                rows.append({**launch(config, strategy, gpus, args.per_gpu_batch, args.steps, args.log_every,
-                                      run_dir), "recipe": Path(given).stem})
+                rows.append({**launch(config, gpus, args.per_gpu_batch, args.steps, args.log_every,
+                                      runs / Path(given).stem, strategy=strategy), "recipe": Path(given).stem})
                 shown = ", ".join(f"`{c}`" for c in args.configs[:len(configs)])
                 body = (f"Recipes: {shown} (compile off, evaluation/sampling/checkpoints off); "
                         f"{args.per_gpu_batch} images per GPU per step\n\n{table(rows)}")

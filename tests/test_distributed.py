@@ -381,12 +381,12 @@ def test_shard_makes_every_unit_itself_and_routes_keep_per_block_checkpointing(o
 
 
 def fsdp_plugin(monkeypatch, *launch_args: str):
-    """The FSDP plugin `accelerate launch --config_file recipes/configs/accelerate_fsdp2.yaml ...` gives a process."""
+    """The FSDP plugin `accelerate launch --config_file recipes/configs/accelerate/fsdp2.yaml ...` gives a process."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    config = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "accelerate_fsdp2.yaml"
+    config = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "accelerate" / "fsdp2.yaml"
     args = launch_command_parser().parse_args(["--config_file", str(config), *launch_args, "-m", "recipes.train", "r"])
     env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
     for key, value in env.items():
