@@ -170,10 +170,10 @@ def _check_sharding(routed: nn.Module, called: frozenset[str]) -> None:
     """DAR runs the blocks' layers from one inlined graph, so a module whose own forward no longer runs (a
     block, or a non-leaf layer) cannot carry an FSDP unit (its parameters would never be gathered: FSDP2
     fails deep inside a matmul on mixed Tensor/DTensor, FSDP1 on a missing attribute) nor an activation
-    checkpoint (nothing would be recomputed). The units this refuses nothing of: `routekit.shard`'s
-    (`routekit.fsdp_units`: per block, the layers DAR calls in it, grouped), single called layers, and
-    the whole model. Any other grouping of several modules is refused too: a group is gathered at its
-    first module's forward and freed after its last, which only routekit's units are checked to fit."""
+    checkpoint (nothing would be recomputed). Accepted: `routekit.shard`'s units (`routekit.fsdp_units`:
+    per block, the layers DAR calls in it, grouped), single called layers, and the whole model. Any other
+    group of several modules is refused too: FSDP gathers a group at its first module's forward and frees
+    it after its last, which only routekit's units are checked to fit."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     _check_units(routed, called)
