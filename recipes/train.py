@@ -112,13 +112,82 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 @torch.no_grad()
 def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
     """ema <- decay * ema + (1 - decay) * model; buffers are copied."""
-    ema_params, params = list(ema.parameters()), list(model.parameters())
+    _average(list(ema.parameters()), list(model.parameters()), decay)
+    for ema_buffer, buffer in zip(ema.buffers(), model.buffers()):
+        ema_buffer.copy_(buffer)
+
+
+def _average(ema_params: list[torch.Tensor], params: list[torch.Tensor], decay: float) -> None:
     if decay == 0:
         torch._foreach_copy_(ema_params, params)
     else:
         torch._foreach_lerp_(ema_params, params, 1 - decay)
-    for ema_buffer, buffer in zip(ema.buffers(), model.buffers()):
-        ema_buffer.copy_(buffer)
+
+
+class ShardedEMA:
+    """The EMA of weights that FSDP shards, kept sharded the same way: each rank averages its own shard of
+    every parameter, so a step adds no collective; the full weights are gathered into the `ema` module (a
+    full copy on every rank, which samples) only to evaluate, sample or save."""
+
+    @torch.no_grad()
+    def __init__(self, ema: nn.Module, model: nn.Module):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        self.ema = ema
+        self.shards = [distribute_tensor(e.detach().to(p.device), p.device_mesh, p.placements)
+                       if isinstance(p, DTensor) else e.detach().to(p.device).clone()
+                       for e, p in zip(ema.parameters(), model.parameters())]
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, decay: float) -> None:
+        _average(self.shards, [p.detach() for p in model.parameters()], decay)
+
+    @torch.no_grad()
+    def gather(self, model: nn.Module) -> None:
+        """Fill the `ema` module with the full averaged weights and the model's buffers (a collective: every rank)."""
+        for e, shard in zip(self.ema.parameters(), self.shards):
+            e.copy_(shard.full_tensor() if hasattr(shard, "full_tensor") else shard)
+        for ema_buffer, buffer in zip(self.ema.buffers(), model.buffers()):
+            ema_buffer.copy_(buffer)
+
+
+def fsdp_shard(acc, model: nn.Module) -> nn.Module:
+    """With accelerate's FSDP2, a DAR model is sharded here, before ``prepare``, into routekit's units (per
+    block, the layers DAR calls), with the settings accelerate would use; ``prepare`` leaves a model that is
+    already sharded as it is. Other models are wrapped by accelerate itself, by its auto-wrap policy: routes
+    keep the blocks' forward calls, so its per-block units work, and so does its activation checkpointing,
+    which DAR (no block forward runs) cannot have."""
+    if not (isinstance(model, rk.RoutedModel) and rk.report_of(model).dar is not None):
+        return model
+    plugin = acc.state.fsdp_plugin
+    if plugin.activation_checkpointing:
+        raise ConfigError("DAR inlines the blocks, so activation checkpointing (which wraps each block's forward) "
+                          "would recompute nothing: set fsdp_activation_checkpointing: false in the accelerate config "
+                          "(or --fsdp_activation_checkpointing false) for DAR recipes")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = getattr(acc, "torch_device_mesh", None)
+    return rk.shard(model, mesh=mesh[tuple(acc.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+                    reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload,
+                    mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
+
+
+def full_state(net: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """A sharded model's and optimiser's full state dicts (a collective: every rank calls it; the main
+    process gets them, on the CPU, the others empty dicts). The optimiser's is keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(net, options=options), get_optimizer_state_dict(net, opt, options=options)
+
+
+def load_full_state(net: nn.Module, opt: torch.optim.Optimizer, model_state: dict, opt_state: dict) -> None:
+    """`full_state`'s dicts, held by every rank, into a sharded model and its optimiser."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(net, model_state, options=options)
+    set_optimizer_state_dict(net, opt, opt_state, options=options)
 
 
 def save_grid(images: torch.Tensor, rows: int, path: Path) -> None:
@@ -288,6 +357,9 @@ class Trainer:
         torch.manual_seed(config.seed)  # identical initial weights on every rank
         model = build_model(config, self.dataset.shape, self.dataset.num_classes, self.device)
         self.ema = copy.deepcopy(model).eval().requires_grad_(False)
+        self.fsdp = bool(self.acc.is_fsdp2)
+        if self.fsdp:
+            model = fsdp_shard(self.acc, model)
         opt = torch.optim.AdamW(model.parameters(), lr=config.optimiser.lr, betas=config.optimiser.betas,
                                 weight_decay=config.optimiser.weight_decay)
         warmup = config.optimiser.warmup_steps
@@ -296,13 +368,17 @@ class Trainer:
         self.order = BatchOrder(len(self.dataset.train), config.batch, config.seed,
                                 rank=self.acc.process_index, world=self.acc.num_processes)
         self.step, prior_seconds = 0, 0.0
-        if ckpt is not None:
+        if ckpt is None:
+            _seed_all(_rank_seed(config.seed, self.acc.process_index))
+        elif not self.fsdp:
             prior_seconds = self._restore(ckpt, model, opt)
+        self.net, self.opt = self.acc.prepare(model, opt)
+        if ckpt is not None:
+            if self.fsdp:  # sharded weights load through the prepared (sharded) model
+                prior_seconds = self._restore(ckpt, self.net, self.opt.optimizer)
             del ckpt
             self._rewind_folder(Path(resume_from), changes)
-        else:
-            _seed_all(_rank_seed(config.seed, self.acc.process_index))
-        self.net, self.opt = self.acc.prepare(model, opt)
+        self.ema_shards = ShardedEMA(self.ema, self.net) if self.fsdp else None
         self.forward = torch.compile(self.net) if config.compile else self.net
         self.objective = make_objective(config.objective)
         self.clock = _Clock(prior_seconds, self.device)
@@ -344,9 +420,16 @@ class Trainer:
 
     def _restore(self, ckpt: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer) -> float:
         """Load a checkpoint (a file we wrote: it holds RNG tuples, hence weights_only=False above)."""
-        model.load_state_dict(ckpt["model"])
+        if ckpt.get("fsdp", False) != self.fsdp:
+            raise ConfigError(f"the checkpoint was written {'with' if ckpt.get('fsdp') else 'without'} FSDP, whose "
+                              "optimiser state is keyed differently: resume it the same way (the accelerate config "
+                              "it was launched with)")
+        if self.fsdp:
+            load_full_state(model, opt, ckpt["model"], ckpt["optimizer"])
+        else:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
         self.ema.load_state_dict(ckpt["ema"])
-        opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
         self.order.load_state_dict(ckpt["data"])
         self.step = ckpt["step"]
@@ -374,7 +457,10 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         decay = config.ema.decay if self.step > config.ema.start else 0.0
-        update_ema(self.ema, acc.unwrap_model(self.net), decay)
+        if self.ema_shards is not None:
+            self.ema_shards.update(self.net, decay)
+        else:
+            update_ema(self.ema, acc.unwrap_model(self.net), decay)
         return loss.detach()
 
     def generate(self, labels: torch.Tensor) -> torch.Tensor:
@@ -415,14 +501,18 @@ class Trainer:
     def checkpoint(self) -> None:
         """Everything the next step depends on; every rank's RNG state is gathered to the main process."""
         rng = _accelerate().utils.gather_object([_rng_state()])
+        if self.fsdp:
+            weights, optimiser = full_state(self.net, self.opt.optimizer)
+        else:
+            weights, optimiser = self.acc.unwrap_model(self.net).state_dict(), self.opt.state_dict()
         if not self.main:
             return
         path = self.out / "checkpoints" / f"step_{self.step:07d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"config": self.config.model_dump(mode="json"), "step": self.step,
                  "train_seconds": self.clock.seconds(), "world": self.acc.num_processes, "rng": rng,
-                 "model": self.acc.unwrap_model(self.net).state_dict(), "ema": self.ema.state_dict(),
-                 "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                 "fsdp": self.fsdp, "model": weights, "ema": self.ema.state_dict(),
+                 "optimizer": optimiser, "scheduler": self.sched.state_dict(),
                  "data": self.order.state_dict()}
         torch.save(state, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)  # atomic: a crash never leaves half a checkpoint
@@ -433,6 +523,8 @@ class Trainer:
     def _paused(self, action: Callable[[], None]) -> None:
         """Run eval, sampling or checkpointing without counting it as training time; ranks wait together."""
         begin = self.clock.sync()
+        if self.ema_shards is not None:
+            self.ema_shards.gather(self.net)
         action()
         self.acc.wait_for_everyone()
         self.clock.paused += self.clock.sync() - begin
@@ -473,8 +565,11 @@ class Trainer:
                     losses += chunk
                     seconds = self.clock.seconds()
                     bar.set_postfix(loss=f"{chunk[-1]:.4f}", refresh=False)
-                    self._log({"step": self.step, "loss": sum(chunk) / len(chunk),
-                               "lr": self.sched.get_last_lr()[0], "train_seconds": round(seconds, 3)})
+                    record = {"step": self.step, "loss": sum(chunk) / len(chunk),
+                              "lr": self.sched.get_last_lr()[0], "train_seconds": round(seconds, 3)}
+                    if self.device.type == "cuda":  # this process's peak: ranks hold equal shares under DDP and FSDP
+                        record["peak_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+                    self._log(record)
                     if stopped:
                         break
                     if next_eval_s is not None and self._agreed(seconds >= next_eval_s):

@@ -21,11 +21,13 @@ from .inspection import inspect
 from .model import FallbackWarning, RoutedModel, apply, force_keep, last_route_mask, report_of, strip
 from .plan import Plan
 from .selectors import register_selector, selector_names
+from .sharding import fsdp_units, shard
 from .verify import verify
 
 __all__ = [
     "DAR", "AnalysisError", "ConfigError", "FallbackWarning", "GraphReport", "InferenceChanged", "InputError",
     "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "SelectorError", "TraceError", "apply",
-    "force_keep", "inspect", "last_route_mask", "register_selector", "report_of", "selector_names", "strip", "verify",
+    "force_keep", "fsdp_units", "inspect", "last_route_mask", "register_selector", "report_of", "selector_names",
+    "shard", "strip", "verify",
 ]
 __version__ = "0.1.0"

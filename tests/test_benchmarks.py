@@ -141,17 +141,32 @@ def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
     assert row["gpus"] == 1 and row["global_batch"] == 2 and row["steps"] == 6 and row["images_per_s"] > 0
 
 
-def test_convergence_quick_merges_methods_run_by_separate_commands(tmp_path):
-    """One method per command (as on two GPUs), merged into one report that says which command ran each."""
-    for method in ("tread", "vanilla"):
-        run_benchmark("convergence.py", "--quick", "--methods", method, "--budget-s", "0.5", "--eval-every-s", "0.5",
-                      "--out", str(tmp_path))
-    data = labelled(tmp_path, "convergence", "python benchmarks/convergence.py --quick --methods vanilla")
-    assert list(data["results"]) == ["vanilla", "tread"]  # METHODS order, whatever order they ran in
-    assert data["results"]["tread"]["run"]["command"].endswith(f"--methods tread --budget-s 0.5 --eval-every-s 0.5 "
-                                                               f"--out {tmp_path}")
-    assert all(r["steps"] > 0 and r["evals"] for r in data["results"].values())
-    assert "| tread |" in (tmp_path / "convergence.md").read_text()
+def test_convergence_quick_runs_seeds_side_by_side_and_merges_separate_commands(tmp_path):
+    """Two seeds of a method run at once (--parallel), another method by a later command; the report merges
+    every run made under the same settings, says which command ran each, and summarises across seeds."""
+    common_args = ("--quick", "--budget-s", "0.5", "--eval-every-s", "0.25", "--out", str(tmp_path), "--runs",
+                   str(tmp_path / "runs"))
+    run_benchmark("convergence.py", "--methods", "tread", "--seeds", "0", "1", "--parallel", "2", *common_args)
+    run_benchmark("convergence.py", "--methods", "vanilla", "--seeds", "0", *common_args)
+    data = labelled(tmp_path, "convergence", "python benchmarks/convergence.py --methods vanilla --seeds 0 --quick")
+    assert [(r["method"], r["seed"]) for r in data["runs"]] == [("vanilla", 0), ("tread", 0), ("tread", 1)]
+    assert all(r["steps"] > 0 and r["evals"] for r in data["runs"])
+    assert "--runs-only --methods tread --seeds 1" in data["runs"][2]["run"]["command"]
+    summary = data["summary"]
+    assert summary["target_fd"] == data["runs"][0]["evals"][-1]["fd"]  # vanilla's one seed
+    tread = summary["methods"]["tread"]
+    assert tread["seeds"] == [0, 1] and tread["final_fd"]["n"] == 2
+    assert tread["final_fd"]["min"] <= tread["final_fd"]["mean"] <= tread["final_fd"]["max"]
+    assert "| tread | 0, 1 |" in (tmp_path / "convergence.md").read_text()
+
+
+def test_fsdp_check_quick_runs_the_reference_and_the_second_run_through_accelerate(tmp_path):
+    """The plumbing of the GPU acceptance script on a CPU: both runs launched, their losses compared (equal here:
+    accelerate has no FSDP on CPUs, so the second run is a plain process too), the table written."""
+    run_benchmark("fsdp_check.py", "--quick", "--variants", "dar", "--out", str(tmp_path))
+    (row,) = labelled(tmp_path, "fsdp_check", "python benchmarks/fsdp_check.py --quick")["rows"]
+    assert row["variant"] == "dar" and len(row["reference"]["losses"]) == 3
+    assert row["check"]["max_rel_loss_diff"] == 0 and row["check"]["losses_agree"]
 
 
 def test_dar_kernel_quick_checks_and_times_the_kernel_on_cpu(tmp_path):
