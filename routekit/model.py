@@ -30,7 +30,8 @@ from .plan import Plan, make_plan
 from .record import record
 from .rewrite import STATE, compile_graph, constants_to_inputs, rewrite
 from .routing import RouteSelect
-from .state import training_mode
+from .sharding import check_sharding
+from .state import training_mode, unwrap_compiled
 from .trace import TensorMeta, Trace, bind_arguments, call_inputs, call_spec, flatten, preserved_state, shallow_copy, trace
 
 Mode = Literal["auto", "graph", "boundary"]
@@ -111,8 +112,7 @@ class Programs:
         return {"plan": self.plan, "programs": {}}  # programs hold generated code: traced again after unpickling
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if self.plan.dar is not None:
-            _check_sharding(routed, self.called())
+        check_sharding(routed, self.called())
         tensors, program = self.program(routed, args, kwargs)
         return program(routed, tensors)
 
@@ -160,56 +160,6 @@ def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: d
     if torch.compiler.is_compiling():
         return torch.compiler.disable(_build)(plan, routed, args, kwargs)
     return _build(plan, routed, args, kwargs)
-
-
-def _check_sharding(routed: nn.Module, called: frozenset[str]) -> None:
-    """DAR runs the blocks' layers from one inlined graph, so a module whose own forward no longer runs (a
-    block, or a non-leaf layer) cannot carry an FSDP unit (its parameters would never be gathered: FSDP2
-    fails deep inside a matmul on mixed Tensor/DTensor, FSDP1 on a missing attribute) nor an activation
-    checkpoint (nothing would be recomputed). Accepted: `routekit.shard`'s units (`routekit.fsdp_units`:
-    per block, the layers DAR calls in it, grouped), single called layers, and the whole model. Any other
-    group of several modules is refused too: FSDP gathers a group at its first module's forward and frees
-    it after its last, which only routekit's units are checked to fit."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    _check_units(routed, called)
-
-
-@torch.compiler.disable  # plain Python over the module tree, once per call: a graph break, not a trace
-def _check_units(routed: nn.Module, called: frozenset[str]) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    runs = {id(routed)} | {id(routed.get_submodule(name)) for name in called}
-    fix = ("use routekit.shard(model) before accelerate.prepare: one unit per block, made of the layers DAR calls "
-           "in it (routekit.fsdp_units(model) lists them). Shard the whole model as one unit (fully_shard(model); "
-           "accelerate: fsdp_auto_wrap_policy NO_WRAP) or single leaf layers such as nn.Linear to shard it yourself")
-    units = None
-    for name, module in routed.named_modules():
-        if isinstance(module, ActivationWrapper) and id(module) not in runs:
-            raise ConfigError(
-                f"{name} is wrapped for activation checkpointing, but with DAR routekit runs the blocks' layers from "
-                f"one graph and never calls {name}'s forward, so nothing would be recomputed. Turn activation "
-                "checkpointing off for DAR models (accelerate: fsdp_activation_checkpointing: false)"
-            )
-        if not isinstance(module, (FSDPModule, FullyShardedDataParallel)):
-            continue
-        if id(module) not in runs:
-            raise ConfigError(
-                f"{name} is an FSDP unit, but with DAR routekit runs the blocks' layers from one graph and never "
-                f"calls {name}'s forward, so its parameters would not be gathered. To shard per block, {fix}"
-            )
-        group = getattr(module._get_fsdp_state(), "_modules", (module,)) if isinstance(module, FSDPModule) else ()
-        if len(group) > 1:
-            if units is None:
-                from .sharding import fsdp_units  # sharding builds on this module
-                units = {frozenset(map(id, unit)) for unit in fsdp_units(routed)}
-            if frozenset(map(id, group)) not in units:
-                raise ConfigError(
-                    f"{name} is in an FSDP unit of {len(group)} modules that is not one of routekit's units: FSDP "
-                    "gathers a group at its first module's forward and frees it after its last, which DAR's graph "
-                    f"is only checked to fit for routekit's units. To shard per block, {fix}"
-                )
 
 
 # ---- the routed model ------------------------------------------------------------------------------------------
@@ -324,13 +274,6 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     routed = assemble(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
     _dry_run(routed, plan, tr, args, kwargs)
     return rewrap(routed)  # in the model's modes, module by module (they are the same modules)
-
-
-def unwrap_compiled(model: Any):
-    """(the module inside a torch.compile wrapper, a function wrapping another module the same way)."""
-    if isinstance(model, nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        return model._orig_mod, lambda inner: type(model)(inner, model.dynamo_ctx)
-    return model, lambda inner: inner
 
 
 def _unwrapped(model: Any) -> nn.Module:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import InputError
-from .model import RoutedModel, unwrap_compiled
+from .errors import ConfigError, InputError
+from .state import unwrap_compiled
 
 
 def fsdp_units(routed: nn.Module) -> list[list[nn.Module]]:
@@ -31,9 +32,9 @@ def fsdp_units(routed: nn.Module) -> list[list[nn.Module]]:
     layers the rewritten graph calls in it (see the module docstring), or the block where DAR calls it
     whole (its residual adds hidden inside)."""
     routed = unwrap_compiled(routed)[0]
-    if not isinstance(routed, RoutedModel):
+    plan = getattr(routed, "_routekit_plan", None)
+    if plan is None:
         raise InputError(f"fsdp_units takes a model returned by routekit.apply, got {type(routed).__name__}")
-    plan = routed._routekit_plan
     units = []
     for info in plan.report.blocks:
         block = routed.get_submodule(info.qualname)
@@ -100,3 +101,54 @@ def _reachable(start: fx.Node, step) -> set[fx.Node]:
                 seen.add(n)
                 stack.append(n)
     return seen
+
+
+def check_sharding(routed: nn.Module, called: frozenset[str]) -> None:
+    """A rewritten graph calls only the modules in `called`: it traces through the rest (the owner's own
+    layers, and with DAR the blocks and their non-leaf layers), so a module whose own forward no longer runs
+    cannot carry an FSDP unit (its parameters would never be gathered: FSDP2
+    fails deep inside a matmul on mixed Tensor/DTensor, FSDP1 on a missing attribute) nor an activation
+    checkpoint (nothing would be recomputed). Accepted: `routekit.shard`'s units (`routekit.fsdp_units`:
+    per block, the layers DAR calls in it, grouped), single called layers, and the whole model. Any other
+    group of several modules is refused too: FSDP gathers a group at its first module's forward and frees
+    it after its last, which only routekit's units are checked to fit."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    _check_units(routed, called)
+
+
+@torch.compiler.disable  # plain Python over the module tree, once per call: a graph break, not a trace
+def _check_units(routed: nn.Module, called: frozenset[str]) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    runs = {id(routed)} | {id(routed.get_submodule(name)) for name in called}
+    fix = ("use routekit.shard(model) before accelerate.prepare: one unit per block, made of the layers DAR calls "
+           "in it (routekit.fsdp_units(model) lists them). Shard the whole model as one unit (fully_shard(model); "
+           "accelerate: fsdp_auto_wrap_policy NO_WRAP) or single leaf layers such as nn.Linear to shard it yourself")
+    units = None
+    for name, module in routed.named_modules():
+        if isinstance(module, ActivationWrapper) and id(module) not in runs:
+            raise ConfigError(
+                f"{name} is wrapped for activation checkpointing, but with DAR routekit runs the blocks' layers from "
+                f"one graph and never calls {name}'s forward, so nothing would be recomputed. Turn activation "
+                "checkpointing off for DAR models (accelerate: fsdp_activation_checkpointing: false)"
+            )
+        if not isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            continue
+        if id(module) not in runs:
+            raise ConfigError(
+                f"{name} is an FSDP unit, but routekit's graph never calls {name}'s forward (it traces through it; "
+                "with DAR, through the blocks too), so its parameters would not be gathered. To shard per block, "
+                f"{fix}"
+            )
+        group = getattr(module._get_fsdp_state(), "_modules", (module,)) if isinstance(module, FSDPModule) else ()
+        if len(group) > 1:
+            if units is None:
+                units = {frozenset(map(id, unit)) for unit in fsdp_units(routed)}
+            if frozenset(map(id, group)) not in units:
+                raise ConfigError(
+                    f"{name} is in an FSDP unit of {len(group)} modules that is not one of routekit's units: FSDP "
+                    "gathers a group at its first module's forward and frees it after its last, which DAR's graph "
+                    f"is only checked to fit for routekit's units. To shard per block, {fix}"
+                )

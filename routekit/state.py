@@ -8,6 +8,7 @@ were, and routekit's own additions live on copies that share the model's paramet
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from torch import nn
 
@@ -22,3 +23,10 @@ def training_mode(model: nn.Module, mode: bool):
     finally:
         for m, flag in flags.items():
             m.training = flag
+
+
+def unwrap_compiled(model: Any):
+    """(the module inside a torch.compile wrapper, a function wrapping another module the same way)."""
+    if isinstance(model, nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        return model._orig_mod, lambda inner: type(model)(inner, model.dynamo_ctx)
+    return model, lambda inner: inner

@@ -787,7 +787,7 @@ def test_merge_with_stats_equals_the_reference_forward_and_backward(dtype, monke
 def test_a_folded_norm_under_cuda_autocast_gives_what_the_layer_norm_gave(monkeypatch):
     """Compiled by Inductor under CUDA autocast, where F.layer_norm computes and returns fp32, the folded
     norm (statistics from the merge kernel) returns fp32 and the values of a LayerNorm of the merge."""
-    from routekit.dar import layer_norm_of_mix
+    from routekit.dar import layer_norm_of_merge
     gen = torch.Generator(DEVICE).manual_seed(23)
     sources = [torch.randn(2, 5, 24, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(3)]
     own = [torch.randn(2, 5, 24, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 3 + 1 for _ in range(2)]
@@ -799,7 +799,7 @@ def test_a_folded_norm_under_cuda_autocast_gives_what_the_layer_norm_gave(monkey
 
     def folded():
         mixes, state = weighted_sum(sources, logits, "triton")
-        return layer_norm_of_mix(own, query, mixes[1], state[1], 1e-5, 1e-6, "triton")
+        return layer_norm_of_merge(own, query, mixes[1], state[1], 1e-5, 1e-6, "triton")
 
     torch._dynamo.reset()
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -865,9 +865,9 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
 
     want = outputs(routed("torch"))
     fused = routed("triton")
-    (bucket,) = [b for (train, _), b in fused._routekit_programs.items() if train]
+    (bucket,) = [b for (train, _), b in fused._routekit_executor.programs.items() if train]
     (program,) = bucket.values()
-    assert "streamed_history" in "".join(linecache.getlines(program.fn.__code__.co_filename))
+    assert "shared_part" in "".join(linecache.getlines(program.fn.__code__.co_filename))
     torch._dynamo.reset()
     compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
     for name, got in (("eager", outputs(fused)), ("compiled", outputs(compiled))):
