@@ -29,7 +29,7 @@ from torch import nn
 
 from .errors import AnalysisError, RoutekitError
 from .record import Image, grid_image, tokens_not_from
-from .routing import Gather, Shrink, gather_tokens, keys, route_side
+from .routing import Gather, Shrink, gather_tokens, is_opaque, keys, route_side
 from .trace import TensorMeta, Trace, bind_arguments, preserved_state, trace
 
 Slot = int | str  # a positional index or a keyword name in a block call
@@ -265,7 +265,7 @@ def _side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chan
     node = arg.name if isinstance(arg, fx.Node) else None
     meta = _meta_of(arg)
     gathers, grid, joint = [], [], []
-    for path, leaf in pytree.tree_flatten_with_path(meta)[0]:
+    for path, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]:
         if isinstance(leaf, TensorMeta):
             found = _token_axes(leaf, batch, tokens, channels, sequences)
             if found is not None:
@@ -290,7 +290,7 @@ def _parameter_names(module: nn.Module) -> dict:
 def _meta_of(arg: Any) -> Any:
     """What a call argument holds: fx nodes replaced by their recorded values (tensors as TensorMeta)."""
     return pytree.tree_map(lambda v: v.meta.get("rk") if isinstance(v, fx.Node) else v, arg,
-                           is_leaf=lambda v: isinstance(v, fx.Node))
+                           is_leaf=lambda v: isinstance(v, fx.Node) or is_opaque(v))
 
 
 def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
@@ -298,20 +298,23 @@ def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
     """(token axes, batched, joint) of a tensor that carries the stream's tokens, else None.
 
     Batched: the first axis is the batch (or 1, a table shared by it). Token axes: every later axis as long
-    as the stream (an attention mask (B, 1, N, N) has two), the last one only where it is not the feature
-    axis; failing those, one axis as long as the stream joined with another sequence the block takes (a
-    joint text + image table; `joint` says so, and where the stream's part lies is read off the block).
+    as the stream (an attention mask (B, 1, N, N) has two); the last axis only where it is the only one left
+    (a mask (B, N), positions (N,)) or the one before it is a token axis too and it is not as long as the
+    stream's features (a mask (B, 1, N, N)), for elsewhere it holds features;
+    failing those, one axis as long as the stream joined with another sequence the block takes (a joint
+    text + image table; `joint` says so, and where the stream's part lies is read off the block).
     """
     shape = meta.shape
     batched = len(shape) >= 2 and shape[0] in (batch, 1) and any(d in (tokens,) or d - tokens in sequences
                                                                  for d in shape[1:])
     start = 1 if batched else 0
     last = len(shape) - 1
-    axes = tuple(a for a in range(start, len(shape)) if shape[a] == tokens
-                 and not (a == last and a > start and shape[a] == channels))
+    axes = [a for a in range(start, len(shape)) if shape[a] == tokens]
+    if last in axes and last - start >= 1 and (last - 1 not in axes or shape[last] == channels):
+        axes.remove(last)  # a table's last axis holds its features, which may happen to number as many
     if axes:
-        return axes, batched, False
-    features = len(shape) - 1 if len(shape) >= 2 else None  # a table's last axis holds its features
+        return tuple(axes), batched, False
+    features = last if len(shape) >= 2 else None
     joint = [a for a in range(start, len(shape)) if a != features and shape[a] > tokens and shape[a] - tokens in sequences]
     return ((joint[0],), batched, True) if joint else None
 

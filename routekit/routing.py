@@ -78,7 +78,13 @@ def route_side(value: Any, stream: torch.Tensor, index: torch.Tensor, cuts: tupl
             leaf = _gather_axis(leaf, index, axis, tokens, rule.batched, rule.rest_first, shared)
         return leaf
 
-    return pytree.tree_map_with_path(cut, value)
+    return pytree.tree_map_with_path(cut, value, is_leaf=is_opaque)
+
+
+def is_opaque(value: Any) -> bool:
+    """Values a route never looks into: anything but a tuple, list or dict. An object such as a generation
+    cache is state the blocks update, not an input a route cuts (even where it registers itself with pytree)."""
+    return not isinstance(value, (tuple, list, dict))
 
 
 def keys(path: tuple) -> tuple:
