@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import AnalysisError, RoutekitError
-from .record import Image, grid_image, tokens_not_from
+from .record import Image, grid_image, image_input, tokens_not_from
 from .routing import Gather, Shrink, gather_tokens, is_opaque, keys, route_side
 from .trace import TensorMeta, Trace, bind_arguments, preserved_state, trace
 
@@ -244,6 +244,8 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         grid, grid_node, special = _graph_grid(tr.graph, model, first_in, batch, tokens)
     else:
         grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], slot, batch, tokens, call)
+    if not special and call is not None and (grid is None or math.prod(grid) < tokens):
+        grid, special = _measured(model, call, blocks[0], slot, batch, tokens, grid)
     fewer = tokens - (grid[-1] if grid else 1)  # a whole grid row fewer: blocks that reshape to rows still run
     blocks = [_resolved(model, b, slot, stream, fewer) for b in blocks]
     granularity = None
@@ -557,10 +559,30 @@ def _recorded_grid(model: nn.Module, images: list[Image], tr: Trace, first: Bloc
     grid = image.shape[2:]
     special: tuple[int, ...] = ()
     if math.prod(grid) < tokens and call is not None:
-        special = tokens_not_from(model, *call, image.module, first.qualname, slot)
+        special = tokens_not_from(model, *call, first.qualname, slot, module=image.module)
         if len(special) != tokens - math.prod(grid):
             special = ()  # the measurement does not account for the extra tokens: leave them to `keep`
     return grid, image.module, special
+
+
+def _measured(model: nn.Module, call: tuple[tuple, dict], first: BlockInfo, slot: Slot, batch: int, tokens: int,
+              grid: tuple[int, ...] | None) -> tuple[tuple[int, ...] | None, tuple[int, ...]]:
+    """(grid, special positions) measured where the graph does not show them: the stream's tokens that do not
+    depend on the call's image are special (text tokens of a joint stream, class and register tokens); the
+    grid, where none was found, is the image's size over the one patch size that gives the other tokens."""
+    image = image_input(*call, batch)
+    if image is None:
+        return grid, ()
+    special = tokens_not_from(model, *call, first.qualname, slot, image=image)
+    cells = tokens - len(special)
+    if not special or special == tuple(range(tokens)) or cells < 1:
+        return grid, ()
+    if grid is None:
+        spatial = image.shape[2:]
+        sizes = [tuple(d // p for d in spatial) for p in range(1, max(spatial) + 1)
+                 if all(d % p == 0 for d in spatial) and math.prod(d // p for d in spatial) == cells]
+        grid = sizes[0] if len(sizes) == 1 else None
+    return grid, special
 
 
 # ---- residual adds (what DAR rewrites) -------------------------------------------------------------------

@@ -42,8 +42,8 @@ class Route(_Config):
 
     `keep`: token positions every selection contains (class/register tokens, text tokens of a joint
     stream; negative positions count from the end); the selector picks among the other tokens and
-    `rate` applies to those. None: no special tokens, and apply refuses the route if analysis finds
-    some (it suggests the keep); [] routes every token alike.
+    `rate` applies to those. None: the special tokens analysis finds (`inspect` lists them) are kept;
+    [] routes every token alike.
     """
 
     start: int

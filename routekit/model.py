@@ -57,7 +57,7 @@ def observe(model: nn.Module, args: tuple, kwargs: dict, *, mode: Mode = "auto",
         if mode != "boundary":
             try:
                 tr = trace(model, args, kwargs)
-                return tr, analyse(tr, model, stack=stack, residual=residual)
+                return tr, analyse(tr, model, stack=stack, residual=residual, call=(args, kwargs))
             except TraceError as err:
                 if mode == "graph":
                     raise

@@ -197,28 +197,21 @@ def suggestion(special: tuple[int, ...]) -> str:
 
 
 def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int, ...]:
-    """The route's resolved keep; refuses keeps that do not fit the stream, and routes that would set aside
-    detected special tokens."""
+    """The route's resolved keep: the positions given, or with `keep=None` the special tokens analysis found
+    (class, register, text tokens: a route never sets them aside unless `keep=[]` says to); refuses keeps
+    that do not fit the stream."""
     tokens = report.tokens
     try:
-        keep = resolve_keep(route.keep, tokens)
+        keep = resolve_keep(report.special if route.keep is None else route.keep, tokens)
     except ConfigError as err:
         raise ConfigError(f"route {k}: {err}") from None
-    if report.special and route.keep is None:
-        raise ConfigError(
-            f"route {k}: the stream has {len(report.special)} token(s) besides its {'×'.join(map(str, report.grid))} "
-            "patch grid "
-            f"(positions {list(report.special)}: class, register or text tokens) and the route would set them aside "
-            f"too; pass Route(..., {suggestion(report.special)}) to always keep them, or keep=[] to route them like "
-            "patch tokens"
-        )
     if needs_grid(route.selector) and grid is not None:
         special = resolve_keep(report.special, tokens)
         if tokens - len(keep) != math.prod(grid) or (special and keep != special):
             fix = f"; keep exactly the special tokens: {suggestion(report.special)}" if report.special else ""
             raise ConfigError(
                 f"route {k}: selector {route.selector!r} picks from the {'×'.join(map(str, grid))} grid, but with "
-                f"keep={list(route.keep or [])} {tokens - len(keep)} of the {tokens} tokens are left to pick from{fix}"
+                f"keep={list(keep)} {tokens - len(keep)} of the {tokens} tokens are left to pick from{fix}"
             )
     return keep
 

@@ -141,33 +141,41 @@ def grid_image(images: list[Image], first_call: int, batch: int, tokens: int) ->
     return next((i for i in fits if i.conv), fits[0] if fits else None)
 
 
-def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, source: str, block: str, slot) -> tuple[int, ...]:
-    """Positions of the stream entering `block` that do not depend on module `source`'s output.
+def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, *, module: str | None = None,
+                    image: torch.Tensor | None = None) -> tuple[int, ...]:
+    """Positions of the stream entering `block` that depend neither on module `module`'s output nor on the
+    input tensor `image` (the one given): class, register and text tokens, made from something else.
 
-    The model runs twice in eval mode up to `block` (which is not run): once as it is, once with
-    `source`'s output replaced by other values. A token that comes out the same both times was not made from that output.
+    The model runs twice in eval mode up to `block` (which is not run): once as it is, once with that output
+    (or input) replaced by other values. A token that comes out the same both times was not made from it.
+    Positions are counted from the start for the first half of the stream, from the end (negative) after.
     """
     seen: list[torch.Tensor] = []
 
     class _Stop(Exception):
         pass
 
-    def capture(module, a, kw):
+    def capture(mod, a, kw):
         seen.append(a[slot] if isinstance(slot, int) else kw[slot])
         raise _Stop
 
-    def perturb(module, a, out):
-        generator = torch.Generator(out.device).manual_seed(0)
-        return torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype) * 3 + 1
+    def other(t: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator(t.device).manual_seed(0)
+        return torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * 3 + 1
 
+    calls = [(args, kwargs), (args, kwargs)]
+    if image is not None:
+        calls[1] = pytree.tree_map(lambda v: other(v) if v is image else v, (args, kwargs))
     stop = model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
-            for hook in (None, perturb):
-                handle = model.get_submodule(source).register_forward_hook(hook) if hook else None
+            for run, (a, kw) in enumerate(calls):
+                handle = None
+                if run and module is not None:
+                    handle = model.get_submodule(module).register_forward_hook(lambda m, i, out: other(out))
                 torch.manual_seed(0)  # the same random draws in both runs (preserved_state restores the streams)
                 try:
-                    model(*args, **kwargs)
+                    model(*a, **kw)
                 except _Stop:
                     pass
                 finally:
@@ -180,3 +188,9 @@ def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, source: str, bl
     same = (seen[0] == seen[1]).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
     tokens = same.shape[0]
     return tuple(i if i < tokens / 2 else i - tokens for i in same.nonzero().flatten().tolist())
+
+
+def image_input(args: tuple, kwargs: dict, batch: int) -> torch.Tensor | None:
+    """The call's image (or video): its one floating (batch, C, H, W) or (batch, C, T, H, W) input, if it has one."""
+    found = [t for t in _tensors(args, kwargs) if t.is_floating_point() and t.dim() in (4, 5) and t.shape[0] == batch]
+    return found[0] if len(found) == 1 else None

@@ -15,14 +15,15 @@ def format_plan(plan: Any) -> str:
     batch, tokens, channels = r.stream.shape
     grid = "none found"
     if plan.grid:
-        grid = "×".join(map(str, plan.grid)) + (" (given)" if plan.grid_given else f" (read off {r.grid_node})")
+        source = "given" if plan.grid_given else f"read off {r.grid_node}" if r.grid_node else "measured off the image"
+        grid = "×".join(map(str, plan.grid)) + f" ({source})"
     others = {k: v for k, v in r.candidates.items() if k != r.stack}
     if plan.grid and not r.special and math.prod(plan.grid) < tokens:
         grid += (f"; plus {tokens - math.prod(plan.grid)} other token(s) at positions routekit could not "
                  "tell: name them in Route(keep=[...])")
     if r.special:
         grid += (f"; plus {len(r.special)} other token(s) at positions {list(r.special)} (class/register/text "
-                 f"tokens): route with keep={list(r.special)}")
+                 "tokens): routes keep them")
     lines = [
         f"routekit report for {r.model}  [{r.mode} mode]",
         f"  block stack : {r.stack} ({r.depth} blocks)" + (f"; other chains: {others}" if others else ""),
@@ -51,7 +52,9 @@ def format_plan(plan: Any) -> str:
     for k, rp in enumerate(plan.placed):
         route, kept = rp.route, rp.kept
         share = len(rp.blocks) / r.depth
-        keep = f", always keeping {list(route.keep)}" if route.keep else ""
+        keep = f", always keeping {list(rp.keep)}" if rp.keep else ""
+        if rp.keep and route.keep is None:
+            keep += " (found: class/register/text tokens; keep=[] routes them too)"
         lines.append(
             f"  route {k}: blocks {rp.start}→{rp.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
             f"{kept} of {tokens} tokens go through; {share:.0%} of the blocks see {kept / tokens:.0%} of the tokens"

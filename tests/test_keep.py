@@ -76,16 +76,25 @@ def test_the_selection_always_holds_keep_and_the_rate_applies_to_the_other_token
 
 @pytest.mark.parametrize(("prefix", "suffix", "special"), [(1, 0, [0]), (5, 0, [0, 1, 2, 3, 4]), (0, 3, [-3, -2, -1]),
                                                            (1, 2, [0, -2, -1])])
-def test_tokens_joined_to_the_patch_grid_are_found_and_must_be_kept(prefix: int, suffix: int, special: list) -> None:
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_tokens_joined_to_the_patch_grid_are_found_and_kept(prefix: int, suffix: int, special: list, mode: str) -> None:
+    """Found in both modes (graph mode reads the cat; boundary mode measures which tokens do not depend on the
+    patch embedding), and kept by every route unless keep=[] says to route them too."""
     model, inputs = joint(prefix, suffix)
-    report = rk.inspect(model, inputs)
+    report = rk.inspect(model, inputs, mode=mode)
     assert report.grid == (4, 6) and report.tokens == 24 + prefix + suffix
     assert sorted(i % report.tokens for i in report.special) == sorted(i % report.tokens for i in special)
-    assert f"keep={list(report.special)}" in str(report)
-    with pytest.raises(rk.ConfigError, match=r"pass Route\(\.\.\., keep=\[") as err:
-        rk.apply(model, rk.Route(start=1, end=2), example_inputs=inputs)
-    assert f"keep={list(report.special)}" in str(err.value)
-    rk.apply(model, rk.Route(start=1, end=2, keep=[]), example_inputs=inputs)  # routing them too, when asked
+    assert "routes keep them" in str(report)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=inputs, mode=mode)
+    placed = rk.report_of(routed).placed[0]
+    assert placed.keep == tuple(sorted(i % report.tokens for i in special))
+    assert "(found: class/register/text tokens" in str(rk.report_of(routed))
+    routed.train()
+    for _ in range(3):
+        routed(*inputs)
+        assert not rk.last_route_mask(routed)[:, list(special)].any()
+    everything = rk.apply(model, rk.Route(start=1, end=2, keep=[]), example_inputs=inputs, mode=mode)
+    assert rk.report_of(everything).placed[0].keep == ()  # routing them too, when asked
 
 
 @pytest.mark.parametrize("selector", ["random", "row", "window", "column"])

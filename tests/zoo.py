@@ -71,7 +71,7 @@ def flux_inputs(batch: int, height: int, width: int, text: int, channels: int = 
     return (torch.randn(batch, height * width, channels, generator=g).to(device),), kwargs
 
 
-def diffusers_flux(stack: str = "transformer_blocks"):
+def diffusers_flux():
     model = package("diffusers").FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=6, num_single_layers=6, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
@@ -109,7 +109,8 @@ def diffusers_lumina2():
 def transformers_llama():
     t = package("transformers")
     config = t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                           use_cache=False)  # as it trains: no generation cache
     return t.LlamaModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
 
 
@@ -155,14 +156,14 @@ ZOO: dict[str, Entry] = {
     "diffusers DiT": Entry(diffusers_dit, "transformer_blocks"),
     "diffusers PixArt": Entry(diffusers_pixart, "transformer_blocks"),
     "diffusers SD3": Entry(diffusers_sd3, "transformer_blocks"),
-    "diffusers Flux": Entry(diffusers_flux, "single_transformer_blocks"),
-    "diffusers Flux (double stream)": Entry(diffusers_flux, "transformer_blocks",
-                                            options={"stack": "transformer_blocks"}),
+    "diffusers Flux": Entry(diffusers_flux, "transformer_blocks"),
+    "diffusers Flux (single-stream stack)": Entry(diffusers_flux, "single_transformer_blocks",
+                                                  options={"stack": "single_transformer_blocks"}),
     "diffusers Wan": Entry(diffusers_wan, "blocks"),
     "diffusers Sana": Entry(diffusers_sana, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
-    "diffusers Lumina2": Entry(diffusers_lumina2, "layers"),
+    "diffusers Lumina2": Entry(diffusers_lumina2, "layers", special=tuple(range(5))),  # the caption's tokens
     "transformers Llama": Entry(transformers_llama, "layers"),
-    "transformers ViT": Entry(transformers_vit, "encoder.layer", special=(0,)),
+    "transformers ViT": Entry(transformers_vit, "layers", special=(0,)),
     "transformers Dinov2 (registers)": Entry(transformers_dinov2_registers, "encoder.layer", special=tuple(range(5))),
     "transformers Mamba": Entry(transformers_mamba, "layers"),
     "timm ViT": Entry(timm_vit, "blocks", special=(0,)),

@@ -1,0 +1,179 @@
+"""Models people train today (tests/zoo.py), each routed, verified, counted and given DAR; and the README's
+model-support table, which this test builds and holds the README to.
+
+For each model: `inspect` finds it in graph mode with the block stack and the special tokens expected; a
+route applies in graph and in boundary mode and `verify` passes in both; a routed train step's FLOPs
+(torch's FlopCounterMode, forward + backward) match the plan within 5%: the original step's, less, for each
+routed block, its FLOPs on all tokens minus on the kept count (each block run alone on its captured inputs,
+cut as the plan cuts them); gradients reach every parameter they reached before; DAR applies and trains.
+
+    python tests/test_model_support.py      # rewrite the README's table from a fresh run
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zoo import ZOO, Missing  # noqa: E402
+
+import routekit as rk  # noqa: E402
+from routekit.routing import gather_tokens, route_side  # noqa: E402
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+START, END = "<!-- model-support: built by tests/test_model_support.py -->", "<!-- model-support end -->"
+ROWS: dict[str, dict] = {}
+
+
+def loss_of(out) -> torch.Tensor:
+    """A squared loss over every floating output (a block of a joint stack returns its text stream too)."""
+    return sum(t.float().pow(2).mean() for t in pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+
+
+def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:
+    """FLOPs of one forward + backward of a squared-output loss."""
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as counter:
+        loss_of(model(*args, **kwargs)).backward()
+    return counter.get_total_flops()
+
+
+def reached(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+
+
+def planned_flops(model: nn.Module, plan: rk.Plan, args: tuple, kwargs: dict) -> int:
+    """What a routed step should cost: the original step's FLOPs, less what each routed block saves on the kept
+    tokens (each block run alone on its own inputs, the stream and side inputs cut to the kept count)."""
+    report, placed = plan.report, plan.placed[0]
+    calls, handles = {}, []
+    for b in report.blocks[placed.start:placed.end + 1]:
+        hook = (lambda name: lambda m, a, kw: calls.setdefault(name, (a, kw)))(b.qualname)
+        handles.append(model.get_submodule(b.qualname).register_forward_pre_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        model(*args, **kwargs)
+    for h in handles:
+        h.remove()
+    saved = 0
+    for b in report.blocks[placed.start:placed.end + 1]:
+        a, kw = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, calls[b.qualname])
+        stream = a[report.stream_slot] if isinstance(report.stream_slot, int) else kw[report.stream_slot]
+        for tokens in (report.tokens, placed.kept):
+            index = torch.arange(tokens).expand(stream.shape[0], tokens)
+            values = dict(enumerate(a)) | dict(kw)
+            values[report.stream_slot] = gather_tokens(stream, index).detach().requires_grad_()
+            for side in b.side_inputs:
+                values[side.slot] = route_side(values[side.slot], stream, index, placed.cuts(side), placed.shared)
+            call_args = [values[i] for i in range(len(a))]
+            call_kwargs = {k: v for k, v in values.items() if isinstance(k, str)}
+            with FlopCounterMode(display=False) as counter:
+                loss_of(model.get_submodule(b.qualname)(*call_args, **call_kwargs)).backward()
+            saved += counter.get_total_flops() * (1 if tokens == report.tokens else -1)
+    return step_flops(model, args, kwargs) - saved
+
+
+def check(name: str) -> dict:
+    """Route, verify, count and give DAR to one model of the zoo; the README row of what held."""
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    model, args, kwargs = entry.build()
+    plan = rk.inspect(model, args, kwargs, **entry.options)
+    assert plan.mode == "graph", plan.fallback
+    assert plan.stack == entry.stack and plan.special == entry.special, plan
+    route = rk.Route(**entry.route)
+    row = {"model": name, "tokens": plan.tokens}
+    for mode in ("graph", "boundary"):
+        routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, mode=mode, **entry.options)
+        rk.verify(model, routed, args, kwargs)
+    placed = rk.report_of(routed).placed[0]
+    assert placed.keep == tuple(i % plan.tokens for i in entry.special)
+    model.train()
+    original = step_flops(model, args, kwargs)
+    before = reached(model)
+    routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, **entry.options).train()
+    measured = step_flops(routed, args, kwargs)
+    assert reached(routed) == before, f"gradients stopped reaching {sorted(before - reached(routed))[:5]}"
+    plan_ratio = planned_flops(model, rk.report_of(routed), args, kwargs) / original
+    ratio = measured / original
+    assert abs(ratio / plan_ratio - 1) < 0.05, \
+        f"{name}: a routed step costs {ratio:.4f} of the original FLOPs, the plan {plan_ratio:.4f}"
+    dar = rk.apply(model, residual=rk.DAR(chunk=2), example_inputs=args, example_kwargs=kwargs,
+                   **entry.options).train()
+    loss_of(dar(*args, **kwargs)).backward()
+    assert dar.routekit.dar.query.grad is not None and torch.isfinite(dar.routekit.dar.query.grad).all()
+    notes = []
+    if placed.keep:
+        notes.append(f"keeps tokens {list(placed.keep)} (found)")
+    if placed.shared:
+        notes.append("one selection per batch (a table without a batch axis)")
+    if placed.shrink:
+        notes.append("grid sizes passed to the blocks shrink")
+    if plan.report.residual != "sublayer":
+        notes.append(f"DAR at {plan.report.residual} granularity")
+    row.update(stack=plan.stack, grid="×".join(map(str, plan.grid)) if plan.grid else "–", route=str(route_text(route)),
+               flops=f"{ratio:.3f} / {plan_ratio:.3f}", dar=f"{rk.report_of(dar).dar.points} points",
+               notes="; ".join(notes) or "–")
+    return row
+
+
+def route_text(route: rk.Route) -> str:
+    return f"{route.start}→{route.end} {route.selector}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | stack (tokens, grid) | mode | route | verify | train FLOPs: measured / plan | DAR | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | `{r['stack']}` ({r['tokens']}, {r['grid']}) | graph | {r['route']} | "
+                     f"eval, train, kept tokens | {r['flops']} | {r['dar']} | {r['notes']} |")
+    return "\n".join(lines)
+
+
+def readme_rows() -> dict[str, str]:
+    text = README.read_text()
+    body = text[text.index(START) + len(START):text.index(END)]
+    return {m.group(1): line for line in body.splitlines() if (m := re.match(r"\| (.+?) \| `", line))}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_the_model_routes_verifies_saves_the_planned_flops_and_takes_dar(name: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        ROWS[name] = check(name)
+    except Missing as err:
+        pytest.skip(str(err))
+
+
+def test_the_readme_table_is_what_this_run_measured() -> None:
+    """Each model this run could build has the README row it measured (rows of packages absent here are not
+    compared); regenerate with `python tests/test_model_support.py`."""
+    if not ROWS:
+        pytest.skip("no model of the zoo ran in this process")
+    written = readme_rows()
+    for name, row in ROWS.items():
+        line = table([row]).splitlines()[-1]
+        assert written.get(name) == line, f"README's row for {name} is stale; run python tests/test_model_support.py"
+    assert set(written) == set(ZOO), "the README's table must list every model of the zoo"
+
+
+if __name__ == "__main__":
+    rows = []
+    for name in ZOO:
+        print(f"{name} ...", flush=True)
+        try:
+            rows.append(check(name))
+        except Missing as err:
+            sys.exit(f"cannot build {name}: {err}; run this where every package of the zoo imports")
+    text = README.read_text()
+    head, tail = text[:text.index(START) + len(START)], text[text.index(END):]
+    README.write_text(f"{head}\n{table(rows)}\n{tail}")
+    print(table(rows))
