@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import AnalysisError, RoutekitError
+from .guards import hooked
 from .record import Image, grid_image, image_input, tokens_not_from
 from .routing import Gather, Shrink, gather_tokens, is_opaque, keys, route_side
 from .trace import TensorMeta, Trace, bind_arguments, preserved_state, trace
@@ -80,6 +81,7 @@ class BlockInfo:
     aux_escapes: tuple[str, ...] = ()  # other per-token outputs used anywhere
     adds: tuple[str, ...] | None = None  # residual adds in `body` (None: not looked for; (): hidden)
     body: Trace | None = None  # the block traced alone at the stream's token count, when adds were looked for
+    checkpointed: bool = False  # the owner runs it under torch.utils.checkpoint
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
                      and m.shape[1] != tokens}
         classified = [_side_input(s, a, _parameter_names(module), batch, tokens, channels, sequences)
                       for s, a in arguments]
-        info = BlockInfo(i, node.target, type(module).__name__, node.name, out.name, tuple(c[0] for c in classified))
+        info = BlockInfo(i, node.target, type(module).__name__, node.name, out.name, tuple(c[0] for c in classified),
+                         checkpointed="checkpoint" in node.meta)
         blocks.append(_joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     blocks = _with_escapes(blocks, by_name, tokens)
     if images is None:
@@ -651,11 +654,13 @@ def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], slot: Slot, s
                         out_index: int | None) -> tuple[list[BlockInfo], str]:
     """Each block traced alone with its residual adds, and the granularity: "sublayer" when every block's
     adds were found, "block" when none were (each block is one source, v = output - input), "mixed"
-    otherwise; or why the blocks could not be traced."""
+    otherwise; or why the blocks could not be traced. A block with hooks stays one call (its adds hidden), so
+    its hooks run."""
     try:
         traced = [trace_block(model, b, slot, stream, out_index, stream.shape[1])[:2] for b in blocks]
     except RoutekitError as err:
         return blocks, f"unknown ({err})"
+    traced = [(tr, () if hooked(model.get_submodule(b.qualname)) else adds) for b, (tr, adds) in zip(blocks, traced)]
     found = [bool(adds) for _, adds in traced]
     granularity = "sublayer" if all(found) else "block" if not any(found) else "mixed"
     return [replace(b, adds=adds, body=tr) for b, (tr, adds) in zip(blocks, traced)], granularity

@@ -25,6 +25,7 @@ from .analysis import GraphReport, analyse
 from .config import DAR, Route, coerce_routes
 from .dar import DarState
 from .errors import ConfigError, InputError, NonFiniteError, TraceError
+from .guards import Assumptions
 from .hooks import Hooks
 from .plan import Plan, make_plan
 from .record import record
@@ -76,7 +77,8 @@ def observe(model: nn.Module, args: tuple, kwargs: dict, *, mode: Mode = "auto",
 
 @dataclass
 class Program:
-    """A compiled graph for one call signature and mode (and one set of shapes, if it was specialised)."""
+    """A compiled graph for one call signature and mode (and one set of shapes, if it was specialised to them;
+    any batch size where no number in it was read off a batch axis)."""
 
     fn: Any
     out_spec: pytree.TreeSpec
@@ -84,6 +86,16 @@ class Program:
     specialised: bool
     plan: Plan
     called: frozenset[str] = frozenset()  # qualified names of the modules the graph calls
+    assumed: Assumptions = Assumptions()
+
+    def key(self, shapes: tuple) -> Any:
+        """Where this program sits among the programs of one call signature: for any shapes, for these shapes
+        but the batch size, or for these shapes alone."""
+        if not self.specialised:
+            return None
+        if self.assumed.batch_generic:
+            return "batch", tuple((shape[1:], dtype) for shape, dtype in shapes)
+        return "shapes", shapes
 
     def __call__(self, module: nn.Module, tensors: list[torch.Tensor]) -> Any:
         return pytree.tree_unflatten(list(self.fn(module, *tensors, *self.constants)), self.out_spec)
@@ -97,7 +109,7 @@ def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, route
     label = f"{plan.report.model} {'train' if training else 'eval'} graph"
     called = frozenset(n.target for n in rewritten.graph.nodes if n.op == "call_module")
     return Program(compile_graph(rewritten.graph, label), tr.out_spec, tuple(values), bool(rewritten.specialised),
-                   plan, called)
+                   plan, called, rewritten.assumed)
 
 
 class Programs:
@@ -107,9 +119,10 @@ class Programs:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.programs: dict = {}
+        self.retraced: dict[str, int] = {}  # what broke, per attribute: programs traced again because of it
 
-    def __getstate__(self):
-        return {"plan": self.plan, "programs": {}}  # programs hold generated code: traced again after unpickling
+    def __getstate__(self):  # programs hold generated code: traced again after unpickling
+        return {"plan": self.plan, "programs": {}, "retraced": {}}
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         check_sharding(routed, self.called())
@@ -127,17 +140,39 @@ class Programs:
 
     def program(self, routed: nn.Module, args: tuple, kwargs: dict,
                 seed: Program | None = None) -> tuple[list[torch.Tensor], Program]:
-        """The program for this call, built on first use; `seed` fills the cache with one already built."""
+        """The program for this call, built on first use and again where one of its assumptions broke (an
+        attribute it read changed, a module it traced through got hooks); `seed` fills the cache with one
+        already built."""
         bound = bind_arguments(routed._routekit_base.forward, args, kwargs)
         spec = call_spec(bound)
         tensors = call_inputs(bound, spec)
         bucket = self.programs.setdefault((routed.training, spec.key()), {})
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
-        found = bucket.get(None, bucket.get(shapes))
+        batch = tuple((shape[1:], dtype) for shape, dtype in shapes)
+        found = bucket.get(None) or bucket.get(("batch", batch)) or bucket.get(("shapes", shapes))
+        broken = found.assumed.broken(routed) if found is not None else None
+        if broken is not None:
+            self._stale(found, broken)
+            del bucket[found.key(shapes)]
+            found = None
         if found is None:
-            found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs)
-            bucket[shapes if found.specialised else None] = found
+            try:
+                found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs)
+            except ConfigError as err:
+                raise (ConfigError(f"{broken}, so the graph was traced again, and: {err}") if broken else err) from None
+            bucket[found.key(shapes)] = found
         return tensors, found
+
+    def _stale(self, program: Program, broken: str) -> None:
+        """Count a program traced again because an assumption broke; one that breaks at every call is a value
+        the forward changes itself, which a graph cannot hold: say which."""
+        self.retraced[broken.split(" is ")[0]] = count = self.retraced.get(broken.split(" is ")[0], 0) + 1
+        if count > 8:
+            raise ConfigError(
+                f"the routed graph was traced again {count} times because {broken}: a value the forward reads as "
+                "plain Python and that changes from call to call cannot be part of a traced graph; pass it as an "
+                "argument (or keep it in a tensor/buffer) instead"
+            )
 
 
 def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[Any]:

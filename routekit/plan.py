@@ -321,6 +321,13 @@ def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: 
             "residual=DAR(...) rewrites the residual adds of a traced graph and needs graph mode, but "
             f"{report.model}.forward does not trace ({report.fallback or 'mode=boundary was asked for'})"
         )
+    checkpointed = [b.qualname for b in report.blocks if b.checkpointed and b.adds]
+    if checkpointed:
+        raise ConfigError(
+            f"residual=DAR(...) inlines the blocks into one graph, and the forward runs {checkpointed[0]} under "
+            "torch.utils.checkpoint, which DAR would silently drop (activation memory would come back); turn "
+            "activation checkpointing off for DAR (model.disable_gradient_checkpointing() in diffusers)"
+        )
     if report.residual is None or report.residual.startswith("unknown"):
         raise ConfigError(
             f"residual=DAR(...) needs each block of {report.stack} traced alone to find its residual adds: "

@@ -27,11 +27,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch import nn
 
 from . import dar
 from .analysis import BlockInfo, slot_value, trace_block
 from .errors import ConfigError
+from .guards import Assumptions
 from .plan import Plan, RoutePlan
 from .routing import gather_tokens, route_side, scatter_tokens
 from .trace import Trace, bind_arguments, call_inputs
@@ -42,11 +44,13 @@ STATE = "routekit"  # the one submodule routekit adds to a model: route selector
 
 @dataclass
 class Rewritten:
-    """A rewritten graph, the trace-time constants it reads, and whether it holds specialisations."""
+    """A rewritten graph, the trace-time constants it reads, its specialisations and what it assumed about
+    the model (the traces it was made of, the owner's and, with DAR, each inlined block's)."""
 
     graph: fx.Graph
     constants: dict[str, torch.Tensor]
     specialised: list[str] = field(default_factory=list)
+    assumed: Assumptions = field(default_factory=Assumptions)
 
 
 def rewrite(tr: Trace, plan: Plan, model: nn.Module, training: bool) -> Rewritten:
@@ -56,11 +60,28 @@ def rewrite(tr: Trace, plan: Plan, model: nn.Module, training: bool) -> Rewritte
     v0 = slot_value(first, plan.report.stream_slot)  # the stream entering the first block, before any route
     routes = plan.placed if training else ()
     placed = place_routes(graph, plan, routes)
-    result = Rewritten(graph, dict(tr.constants), list(tr.specialised))
+    result = Rewritten(graph, dict(tr.constants), list(tr.specialised), tr.assumed)
     if plan.dar is not None:
         place_dar(result, plan, model, v0, routes, placed)
+    keep_checkpoints(graph)
     graph.lint()
     return result
+
+
+def keep_checkpoints(graph: fx.Graph) -> None:
+    """A block the owner's forward runs under torch.utils.checkpoint (the trace marked its call) is called the
+    same way in the rewritten graph, with the same options: its activations are recomputed in backward, as
+    the user asked, instead of silently kept."""
+    for node in list(graph.nodes):
+        options = node.meta.get("checkpoint") if node.op == "call_module" else None
+        if options is None:
+            continue
+        with graph.inserting_before(node):
+            module = graph.get_attr(node.target)
+            call = graph.call_function(torch.utils.checkpoint.checkpoint, (module, *node.args),
+                                       {**node.kwargs, **options})
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
 
 
 def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> dict[int, tuple[fx.Node, fx.Node]]:
@@ -237,6 +258,8 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
         if info.adds:
             body, adds = _body(model, plan, info, kept.get(i, report.tokens))
             result.specialised.extend(body.specialised)
+            # the block's forward no longer runs (its hooks would not), and what its code read is baked in
+            result.assumed += body.assumed.under(info.qualname) + Assumptions(traced_through=(info.qualname,))
             forward = type(model.get_submodule(info.qualname)).forward
             env = _inline(graph, call, body, info.qualname, forward, result.constants)
             for add_name in adds:

@@ -26,6 +26,7 @@ import math
 import operator
 import os
 import re
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +34,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch import nn
 
 from .errors import InputError, TraceError
+from .guards import Assumptions, Recorder, hooked
 
 _ROUTEKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -147,6 +150,7 @@ class Trace:
     leafed: dict[str, str] = field(default_factory=dict)
     specialised: list[str] = field(default_factory=list)
     training: bool = True
+    assumed: Assumptions = field(default_factory=Assumptions)  # what the graph took as given: see guards.py
 
 
 def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -311,6 +315,7 @@ class _ConcreteMixin:
             raise _DataDependent(f"{why} of a tensor's data at {user_location()}")
         result = convert(value)
         self.tracer.specialised.append(f"{why} = {result!r} at {user_location()}")
+        self.tracer.recorder.converted(self.node)
         return result
 
     def __bool__(self):
@@ -329,6 +334,7 @@ class _ConcreteMixin:
         value = self.node.meta["value"]
         if isinstance(value, torch.Tensor):  # a tensor's length is its first dimension: a shape
             self.tracer.specialised.append(f"len() = {len(value)} at {user_location()}")
+            self.tracer.recorder.batch_generic = False
         return len(value)  # the arity of a tuple or torch.Size is structure, not a specialisation
 
     def __iter__(self):
@@ -382,9 +388,10 @@ class _ConcreteAttribute(_ConcreteMixin, fx.proxy.Attribute):
 class _Tracer(fx.Tracer):
     """fx's tracer, running every node as it records it; see the module docstring."""
 
-    def __init__(self, leaves: set[str], bound: inspect.BoundArguments, spec: CallSpec, call: tuple[tuple, dict]):
+    def __init__(self, leaves: set[str], bound: inspect.BoundArguments, spec: CallSpec, call: tuple[tuple, dict],
+                 recorder: Recorder):
         super().__init__(autowrap_modules=(math,))
-        self.leaves, self.bound, self.spec, self.call = leaves, bound, spec, call
+        self.leaves, self.bound, self.spec, self.call, self.recorder = leaves, bound, spec, call, recorder
         self.specialised: list[str] = []
         self.record_stack_traces = False
         self.inputs: dict[str, Any] = {}  # placeholder name -> its example value
@@ -392,7 +399,9 @@ class _Tracer(fx.Tracer):
         self.snapshots: dict[str, Any] = {}  # node name -> that object's state when the forward first used it
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+        """Container members (the blocks), torch's own layers, and any module with hooks: the graph calls it
+        as a module, so its hooks run (an FSDP unit gathers its parameters, a user's hook fires)."""
+        return qualname in self.leaves or super().is_leaf_module(m, qualname) or (bool(qualname) and hooked(m))
 
     def proxy(self, node: fx.Node) -> fx.Proxy | str | None:
         """A proxy for the node's value; None for a call that returned None (a setitem, a method run for its
@@ -433,15 +442,16 @@ class _Tracer(fx.Tracer):
         if kind == "placeholder":
             node.meta["value"] = self.inputs[target]
         elif kind != "output":
-            with _patches_reverted(), _not_fx_tracing():  # run the real modules (compiled ones too)
+            with _patches_reverted(), _not_fx_tracing(), self.recorder.paused():  # run the real modules
                 node.meta["value"] = self._run(node)
         return node
 
     def create_arg(self, a: Any):
-        try:
-            return super().create_arg(a)
-        except NotImplementedError:  # an object fx cannot put in a graph
-            return self._object_node(a)
+        with self.recorder.paused():  # fx keeps constants on the root: its writes, not the forward's
+            try:
+                return super().create_arg(a)
+            except NotImplementedError:  # an object fx cannot put in a graph
+                return self._object_node(a)
 
     def _object_node(self, obj: Any) -> fx.Node:
         """The node standing for an object a forward passes to a module or function (or returns).
@@ -492,13 +502,44 @@ class _Tracer(fx.Tracer):
         except NameError:  # a module the forward made (transformers' ACT2FN[name] builds one per lookup): inline code
             return forward(*args, **kwargs)
         if self.is_leaf_module(m, qualname):
-            return super().call_module(m, forward, args, kwargs)
+            out = super().call_module(m, forward, args, kwargs)
+            checkpoint = _checkpoint_around(m)
+            if checkpoint is not None and isinstance(out, fx.Proxy):
+                out.node.meta["checkpoint"] = checkpoint
+            return out
+        self.recorder.entered(qualname)
         try:
             return super().call_module(m, forward, args, kwargs)
         except _Untraceable:
             raise
         except Exception as err:  # any failure inside a submodule: retry with it as a leaf
             raise _Untraceable(qualname, err) from err
+
+
+_CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+_CHECKPOINT_DEFAULTS = {"use_reentrant": None, "determinism_check": "default", "debug": False, "early_stop": True,
+                        "preserve_rng_state": True}
+
+
+def _checkpoint_around(module: nn.Module) -> dict | None:
+    """The options of the `torch.utils.checkpoint.checkpoint` call that is running `module` now (the owner's
+    forward checkpoints a block: `checkpoint(block, x, ...)`, or a partial of it as diffusers does), or None.
+    Read off the call's frame, so a `functools.partial` bound before tracing is seen too."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CHECKPOINT_CODE:
+            local = frame.f_locals
+            function = local.get("function")
+            if function is module or getattr(function, "__self__", None) is module:
+                given = {**local, **(local.get("kwargs") or {})}
+                if given.get("context_fn", torch.utils.checkpoint.noop_context_fn) \
+                        is not torch.utils.checkpoint.noop_context_fn:
+                    raise TraceError(f"{type(module).__name__} is checkpointed with a context_fn, which a rewritten "
+                                     "graph cannot carry; drop it, or route in boundary mode")
+                return {k: given[k] for k, default in _CHECKPOINT_DEFAULTS.items() if given.get(k, default) != default}
+            return None
+        frame = frame.f_back
+    return None
 
 
 def _attribute_path(root: nn.Module, obj: Any) -> str | None:
@@ -605,15 +646,16 @@ def _fetch(root: nn.Module, target: str) -> Any:
 
 
 def shallow_copy(model: nn.Module, cls: type | None = None) -> nn.Module:
-    """A module sharing `model`'s submodules, parameters and buffers, with its own attribute dicts.
+    """A module sharing `model`'s submodules, parameters and buffers, with its own attribute dict.
 
     Tracing writes constants onto its root, and routekit adds its own submodules: neither may touch
     the user's model.
     """
     copy = (cls or type(model)).__new__(cls or type(model))
     copy.__dict__.update(model.__dict__)
-    for attr in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
-        copy.__dict__[attr] = type(model.__dict__[attr])(model.__dict__[attr])
+    # its own submodule table; the parameter and buffer tables are the model's, so a dtype or device move
+    # of either moves both (the tensors are shared: the tables must be too)
+    copy.__dict__["_modules"] = type(model.__dict__["_modules"])(model.__dict__["_modules"])
     return copy
 
 
@@ -645,11 +687,16 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
     leaves = set(container_members(model)) | set(leaves or ())
     leafed: dict[str, str] = {}
     tensors = [v for v in call_inputs(bound, spec) if isinstance(v, torch.Tensor)]
-    with preserved_state(model, tensors):
+    # traced with gradients on in train mode: a forward that checkpoints its blocks only when they are on
+    # (`torch.is_grad_enabled() and self.gradient_checkpointing`) takes the branch it trains with
+    with preserved_state(model, tensors), torch.set_grad_enabled(model.training):
         while True:
-            tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})))
+            root = shallow_copy(model)
+            recorder = Recorder(root, leaves)
+            tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})), recorder)
             try:
-                graph = tracer.trace(shallow_copy(model))
+                with recorder.recording():
+                    graph = tracer.trace(root)
                 break
             except _Untraceable as err:
                 leafed[err.qualname] = _short(err.cause)
@@ -664,6 +711,11 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                     f"cannot trace {type(model).__name__}.forward at {user_location(err.__traceback__)}: "
                     f"{_short(err)}"
                 ) from None
+    if recorder.writes:
+        raise TraceError(
+            f"cannot trace {type(model).__name__}.forward: it sets {recorder.writes[0]} as it runs, which a traced "
+            "graph would not repeat; keep such state in a buffer, or change it outside the forward"
+        )
     constants = {}
     for node in graph.nodes:
         if node.op == "get_attr" and not _has_attr(model, node.target):
@@ -674,7 +726,8 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
         value = passed[node.target] if node.op == "placeholder" else tracer.snapshots.get(node.name, value)
         node.meta["rk"] = describe(value)
     _drop_dead_shape_arithmetic(graph)
-    return Trace(graph, spec, tracer.out_spec, constants, leafed, tracer.specialised, model.training)
+    return Trace(graph, spec, tracer.out_spec, constants, leafed, tracer.specialised, model.training,
+                 recorder.assumptions())
 
 
 def _has_attr(model: nn.Module, target: str) -> bool:

@@ -119,7 +119,8 @@ def test_summary_writes_its_table_and_never_reads_it_back(tmp_path):
 def test_throughput_quick_runs_every_kind_of_variant_and_the_two_routes_agree_on_flops(tmp_path):
     """Vanilla, routekit, the hand-written route and a DAR row, on DiT and on a scan backbone (which has no
     hand-written route). routekit and the hand-written route place the same route, so their FLOPs match; DAR's
-    aggregations add FLOPs to the routed step."""
+    aggregations are no matmuls, so the FLOP counter gives the routed DAR step no more than the route alone (and
+    it never counts a trace's work: the program built at apply serves the benchmark's batch)."""
     run_benchmark("throughput.py", "--quick", "--backbone", "dit", "mamba", "--variants", "vanilla", "routekit",
                   "manual", "dar_tread", "--out", str(tmp_path), "--name", "t")
     rows = labelled(tmp_path, "t", "python benchmarks/throughput.py --quick")["rows"]
@@ -130,7 +131,7 @@ def test_throughput_quick_runs_every_kind_of_variant_and_the_two_routes_agree_on
     assert found["dit", "vanilla"]["flop_limit"] == 1.0
     assert found["dit", "routekit"]["flop_limit"] == pytest.approx(found["dit", "manual"]["flop_limit"])
     for backbone in ("dit", "mamba"):
-        assert found[backbone, "dar_tread"]["flop_limit"] < found[backbone, "routekit"]["flop_limit"]
+        assert found[backbone, "dar_tread"]["flop_limit"] <= found[backbone, "routekit"]["flop_limit"]
         assert found[backbone, "routekit"]["flop_limit"] > 1.0
     assert "Token mixer (mamba)" in (tmp_path / "t.md").read_text()
 

@@ -162,12 +162,23 @@ def test_verify_works_on_dar_models(routes):
     assert checked["train"] == (None if routes is None else "rate 0 matches DAR without routes (to rounding)")
 
 
-def test_a_stale_dar_eval_program_is_caught():
+def test_a_dar_program_never_goes_stale(monkeypatch):
+    """An attribute the inlined attention reads, changed after the program was built, makes the program be
+    traced again: its output is then the DAR graph traced afresh (verify passes), not the old one; and where
+    the guard that notices is planted away, verify sees the stale program."""
+    import routekit.guards as guards
+
     model, args = tiny_dit()
     routed = rk.apply(model, residual=rk.DAR(chunk=2), example_inputs=args)
     routed.eval()
-    routed(*args)  # builds and caches the eval program
-    routed.blocks[1].attn.heads = 1  # read by the traced attention: the cached program no longer matches
+    before = routed(*args)  # builds and caches the eval program
+    routed.blocks[1].attn.heads = 1  # read by the traced attention
+    assert not torch.equal(routed(*args), before)
+    rk.verify(model, routed, args)
+    routed.blocks[1].attn.heads = 2
+    routed(*args)
+    monkeypatch.setattr(guards.Assumptions, "broken", lambda self, root: None)
+    routed.blocks[1].attn.heads = 1
     with pytest.raises(rk.InferenceChanged, match="DAR"):
         rk.verify(model, routed, args)
 

@@ -1,0 +1,264 @@
+"""A training graph never goes stale, and a compiled or reshaped call never reuses a graph it should not.
+
+What a traced forward read as plain Python is checked before every call (a change traces again; a value
+that changes at every call is refused by name); modules the graph traces through that get hooks later are
+traced again as module calls (their hooks run); activation checkpointing written in the owner's forward
+survives the rewrite; a graph specialised to a shape serves another batch only where no batch size was baked
+in, and never another token count; dtype and device moves move everything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import routekit as rk
+import routekit.guards
+from routekit.model import Programs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DIM = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Owner(nn.Module):
+    """Reads a Python scale and a flag in its forward; can checkpoint its blocks as diffusers models do."""
+
+    def __init__(self, depth: int = 5):
+        super().__init__()
+        self.scale, self.gradient_checkpointing = 1.5, False
+        self.embed = nn.Linear(3, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.head = nn.Linear(DIM, 3)
+        self.register_buffer("offset", torch.zeros(DIM))
+
+    def forward(self, x):
+        h = self.embed(x) * self.scale + self.offset
+        for block in self.blocks:
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return self.head(h)
+
+
+def routed_owner(**options):
+    torch.manual_seed(0)
+    model, x = Owner(), torch.randn(2, 10, 3)
+    return model, rk.apply(model, rk.Route(start=1, end=3), example_inputs=(x,), **options), x
+
+
+def at_rate_zero_matches_the_original(routed: nn.Module, x: torch.Tensor) -> bool:
+    from routekit.verify import _original, _rate_zero
+
+    routed.train()
+    with _rate_zero(routed):
+        got = routed(x)
+    return torch.equal(got, _original(routed)(x))
+
+
+def test_an_attribute_the_forward_reads_changed_after_apply_is_read_again():
+    model, routed, x = routed_owner()
+    routed.train()
+    before = routed(x)
+    routed.scale = 2.0
+    assert not torch.equal(routed(x), before)
+    assert at_rate_zero_matches_the_original(routed, x)
+
+
+def test_without_the_guard_the_stale_graph_is_what_verify_catches(monkeypatch):
+    model, routed, x = routed_owner()
+    routed.train()
+    routed(x)
+    monkeypatch.setattr(routekit.guards.Assumptions, "broken", lambda self, root: None)
+    model.scale = routed.scale = 2.0
+    with pytest.raises(rk.InferenceChanged, match="rate 0"):
+        rk.verify(model, routed, (x,))
+
+
+class Counting(Owner):
+    """Changes an attribute in its forward: a traced graph would not repeat that."""
+
+    def forward(self, x):
+        self.scale += 0.125
+        return super().forward(x)
+
+
+def test_a_forward_that_sets_attributes_is_not_traced():
+    torch.manual_seed(0)
+    model, x = Counting(), torch.randn(2, 10, 3)
+    with pytest.raises(rk.TraceError, match=r"sets self\.scale"):
+        rk.apply(model, rk.Route(start=1, end=3), example_inputs=(x,), mode="graph")
+    with pytest.warns(rk.FallbackWarning):
+        routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(x,))
+    assert rk.report_of(routed).mode == "boundary"  # the forward itself runs: its side effects with it
+
+
+def test_a_value_that_changes_at_every_call_is_refused_by_name():
+    model, routed, x = routed_owner()
+    routed.train()
+    with pytest.raises(rk.ConfigError, match=r"scale.*pass it as an argument"):
+        for step in range(20):
+            routed.scale = 1.0 + step
+            routed(x)
+
+
+def test_a_hook_registered_after_apply_on_a_traced_through_module_runs():
+    model, routed, x = routed_owner()
+    routed.train()
+    routed(x)
+    calls = []
+    routed.embed.register_forward_hook(lambda m, a, out: calls.append(out.shape))
+    routed(x)  # traced again, with the hooked layer a module call (the trace runs it too)
+    calls.clear()
+    routed(x)
+    assert calls == [(2, 10, DIM)]
+
+
+def test_dar_honours_a_hook_on_a_block_or_refuses_it_by_name():
+    """A block that gets a hook after apply is traced again as a module call, one DAR source (so the hook
+    runs); where that changes DAR's aggregation points (a block of two sublayers), the error names the hook."""
+    torch.manual_seed(0)
+    model, x = Owner(), torch.randn(2, 10, 3)
+    routed = rk.apply(model, residual=rk.DAR(), example_inputs=(x,)).train()
+    routed(x)
+    calls = []
+    routed.blocks[2].register_forward_hook(lambda m, a, out: calls.append(1))
+    routed(x)  # traced again (the trace runs the hooked block too)
+    calls.clear()
+    assert torch.isfinite(routed(x)).all() and calls == [1]  # one sublayer: the block as one source is the same
+    from backbones import dit
+
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=3, hidden=32, heads=2, input_size=8, num_classes=10)
+    args = dit.example_inputs(model, 2)
+    routed = rk.apply(model, residual=rk.DAR(), example_inputs=args).train()
+    routed(*args)
+    routed.blocks[1].register_forward_hook(lambda m, a, out: None)
+    with pytest.raises(rk.ConfigError, match=r"blocks\.1 has hooks.*aggregation points"):
+        routed(*args)
+
+
+def recomputations(routed: nn.Module, x: torch.Tensor) -> int:
+    calls = []
+    handles = [b.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled())) for b in routed.blocks]
+    routed(x).square().mean().backward()
+    for h in handles:
+        h.remove()
+    return len(calls) - len(routed.blocks)  # a checkpointed block runs again in backward
+
+
+def test_activation_checkpointing_in_the_owner_forward_is_kept():
+    torch.manual_seed(0)
+    model, x = Owner(), torch.randn(2, 10, 3)
+    model.gradient_checkpointing = True
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(x,)).train()
+    assert recomputations(routed, x) == 5
+    plain = [p.grad.clone() for p in routed.parameters()]
+    model.zero_grad()
+    with rk.force_keep(routed, torch.ones(2, 10, dtype=torch.bool)):  # every token kept: the plain gradients
+        routed.zero_grad()
+        routed(x).square().mean().backward()
+    model.zero_grad()
+    model.train()(x).square().mean().backward()
+    assert all(torch.allclose(p.grad, q) for p, q in zip(model.parameters(), [p.grad for p in routed.parameters()]))
+    assert len(plain) == len(list(model.parameters()))
+
+
+def test_dar_refuses_blocks_the_forward_checkpoints():
+    torch.manual_seed(0)
+    model, x = Owner(), torch.randn(2, 10, 3)
+    model.gradient_checkpointing = True
+    with pytest.raises(rk.ConfigError, match="torch.utils.checkpoint"):
+        rk.apply(model, residual=rk.DAR(), example_inputs=(x,))
+
+
+class SquareGrid(nn.Module):
+    """Reads the grid off the token count (specialised when traced) and runs a loop over the batch."""
+
+    def __init__(self, per_sample: bool):
+        super().__init__()
+        self.per_sample = per_sample
+        self.embed = nn.Linear(1, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        side = int(h.shape[1] ** 0.5)
+        out = self.head(h).reshape(h.shape[0], side, side)
+        if self.per_sample:  # the batch size baked in as a loop's length
+            out = torch.stack([out[i] * (i + 1) for i in range(x.shape[0])])
+        return out
+
+
+def programs(routed: nn.Module) -> Programs:
+    return routed._routekit_executor
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_a_new_batch_reuses_the_graph_unless_the_batch_size_was_baked_in(per_sample):
+    torch.manual_seed(0)
+    model = SquareGrid(per_sample)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(torch.randn(2, 16, 1),)).train()
+    x = torch.randn(5, 16, 1)
+    assert at_rate_zero_matches_the_original(routed, x)
+    (bucket,) = [b for (train, _), b in programs(routed).programs.items() if train]
+    assert len(bucket) == (2 if per_sample else 1)
+
+
+def test_a_new_token_count_is_traced_again():
+    """The grid side (int(N ** 0.5)) is baked in: at another token count the graph is traced again, and a
+    cache that ignored the shapes would give the wrong grid (the planted bug fails this test)."""
+    torch.manual_seed(0)
+    model = SquareGrid(False)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(torch.randn(2, 16, 1),)).train()
+    assert at_rate_zero_matches_the_original(routed, torch.randn(2, 36, 1))
+
+
+def test_a_table_traced_at_batch_1_serves_batch_3():
+    """A (1, N, D) table is shared by the batch: gathered per sample at batch 3 though traced at batch 1."""
+
+    class TableBlock(nn.Module):
+        def forward(self, x, table):
+            return x + table
+
+    class TableOwner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(TableBlock() for _ in range(3))
+
+        def forward(self, x, table):
+            for block in self.blocks:
+                x = block(x, table)
+            return x
+
+    model = TableOwner()
+    routed = rk.apply(model, rk.Route(start=1, end=1), example_inputs=(torch.randn(1, 6, 4), torch.randn(1, 6, 4)))
+    routed.train()
+    x, table = torch.randn(3, 6, 4), torch.randn(1, 6, 4)
+    out = routed(x, table)
+    kept = ~rk.last_route_mask(routed)
+    want = model(x, table)
+    assert torch.equal(out[kept], want[kept])
+
+
+def test_dtype_and_device_moves_move_the_whole_model():
+    model, routed, x = routed_owner()
+    routed.to(torch.float64)
+    assert model.offset.dtype == torch.float64 and model.embed.weight.dtype == torch.float64
+    routed.train()
+    assert routed(x.double()).dtype == torch.float64
