@@ -175,3 +175,13 @@ def test_dar_kernel_quick_checks_and_times_the_kernel_on_cpu(tmp_path):
     run_benchmark("dar_kernel.py", "--quick", "--out", str(tmp_path))
     assert json.loads((tmp_path / "dar_kernel.json").read_text())
     assert "python benchmarks/dar_kernel.py --quick" in (tmp_path / "dar_kernel.md").read_text()
+
+
+def test_flux_quick_places_the_same_route_by_hand_and_by_routekit(tmp_path):
+    """A tiny FLUX: routekit's route and the hand-written one save the same FLOPs (the same blocks see the same
+    number of tokens), and both run a train step."""
+    run_benchmark("flux.py", "--quick", "--out", str(tmp_path))
+    rows = {r["variant"]: r for r in labelled(tmp_path, "flux", "python benchmarks/flux.py --quick")["rows"]}
+    assert set(rows) == {"vanilla", "routekit", "manual"} and all(r["step_ms"] > 0 for r in rows.values())
+    assert rows["routekit"]["flop_limit"] == pytest.approx(rows["manual"]["flop_limit"])
+    assert rows["routekit"]["flop_limit"] > 1.0
