@@ -169,6 +169,17 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=8)
 
 
+def attention_backends(device: str):
+    """Flash or memory-efficient attention on a GPU: torch 2.11's cuDNN attention fails on FLUX's shapes in
+    backward (`mha_graph.execute`), and the three variants must run the same kernels to be compared."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) if device == "cuda" \
+        else nullcontext()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=2)
@@ -185,6 +196,8 @@ def main() -> None:
     example = inputs(config, 2, side, text, device)
     batch_inputs = inputs(config, args.batch, side, text, device, seed=1)
     rows, flops = [], {}
+    backends = attention_backends(device)
+    backends.__enter__()
     for name in ("vanilla", "routekit", "manual"):
         model = variant(name, config, example, device)
         flops[name] = step_flops(model, *batch_inputs)
@@ -200,7 +213,9 @@ def main() -> None:
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
+    backends.__exit__(None, None, None)
     info = machine()
+    info["attention"] = "flash or memory-efficient SDPA" if device == "cuda" else "default"
     body = (f"FLUX widths at reduced depth ({config['num_layers']} double + {config['num_single_layers']} single "
             f"blocks), {side * side} image + {text} text tokens, batch {args.batch}; route "
             f"{rk.Route.default(config['num_layers'])!r}; routekit shares one selection by the batch: {shared}.\n\n"
