@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from .model import RoutedModel, example_call, report_of, unwrap_compiled
 from .rewrite import STATE
 from .routing import gather_tokens, route_side
 from .state import training_mode
-from .trace import flatten, preserved_state, shallow_copy, trace
+from .trace import bind_arguments, flatten, preserved_state, shallow_copy, trace
 
 
 def graph_lines(graph: fx.Graph) -> list[str]:
@@ -57,8 +58,9 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     with preserved_state(model, tensors), preserved_state(routed, tensors):
         nodes, outputs = _eval(model, routed, args, kwargs, seed)
-        train = _train_at_rate_zero(routed, args, kwargs, seed) if plan.placed else None
-        kept = _kept_tokens(routed, args, kwargs, seed) if plan.placed and plan.dar is None else 0
+        with torch.enable_grad():  # as training runs: a forward may branch on it (checkpointing its blocks)
+            train = _train_at_rate_zero(routed, args, kwargs, seed) if plan.placed else None
+            kept = _kept_tokens(routed, args, kwargs, seed) if plan.placed and plan.dar is None else 0
     return {"mode": plan.report.mode, "nodes": nodes, "outputs": outputs, "train": train, "kept": kept}
 
 
@@ -165,27 +167,27 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
                 for handle in handles:
                     handle.remove()
         index = getattr(routed, STATE).routes[0].last_index
-        a, kw = seen["original"]
-        stream = _slot(a, kw, report.stream_slot)
-        values = dict(enumerate(a)) | dict(kw)
-        values[report.stream_slot] = gather_tokens(stream, index)
-        _compare(values[report.stream_slot], _slot(*seen["routed"], report.stream_slot),
+        module = original.get_submodule(block.qualname)
+        names = [p for p in inspect.signature(type(module).forward).parameters][1:]
+        name = lambda slot: names[slot] if isinstance(slot, int) else slot  # noqa: E731
+        bound = bind_arguments(type(module).forward, *seen["original"])  # by name: the two calls may differ in form
+        values = bound.arguments
+        stream = values[name(report.stream_slot)]
+        values[name(report.stream_slot)] = gather_tokens(stream, index)
+        _compare(values[name(report.stream_slot)],
+                 bind_arguments(type(module).forward, *seen["routed"]).arguments[name(report.stream_slot)],
                  f"{block.qualname}'s input {report.stream_slot!r} in the original, gathered",
                  f"{block.qualname}'s input {report.stream_slot!r} in route 0")
         for side in block.side_inputs:
-            values[side.slot] = route_side(values[side.slot], stream, index, route.cuts(side), route.shared)
+            key = name(side.slot)
+            values[key] = route_side(values.get(key), stream, index, route.cuts(side), route.shared)
         torch.manual_seed(seed + 1)
-        want = original.get_submodule(block.qualname)(*[values[i] for i in range(len(a))],
-                                                      **{k: v for k, v in values.items() if isinstance(k, str)})
+        want = module(*bound.args, **bound.kwargs)
     # close rather than equal: the route's graph may hand the block an equivalent input in another form (an
     # explicit causal mask where the eager forward passed None to the same attention)
     _compare(want, seen["output"], f"{block.qualname} on the original's inputs cut to the kept tokens",
              f"{block.qualname} in route 0", close=True)
     return 1
-
-
-def _slot(args: tuple, kwargs: dict, slot) -> Any:
-    return args[slot] if isinstance(slot, int) and slot < len(args) else kwargs.get(slot)
 
 
 def _compare(expected, got, want_name: str, got_name: str, close: bool = False, depth: int = 0) -> None:

@@ -177,3 +177,25 @@ if __name__ == "__main__":
     head, tail = text[:text.index(START) + len(START)], text[text.index(END):]
     README.write_text(f"{head}\n{table(rows)}\n{tail}")
     print(table(rows))
+
+
+@pytest.mark.parametrize("selector", ["row", "frame", "tube"])
+def test_a_video_model_routes_whole_rows_frames_or_tubes(selector: str) -> None:
+    """Wan's patch embedding is a Conv3d: its T×H×W grid is found, and the video selectors route it."""
+    try:
+        model, args, kwargs = ZOO["diffusers Wan"].build()
+    except Missing as err:
+        pytest.skip(str(err))
+    torch.set_num_threads(1)
+    routed = rk.apply(model, rk.Route(start=1, end=4, selector=selector), example_inputs=args, example_kwargs=kwargs)
+    assert rk.report_of(routed).grid == (2, 4, 4)
+    rk.verify(model, routed, args, kwargs)
+    routed.train()
+    routed(*args, **kwargs)
+    kept = ~rk.last_route_mask(routed).reshape(2, 2, 4, 4)
+    if selector == "frame":
+        assert (kept.flatten(2).all(2) | ~kept.flatten(2).any(2)).all()
+    if selector == "row":
+        assert (kept.all(3) | ~kept.any(3)).all()
+    if selector == "tube":
+        assert (kept == kept[:, :1]).all()
