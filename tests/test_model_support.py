@@ -199,3 +199,28 @@ def test_a_video_model_routes_whole_rows_frames_or_tubes(selector: str) -> None:
         assert (kept.all(3) | ~kept.any(3)).all()
     if selector == "tube":
         assert (kept == kept[:, :1]).all()
+
+
+def test_a_causal_lm_trains_with_a_route():
+    """transformers' LlamaForCausalLM, trained as it trains (labels in, loss out): the routed step's loss is a
+    loss over every token, its gradients reach the parameters they reached unrouted, and eval is the model's."""
+    try:
+        transformers = __import__("zoo").package("transformers")
+    except Missing as err:
+        pytest.skip(str(err))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                      num_attention_heads=2, num_key_value_heads=2, use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 12))
+    routed = rk.apply(model, rk.Route(start=1, end=4), example_inputs=(ids,), example_kwargs={"labels": ids})
+    rk.verify(model, routed, (ids,), {"labels": ids})
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    before = reached(model)
+    routed.train()
+    model.zero_grad()
+    loss = routed(ids, labels=ids).loss
+    loss.backward()
+    assert loss.ndim == 0 and torch.isfinite(loss) and reached(routed) == before
