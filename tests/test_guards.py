@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils.checkpoint
+from tiny import Residual
 from torch import nn
 
 import routekit as rk
@@ -23,15 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DIM = 8
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
 class Owner(nn.Module):
     """Reads a Python scale and a flag in its forward; can checkpoint its blocks as diffusers models do."""
 
@@ -39,7 +31,7 @@ class Owner(nn.Module):
         super().__init__()
         self.scale, self.gradient_checkpointing = 1.5, False
         self.embed = nn.Linear(3, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.blocks = nn.ModuleList(Residual(DIM) for _ in range(depth))
         self.head = nn.Linear(DIM, 3)
         self.register_buffer("offset", torch.zeros(DIM))
 
@@ -191,7 +183,7 @@ class SquareGrid(nn.Module):
         super().__init__()
         self.per_sample = per_sample
         self.embed = nn.Linear(1, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.blocks = nn.ModuleList(Residual(DIM) for _ in range(4))
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, x):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import Residual
 from torch import nn
 
 import routekit as rk
@@ -22,22 +23,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DIM = 8
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(DIM, DIM)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x):
-        return x + self.drop(self.fc(x))
-
-
 class Net(nn.Module):
     """Tokens in, tokens out, with dropout inside the blocks and after them."""
 
     def __init__(self, depth: int = 4):
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.blocks = nn.ModuleList(Residual(DIM, dropout=0.5) for _ in range(depth))
         self.drop = nn.Dropout(0.3)
 
     def forward(self, x):
@@ -163,7 +154,7 @@ class Video(nn.Module):
     def __init__(self, depth: int = 4):
         super().__init__()
         self.embed = nn.Conv3d(3, DIM, (1, 2, 2), (1, 2, 2))
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.blocks = nn.ModuleList(Residual(DIM, dropout=0.5) for _ in range(depth))
 
     def forward(self, video):
         x = self.embed(video).flatten(2).transpose(1, 2)  # (B, T·H·W, D)
