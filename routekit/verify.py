@@ -168,14 +168,15 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
                     handle.remove()
         index = getattr(routed, STATE).routes[0].last_index
         module = original.get_submodule(block.qualname)
-        names = [p for p in inspect.signature(type(module).forward).parameters][1:]
+        forward = type(unwrap_compiled(module)[0]).forward  # a compiled block's own signature
+        names = [p for p in inspect.signature(forward).parameters][1:]
         name = lambda slot: names[slot] if isinstance(slot, int) else slot  # noqa: E731
-        bound = bind_arguments(type(module).forward, *seen["original"])  # by name: the two calls may differ in form
+        bound = bind_arguments(forward, *seen["original"])  # by name: the two calls may differ in form
         values = bound.arguments
         stream = values[name(report.stream_slot)]
         values[name(report.stream_slot)] = gather_tokens(stream, index)
-        _compare(values[name(report.stream_slot)],
-                 bind_arguments(type(module).forward, *seen["routed"]).arguments[name(report.stream_slot)],
+        routed_stream = bind_arguments(forward, *seen["routed"]).arguments[name(report.stream_slot)]
+        _compare(values[name(report.stream_slot)], routed_stream,
                  f"{block.qualname}'s input {report.stream_slot!r} in the original, gathered",
                  f"{block.qualname}'s input {report.stream_slot!r} in route 0")
         for side in block.side_inputs:
