@@ -156,8 +156,9 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
         for key, root in (("routed", routed), ("original", original)):
             module = root.get_submodule(block.qualname)
             handles = [module.register_forward_pre_hook(capture(key), with_kwargs=True)]
-            if key == "routed":
-                handles.append(module.register_forward_hook(lambda m, a, out: seen.setdefault("output", out)))
+            if key == "routed":  # first, so it sees the block's own output (boundary mode's hook scatters it)
+                handles.append(module.register_forward_hook(lambda m, a, out: seen.setdefault("output", out),
+                                                            prepend=True))
             try:
                 _run(root, args, kwargs, seed, f"the {key} model in train mode")
             finally:
