@@ -126,7 +126,11 @@ BUGS: dict[str, str] = {
                                     "is False for the block at any token count (`_needs_whole_rows`, `_shared`, "
                                     "`_resolved` then decide on a failed probe). The mutant describes the Nodes, as "
                                     "graph mode does; whether rebuilding such an object from TensorMetas is safe "
-                                    "for real caches is the open question",
+                                    "for real caches is the open question. Fixed after the run: `_meta_of` rebuilds "
+                                    "a registered object around the values where the recording put nodes in it, an "
+                                    "object holding a per-token tensor is refused by the plan by name, and a type "
+                                    "registered without key paths is taken whole by `trace.call_spec` "
+                                    "(tests/test_boundary.py::test_a_pytree_registered_context_object_...)",
 }
 
 

@@ -52,6 +52,7 @@ class SideInput:
     tokens: tuple[Gather, ...] = ()
     grid: tuple[tuple[tuple, int], ...] = ()
     unordered: tuple[tuple, ...] = ()  # joint tables whose layout (other tokens first or last) the block hides
+    sealed: tuple[tuple, ...] = ()  # objects a route does not look into (see `is_opaque`) that hold per-token tensors
 
     @property
     def kind(self) -> str:
@@ -269,8 +270,11 @@ def _side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chan
     tables come back apart, listed as `unordered` until `_joint_order` reads their layout off the block."""
     node = arg.name if isinstance(arg, fx.Node) else None
     meta = _meta_of(arg)
-    gathers, grid, joint = [], [], []
+    gathers, grid, joint, sealed = [], [], [], []
     for path, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]:
+        inside = [m for m in pytree.tree_leaves(leaf) if isinstance(m, TensorMeta)] if is_opaque(leaf) else []
+        if any(_token_axes(m, batch, tokens, channels, sequences) for m in inside) and not isinstance(leaf, TensorMeta):
+            sealed.append(keys(path))
         if isinstance(leaf, TensorMeta):
             found = _token_axes(leaf, batch, tokens, channels, sequences)
             if found is not None:
@@ -280,7 +284,8 @@ def _side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chan
             axis = _grid_axis(names.get(slot, str(slot)), keys(path))
             if axis is not None:
                 grid.append((keys(path), axis))
-    return SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint)), tuple(joint)
+    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), tuple(sealed)),
+            tuple(joint))
 
 
 def _parameter_names(module: nn.Module) -> dict:
@@ -293,9 +298,16 @@ def _parameter_names(module: nn.Module) -> dict:
 
 
 def _meta_of(arg: Any) -> Any:
-    """What a call argument holds: fx nodes replaced by their recorded values (tensors as TensorMeta)."""
+    """What a call argument holds: fx nodes replaced by their recorded values (tensors as TensorMeta).
+
+    An object registered with pytree (a cache, a context dataclass) is rebuilt around the values where the
+    recording put nodes in it: probes of the block need values, and a node handed to a block fails every call.
+    """
+    def holds_nodes(v: Any) -> bool:
+        return any(isinstance(leaf, fx.Node) for leaf in pytree.tree_leaves(v))
+
     return pytree.tree_map(lambda v: v.meta.get("rk") if isinstance(v, fx.Node) else v, arg,
-                           is_leaf=lambda v: isinstance(v, fx.Node) or is_opaque(v))
+                           is_leaf=lambda v: isinstance(v, fx.Node) or (is_opaque(v) and not holds_nodes(v)))
 
 
 def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,

@@ -19,7 +19,11 @@ from .selectors import get_selector
 class _Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __init__(self, **data):
+    def __init__(self, *args, **data):
+        if args:
+            fields = ", ".join(f"{name}=..." for name in type(self).model_fields)
+            raise ConfigError(f"{type(self).__name__} takes keyword arguments only ({type(self).__name__}({fields})); "
+                              f"got {len(args)} positional: {args!r:.80}")
         try:
             super().__init__(**data)
         except pydantic.ValidationError as err:

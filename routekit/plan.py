@@ -229,6 +229,16 @@ def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphRe
                 "show which come first (routekit reads that off a cat of the two inside the block); end the route "
                 "before this block"
             )
+        sealed = [s for s in block.side_inputs if s.sealed]
+        if sealed:
+            side = sealed[0]
+            where = "".join(f"[{k!r}]" for k in side.sealed[0])
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: its input {side.slot!r}{where} is an object "
+                f"({side.describe()}) holding a tensor over the stream's tokens, and a route does not cut inside "
+                "objects (state such as a cache is the blocks' own); pass that tensor to the block as an argument "
+                "or inside a tuple/list/dict, or end the route before this block"
+            )
         if block.aux_escapes:
             raise ConfigError(
                 f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "

@@ -187,7 +187,7 @@ def call_spec(bound: inspect.BoundArguments) -> CallSpec:
         if param is not None and value is param.default:  # not passed: the forward uses its default itself
             constants[name] = value
             continue
-        leaves, treespec = pytree.tree_flatten_with_path(value)
+        leaves, treespec = pytree.tree_flatten_with_path(value, is_leaf=_keyless)
         marked = []
         for path, leaf in leaves:
             if isinstance(leaf, fx.Node):
@@ -203,6 +203,13 @@ def call_spec(bound: inspect.BoundArguments) -> CallSpec:
         if not (len(leaves) == 1 and not leaves[0][0] and isinstance(marked[0], Input)):  # not one input itself
             constants[name] = pytree.tree_unflatten(marked, treespec)
     return CallSpec(tuple(inputs), constants)
+
+
+def _keyless(value: Any) -> bool:
+    """A type registered with pytree without key paths (`register_pytree_node` with no flatten_with_keys_fn):
+    its parts cannot be named or fetched, so the object is taken whole, as an object that is not registered is."""
+    node = pytree.SUPPORTED_NODES.get(type(value))
+    return node is not None and node.flatten_with_keys_fn is None
 
 
 def call_inputs(bound: inspect.BoundArguments, spec: CallSpec, step=None) -> list[Any]:

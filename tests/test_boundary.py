@@ -299,3 +299,50 @@ def test_mode_must_be_auto_graph_or_boundary() -> None:
     with pytest.raises(rk.ConfigError, match="'auto', 'graph' or 'boundary'"):
         rk.inspect(twins()[1], call()[0], mode="fx")
 
+
+
+@dataclasses.dataclass
+class _Context:
+    """A context object a model hands its blocks, registered with pytree without key paths (the older API)."""
+
+    bias: torch.Tensor
+
+
+torch.utils._pytree.register_pytree_node(_Context, lambda c: ([c.bias], None), lambda xs, _: _Context(xs[0]))
+
+
+class _ContextBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.f = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        bias = ctx.bias if ctx.bias.dim() == 3 else ctx.bias[:, None]
+        return x + self.f(x) + bias
+
+
+class _ContextNet(nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(_ContextBlock(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ctx, x = _Context(c * 2), self.inp(x)
+        for block in self.blocks:
+            x = block(x, ctx)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_a_pytree_registered_context_object_reaches_probes_as_values_and_a_per_token_one_is_refused(mode: str) -> None:
+    torch.manual_seed(0)
+    model, x = _ContextNet(), torch.randn(2, 32, 16)
+    route = rk.Route(start=1, end=3, rate=0.5)
+    per_sample = torch.randn(2, 16)
+    report = rk.inspect(model, (x, per_sample), mode=mode)
+    assert [s.kind for s in report.blocks[1].side_inputs] == ["per-sample"]  # its tensor, not a recorded node
+    routed = rk.apply(model, route, example_inputs=(x, per_sample), mode=mode)
+    assert rk.verify(model, routed, (x, per_sample))["train"]
+    with pytest.raises(rk.ConfigError, match=r"cannot contain blocks\.1: its input 1 is an object \(_Context"):
+        rk.apply(model, route, example_inputs=(x, torch.randn(2, 32, 16)), mode=mode)

@@ -40,6 +40,13 @@ def mlp_blocks(depth: int, hidden: int) -> nn.ModuleList:
 # --- route plans -----------------------------------------------------------------------------------
 
 
+def test_positional_config_arguments_are_refused_with_the_keywords_to_use() -> None:
+    with pytest.raises(rk.ConfigError, match=r"Route takes keyword arguments only \(Route\(start=\.\.\., end=\.\.\."):
+        rk.Route(1, 3, 0.5)
+    with pytest.raises(rk.ConfigError, match=r"DAR takes keyword arguments only"):
+        rk.DAR("static")
+
+
 def test_start_after_end_is_refused_naming_both() -> None:
     with pytest.raises(rk.ConfigError, match=r"start \(3\) must be <= end \(1\)"):
         rk.Route(start=3, end=1)
