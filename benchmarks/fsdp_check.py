@@ -118,7 +118,8 @@ def launch(args: argparse.Namespace, variant: str, sharded: bool, runs: Path) ->
                "--result", str(result), *(["--quick"] if args.quick else [])]
     print("$", shlex.join(command), flush=True)
     began = time.perf_counter()
-    subprocess.run(command, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    path = os.pathsep.join(part for part in (str(REPO), os.environ.get("PYTHONPATH", "")) if part)  # keep the caller's too
+    subprocess.run(command, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": path})
     return {**json.loads(result.read_text()), "wall_s": time.perf_counter() - began, "command": shlex.join(command)}
 
 
@@ -166,6 +167,7 @@ def main() -> None:
     p.add_argument("--rtol", type=float, default=0.05, help="largest relative per-step loss difference accepted")
     p.add_argument("--name", default="fsdp_check")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--runs", type=Path, help="run folders (default runs/NAME)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run of the plumbing (no FSDP on CPUs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -177,7 +179,7 @@ def main() -> None:
         args.size, args.steps, args.batch = "S/2", 3, 2
     elif torch.cuda.device_count() < args.world:
         raise SystemExit(f"needs {args.world} GPUs, {torch.cuda.device_count()} here (--quick: a CPU smoke run)")
-    runs = REPO / "runs" / args.name
+    runs = args.runs or REPO / "runs" / args.name
     runs.mkdir(parents=True, exist_ok=True)
     info, rows = machine(), []
     for variant in args.variants:

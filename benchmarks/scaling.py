@@ -142,10 +142,11 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--name", default="scaling")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--runs", type=Path, help="run folders (default runs/NAME)")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: the first recipe, one process, a tiny model, batch 2, 6 steps")
     args = p.parse_args()
-    runs = REPO / "runs" / args.name
+    runs = args.runs or REPO / "runs" / args.name
     configs = args.configs
     if args.quick:
         args.gpus, args.per_gpu_batch, args.steps, args.log_every = [1], 2, 6, 2

@@ -122,7 +122,12 @@ def _check_units(routed: nn.Module, called: frozenset[str]) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    runs = {id(routed)} | {id(routed.get_submodule(name)) for name in called}
+    runs = set()  # the modules whose forward runs: the root, those the graph calls, and what a called wrapper wraps
+    for module in (routed, *(routed.get_submodule(name) for name in called)):
+        runs.add(id(module))
+        while isinstance(module, ActivationWrapper):  # accelerate checkpoints a block, then shards what it wraps
+            module = module._checkpoint_wrapped_module
+            runs.add(id(module))
     fix = ("use routekit.shard(model) before accelerate.prepare: one unit per block, made of the layers DAR calls "
            "in it (routekit.fsdp_units(model) lists them). Shard the whole model as one unit (fully_shard(model); "
            "accelerate: fsdp_auto_wrap_policy NO_WRAP) or single leaf layers such as nn.Linear to shard it yourself")

@@ -325,3 +325,128 @@ def kept_count(route: rk.Route, grid: tuple[int, int]) -> int:
     if route.selector == "column":
         return h * (w - int(w * rate))
     return h * w - int(h * w * rate)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A position-encoded family: blocks that read a position table of random layout.
+# ---------------------------------------------------------------------------------------------------------------
+
+POSITION_DIM, TEXT_TOKENS = 8, 3
+# How the table reaches the block: (B, N, D); (N, D) with no batch axis; (B, 1, N, D) with a head axis; (1, N, D)
+# broadcast over the batch; (TEXT + N, D) or (N + TEXT, D), the text tokens' rows joined to the image's.
+POSITION_LAYOUTS = ("batched", "token first", "batched heads", "broadcast", "joint first", "joint last")
+POSITION_WRAPS = ("plain", "tuple", "dict")  # the table alone, `(cos, sin)`-style, or `{"table": ...}`
+
+
+class PositionBlock(nn.Module):
+    """Attention-free so that a block's output at a token depends on that token alone: the routed block's
+    outputs are then exactly the original block's at the kept tokens. Reads its table in the layout `layout`
+    names, and the text tokens' rows where the table is joint (as joint attention reads it)."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        self.layout = layout
+        self.fc = nn.Linear(POSITION_DIM, POSITION_DIM)
+
+    def forward(self, x, pos, text=None):
+        table = pos["table"] if isinstance(pos, dict) else pos[0] if isinstance(pos, tuple) else pos
+        if self.layout in ("joint first", "joint last"):
+            first = self.layout == "joint first"
+            joint = torch.cat([text, x], 1) if first else torch.cat([x, text], 1)
+            mixed = joint * table
+            mine = mixed[:, text.shape[1]:] if first else mixed[:, :x.shape[1]]
+            return x + self.fc(mine)
+        if self.layout == "batched heads":
+            return x + self.fc(x * table[:, 0])
+        return x + self.fc(x * table)
+
+
+class PositionOwner(nn.Module):
+    """Builds its table in the forward from the token count, as RoPE owners do, and hands it to every block."""
+
+    def __init__(self, layout: str, wrap: str, depth: int):
+        super().__init__()
+        self.layout, self.wrap = layout, wrap
+        self.blocks = nn.ModuleList(PositionBlock(layout) for _ in range(depth))
+
+    def table(self, x, text):
+        batch, tokens, _ = x.shape
+        rows = (torch.arange(tokens, dtype=x.dtype)[:, None] * 0.1
+                + torch.arange(POSITION_DIM, dtype=x.dtype)[None] * 0.01).cos()
+        if self.layout == "token first":
+            return rows
+        if self.layout == "batched heads":
+            return rows[None, None].expand(batch, 1, tokens, POSITION_DIM)
+        if self.layout == "broadcast":
+            return rows[None]
+        if self.layout in ("joint first", "joint last"):
+            text_rows = (text[0, :, :1].detach() * 0 + 1).expand(-1, POSITION_DIM)  # (TEXT, D)
+            return torch.cat([text_rows, rows] if self.layout == "joint first" else [rows, text_rows])
+        return rows[None].expand(batch, tokens, POSITION_DIM) + x.detach() * 0
+
+    def wrapped(self, table):
+        return {"table": table} if self.wrap == "dict" else (table, table) if self.wrap == "tuple" else table
+
+    def side(self, x, text):
+        """The side inputs every block gets: (pos, text)."""
+        return self.wrapped(self.table(x, text)), text
+
+    def side_at(self, x, text, index):
+        """The side inputs a block sees inside a route keeping tokens `index` (B, K), gathered by hand."""
+        table, layout = self.table(x, text), self.layout
+        if layout in ("joint first", "joint last"):
+            own = table[TEXT_TOKENS:] if layout == "joint first" else table[:-TEXT_TOKENS]
+            rows = torch.stack([own[i] for i in index])
+            text_rows = table[:TEXT_TOKENS] if layout == "joint first" else table[-TEXT_TOKENS:]
+            text_rows = text_rows[None].expand(index.shape[0], *text_rows.shape)
+            table = torch.cat([text_rows, rows] if layout == "joint first" else [rows, text_rows], dim=1)
+        elif layout == "token first":
+            table = table[index]  # (B, K, D): one table per sample
+        elif layout == "batched heads":
+            table = torch.stack([t[:, i] for t, i in zip(table, index)])
+        elif layout == "broadcast":
+            table = table[0][index]
+        else:
+            table = torch.stack([t[i] for t, i in zip(table, index)])
+        return self.wrapped(table), text
+
+    def forward(self, x, text):
+        side = self.side(x, text)
+        for block in self.blocks:
+            x = block(x, *side)
+        return x
+
+
+@dataclass(frozen=True)
+class PositionCase:
+    """A position-encoded model's recipe (plain data, so Hypothesis prints and shrinks it) and one route."""
+
+    layout: str
+    wrap: str
+    depth: int
+    start: int
+    end: int
+    batch: int
+    tokens: int
+    seed: int
+    mode: str
+
+    def build(self) -> PositionOwner:
+        torch.manual_seed(self.seed)
+        return PositionOwner(self.layout, self.wrap, self.depth)
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed)
+        return (torch.randn(self.batch, self.tokens, POSITION_DIM, generator=g),
+                torch.randn(self.batch, TEXT_TOKENS, POSITION_DIM, generator=g))
+
+
+@st.composite
+def position_cases(draw: st.DrawFn) -> PositionCase:
+    """A random layout, container, depth, route, batch, token count and placement mode."""
+    depth = draw(st.integers(2, 6))
+    start = draw(st.integers(0, depth - 1))
+    return PositionCase(
+        layout=draw(st.sampled_from(POSITION_LAYOUTS)), wrap=draw(st.sampled_from(POSITION_WRAPS)), depth=depth,
+        start=start, end=draw(st.integers(start, depth - 1)), batch=draw(st.integers(1, 3)),
+        tokens=draw(st.integers(4, 9)), seed=draw(st.integers(0, 999)), mode=draw(st.sampled_from(["graph", "boundary"])))

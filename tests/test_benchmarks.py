@@ -137,7 +137,8 @@ def test_throughput_quick_runs_every_kind_of_variant_and_the_two_routes_agree_on
 
 
 def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
-    run_benchmark("scaling.py", "--quick", "--out", str(tmp_path), "--name", "scaling_test")
+    run_benchmark("scaling.py", "--quick", "--out", str(tmp_path), "--name", "scaling_test",
+                  "--runs", str(tmp_path / "runs"))
     (row,) = labelled(tmp_path, "scaling_test", "python benchmarks/scaling.py --quick")["rows"]
     assert row["gpus"] == 1 and row["global_batch"] == 2 and row["steps"] == 6 and row["images_per_s"] > 0
 
@@ -164,7 +165,7 @@ def test_convergence_quick_runs_seeds_side_by_side_and_merges_separate_commands(
 def test_fsdp_check_quick_runs_the_reference_and_the_second_run_through_accelerate(tmp_path):
     """The plumbing of the GPU acceptance script on a CPU: both runs launched, their losses compared (equal here:
     accelerate has no FSDP on CPUs, so the second run is a plain process too), the table written."""
-    run_benchmark("fsdp_check.py", "--quick", "--variants", "dar", "--out", str(tmp_path))
+    run_benchmark("fsdp_check.py", "--quick", "--variants", "dar", "--out", str(tmp_path), "--runs", str(tmp_path / "runs"))
     (row,) = labelled(tmp_path, "fsdp_check", "python benchmarks/fsdp_check.py --quick")["rows"]
     assert row["variant"] == "dar" and len(row["reference"]["losses"]) == 3
     assert row["check"]["max_rel_loss_diff"] == 0 and row["check"]["losses_agree"]

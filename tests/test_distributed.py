@@ -377,6 +377,20 @@ def test_shard_makes_every_unit_itself_and_routes_keep_per_block_checkpointing(o
     torch.testing.assert_close(loss(routes, generator, "route", 0, 0), expected, **TOL)
 
 
+def test_routes_take_accelerates_per_block_units_inside_its_checkpoint_wrappers(one_process):
+    """accelerate wraps each block for activation checkpointing first, then makes the wrapped block (matched by
+    its class) a unit: the unit sits inside a wrapper the graph calls, so its forward runs and it is accepted."""
+    from torch.distributed.fsdp import fully_shard
+
+    routes, generator = build("route")
+    expected = loss(routes, generator, "route", 0, 0)
+    _wrap_blocks_for_checkpointing(routes)
+    for wrapper in routes.blocks:
+        fully_shard(wrapper._checkpoint_wrapped_module)
+    fully_shard(routes)
+    torch.testing.assert_close(loss(routes, generator, "route", 0, 0), expected, **TOL)
+
+
 # --- the recipes' accelerate FSDP2 path, as far as a CPU goes ----------------------------------------------------
 
 

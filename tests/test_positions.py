@@ -2,8 +2,9 @@
 anywhere, with or without a batch axis, inside tuples and dicts, joined with another sequence's positions;
 grid sizes handed to blocks as numbers.
 
-The law, held on a random family of position-encoded models: each routed block computes exactly what the
-original block computes on the kept tokens (its inputs gathered at them by hand here, never by routekit).
+The law, held on the random family of position-encoded models in `strategies.py` (`position_cases`): each
+routed block computes exactly what the original block computes on the kept tokens (its inputs gathered at them
+by hand there, never by routekit).
 """
 
 from __future__ import annotations
@@ -11,142 +12,41 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from strategies import POSITION_DIM, position_cases
 from torch import nn
 
 import routekit as rk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DIM, TEXT = 8, 3
+DIM = POSITION_DIM
 
 
-class Block(nn.Module):
-    """Attention-free so that a block's output at a token depends on that token alone: the routed block's
-    outputs are then exactly the original block's at the kept tokens. Reads its position table in the layout
-    `layout` names, and the text tokens' table rows where the table is joint."""
-
-    def __init__(self, layout: str):
-        super().__init__()
-        self.layout = layout
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x, pos, text=None):
-        table = pos["table"] if isinstance(pos, dict) else pos[0] if isinstance(pos, tuple) else pos
-        if self.layout in ("joint first", "joint last"):  # (TEXT + N, D), no batch axis, as joint attention reads it
-            first = self.layout == "joint first"
-            joint = torch.cat([text, x], 1) if first else torch.cat([x, text], 1)
-            mixed = joint * table
-            mine = mixed[:, text.shape[1]:] if first else mixed[:, :x.shape[1]]
-            return x + self.fc(mine)
-        if self.layout == "token first":  # (N, D)
-            return x + self.fc(x * table)
-        if self.layout == "batched heads":  # (B, 1, N, D): a head axis before the tokens
-            return x + self.fc(x * table[:, 0])
-        if self.layout == "broadcast":  # (1, N, D)
-            return x + self.fc(x * table)
-        return x + self.fc(x * table)  # (B, N, D)
-
-
-class Owner(nn.Module):
-    def __init__(self, layout: str, wrap: str, depth: int = 5):
-        super().__init__()
-        self.layout, self.wrap = layout, wrap
-        self.blocks = nn.ModuleList(Block(layout) for _ in range(depth))
-
-    def table(self, x, text):
-        batch, tokens, _ = x.shape
-        rows = torch.arange(tokens, dtype=x.dtype)[:, None] * 0.1 + torch.arange(DIM, dtype=x.dtype)[None] * 0.01
-        if self.layout == "token first":
-            return rows.cos()
-        if self.layout == "batched heads":
-            return rows.cos()[None, None].expand(batch, 1, tokens, DIM)
-        if self.layout == "broadcast":
-            return rows.cos()[None]
-        if self.layout in ("joint first", "joint last"):
-            text_rows = text[0, :, :1].detach() * 0 + 1  # (TEXT, 1): the text tokens' rows
-            text_rows = text_rows.expand(-1, DIM)
-            return torch.cat([text_rows, rows.cos()] if self.layout == "joint first" else [rows.cos(), text_rows])
-        return rows.cos()[None].expand(batch, tokens, DIM) + x.detach() * 0
-
-    def forward(self, x, text):
-        table = self.table(x, text)
-        pos = {"table": table} if self.wrap == "dict" else (table, table) if self.wrap == "tuple" else table
-        for block in self.blocks:
-            x = block(x, pos, text)
-        return x
-
-
-LAYOUTS = ["batched", "token first", "batched heads", "broadcast", "joint first", "joint last"]
-
-
-def gathered(table, index, layout):
-    """The table a block would read at the kept tokens `index` (B, K), by hand."""
-    if layout == "token first":
-        return table[index]  # (B, K, D): one table per sample
-    if layout == "batched heads":
-        return torch.stack([t[:, i] for t, i in zip(table, index)])
-    if layout == "broadcast":
-        return table[0][index]
-    return torch.stack([t[i] for t, i in zip(table, index)])
-
-
-@settings(max_examples=30, deadline=None)
-@given(layout=st.sampled_from(LAYOUTS), wrap=st.sampled_from(["plain", "tuple", "dict"]), seed=st.integers(0, 999),
-       batch=st.integers(1, 3), tokens=st.integers(4, 9), mode=st.sampled_from(["graph", "boundary"]))
-def test_a_routed_block_computes_what_the_original_computes_on_the_kept_tokens(layout, wrap, seed, batch, tokens,
-                                                                               mode):
-    torch.manual_seed(seed)
-    model = Owner(layout, wrap)
-    x, text = torch.randn(batch, tokens, DIM), torch.randn(batch, TEXT, DIM)
-    routed = rk.apply(model, rk.Route(start=1, end=3, rate=0.5), example_inputs=(x, text), mode=mode,
-                      generator=torch.Generator().manual_seed(seed))
+@settings(max_examples=40, deadline=None)
+@given(case=position_cases())
+def test_a_routed_block_computes_what_the_original_computes_on_the_kept_tokens(case):
+    model, (x, text) = case.build(), case.inputs()
+    routed = rk.apply(model, rk.Route(start=case.start, end=case.end, rate=0.5), example_inputs=(x, text),
+                      mode=case.mode, generator=torch.Generator().manual_seed(case.seed))
     plan = rk.report_of(routed)
-    assert plan.blocks[1].side_inputs[0].kind == "per-token", plan
+    assert plan.blocks[case.start].side_inputs[0].kind == "per-token", plan
     seen = {}
-
-    def record(i):
-        def hook(module, args, out):
-            seen.setdefault(i, (args, out))
-        return hook
-
-    handles = [routed.get_submodule(f"blocks.{i}").register_forward_hook(record(i)) for i in (1, 2)]
+    handle = routed.get_submodule(f"blocks.{case.start}").register_forward_hook(
+        lambda module, args, out: seen.setdefault("out", out), prepend=True)  # before a hook executor's scatter
     routed.train()
     out = routed(x, text)
-    for h in handles:
-        h.remove()
-    index = rk.report_of(routed).placed[0]
-    kept_index = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(batch, -1)
-    stream_in = model.blocks[0](x, *model_side(model, x, text))  # the stream entering block 1
-    a, got = seen[1]
-    want = model.blocks[1](torch.stack([s[i] for s, i in zip(stream_in, kept_index)]), *routed_side(model, x, text,
-                                                                                                    kept_index))
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert out.shape == x.shape and index.kept == kept_index.shape[1]
-    if layout in ("token first", "joint first", "joint last"):  # the consumer broadcasts a per-sample table
-        assert not rk.report_of(routed).placed[0].shared
-
-
-def model_side(model: Owner, x, text):
-    table = model.table(x, text)
-    pos = {"table": table} if model.wrap == "dict" else (table, table) if model.wrap == "tuple" else table
-    return pos, text
-
-
-def routed_side(model: Owner, x, text, index):
-    """The side inputs of a routed block, gathered by hand."""
-    table = model.table(x, text)
-    layout = model.layout
-    if layout in ("joint first", "joint last"):
-        own = table[TEXT:] if layout == "joint first" else table[:-TEXT]
-        rows = torch.stack([own[i] for i in index])
-        text_rows = table[:TEXT] if layout == "joint first" else table[-TEXT:]
-        text_rows = text_rows[None].expand(index.shape[0], *text_rows.shape)
-        table = torch.cat([text_rows, rows] if layout == "joint first" else [rows, text_rows], dim=1)
-    else:
-        table = gathered(table, index, layout)
-    pos = {"table": table} if model.wrap == "dict" else (table, table) if model.wrap == "tuple" else table
-    return pos, text
+    handle.remove()
+    placed = rk.report_of(routed).placed[0]
+    kept_index = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(case.batch, -1)
+    stream_in = x  # the stream entering the route's first block, run by hand
+    for block in model.blocks[:case.start]:
+        stream_in = block(stream_in, *model.side(x, text))
+    kept = torch.stack([s[i] for s, i in zip(stream_in, kept_index)])
+    want = model.blocks[case.start](kept, *model.side_at(x, text, kept_index))
+    torch.testing.assert_close(seen["out"], want, rtol=0, atol=0)
+    assert out.shape == x.shape and placed.kept == kept_index.shape[1]
+    if case.layout in ("token first", "joint first", "joint last"):  # the consumer broadcasts a per-sample table
+        assert not placed.shared
 
 
 class SharedOnly(nn.Module):
