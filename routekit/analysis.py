@@ -615,9 +615,22 @@ def _is_sublayer(node: fx.Node) -> bool:
     return node.op == "call_module" or (node.op == "call_function" and node.target in _SUBLAYER_FUNCS)
 
 
+_CASTS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
+
+
+def uncast(node: Any) -> Any:
+    """`node` without the dtype casts applied to it: blocks that keep the residual in fp32 add to `h.float()`
+    or `h.to(torch.float32)` (Wan, Mamba) and cast the sum back with `.type_as(h)`; the stream is `h` still."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None = None) -> list[fx.Node]:
-    """The adds that carry the residual stream: skip operand = the stream so far, the other operand
-    computed from it through a sublayer (a module call or a matmul-like op), same shape as the stream.
+    """The adds that carry the residual stream: skip operand = the stream so far (or a dtype cast of it,
+    `uncast`), the other operand computed from it through a sublayer (a module call or a matmul-like op),
+    same shape as the stream.
 
     Never adaLN's `1 + scale` (a constant operand) nor a bias add (not on the stream). With `output`
     (the block's stream output), the chain must end there: a block whose stream also passes through
@@ -631,7 +644,7 @@ def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None 
         if not _is_add(node) or len(node.args) < 2:
             continue
         for skip, branch in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            if skip is not current or not isinstance(branch, fx.Node):
+            if uncast(skip) is not current or not isinstance(branch, fx.Node):
                 continue
             if getattr(node.meta.get("rk"), "shape", None) != getattr(current.meta.get("rk"), "shape", None):
                 continue
@@ -640,7 +653,7 @@ def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None 
                 adds.append(node)
                 current = node
                 break
-    if output is not None and adds and current is not output:
+    if output is not None and adds and current is not uncast(output):
         return []
     return adds
 

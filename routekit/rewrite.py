@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import dar
-from .analysis import BlockInfo, slot_value, trace_block
+from .analysis import BlockInfo, slot_value, trace_block, uncast
 from .errors import ConfigError
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
@@ -265,7 +265,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
             for add_name in adds:
                 add = env[add_name]
                 skip, branch = add.args[0], add.args[1]
-                if not _descends(branch, skip):
+                if not _descends(branch, uncast(skip)):  # the skip may be a cast of the stream (`h.float()`)
                     skip, branch = branch, skip
                 with graph.inserting_before(add.next):
                     h = aggregate(branch)

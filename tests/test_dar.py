@@ -415,6 +415,44 @@ def test_every_residual_add_is_found_or_the_block_is_one_source(cls):
     assert all(len(b.adds) in (0, 2) for b in report.blocks), [b.adds for b in report.blocks]
 
 
+class CastBackBlock(Block):
+    """Wan's fp32 residual: x = (x.float() + v).type_as(x), the branch written first in the second add."""
+
+    def forward(self, x, c):
+        mod = self.modulation(c)
+        x = (x.float() + self.branch(0, x, mod)).type_as(x)
+        return (self.branch(1, x, mod) + x.float()).type_as(x)
+
+
+class Fp32ResidualBlock(Block):
+    """Mamba's residual_in_fp32: the skip is x.to(torch.float32) and the sum stays fp32."""
+
+    def forward(self, x, c):
+        mod = self.modulation(c)
+        for j in range(len(self.subs)):
+            x = x.to(torch.float32) + self.branch(j, x, mod)
+        return x
+
+
+@pytest.mark.parametrize("cls", [CastBackBlock, Fp32ResidualBlock])
+def test_residual_adds_onto_a_cast_of_the_stream_are_found_and_rewritten_as_plain_ones(cls):
+    """In fp32 the casts change nothing, so DAR over blocks that add onto `x.float()` (and cast back) computes
+    what DAR over the same blocks written as `x + v` computes: one aggregation per sublayer, not one per block."""
+    spec = Spec(kinds=(("ffn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=4, batch=2, seed=0)
+    plain, cast = build(spec), build(spec)
+    cast.blocks = nn.ModuleList(cls(8, ("ffn", "ffn"), True) for _ in range(3))
+    cast.load_state_dict(plain.state_dict())
+    routed = dar(cast, inputs(spec), query="dynamic")
+    report = rk.report_of(routed)
+    assert report.residual == "sublayer" and [len(b.adds) for b in report.blocks] == [2, 2, 2]
+    reference = dar(plain, inputs(spec), query="dynamic")
+    with torch.no_grad():
+        reference.routekit.dar.dynamic.normal_()
+        routed.routekit.dar.dynamic.copy_(reference.routekit.dar.dynamic)
+    for train in (False, True):
+        torch.testing.assert_close(run(routed, inputs(spec), train), run(reference, inputs(spec), train))
+
+
 # --- 4: with routes -----------------------------------------------------------------------------------
 
 
