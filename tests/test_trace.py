@@ -826,7 +826,11 @@ def test_a_real_owner_that_makes_a_cache_in_eval_traces_and_returns_a_fresh_one(
     assert calls_into(tr, model, stacks) == stack_calls(model, stacks)
     args, kwargs = make_call(1)
     first, second = run_graph(model, tr, args, kwargs), run_graph(model, tr, args, kwargs)
-    cache = lambda out: getattr(out, "cache", None) or out.past_key_values  # noqa: E731  (its name before transformers 5.2x)
+
+    def cache(out):  # its name differs across transformers 5.x: cache, past_key_values (Llama), cache_params (Mamba)
+        names = ("cache", "past_key_values", "cache_params")
+        return next(c for c in (getattr(out, n, None) for n in names) if c is not None)
+
     want = cache(model(*args, **kwargs))
     assert cache(first) is not cache(second) and type(cache(first)) is type(want)
     for got in (cache(first), cache(second)):  # each run starts from an empty cache, not from the last run's
