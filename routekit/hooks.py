@@ -53,12 +53,13 @@ class Hooks:
         report = self.plan.report
         for k, route in enumerate(self.plan.placed):
             blocks = report.blocks[route.start:route.end + 1]
+            after = self._private(routed, blocks[-1].qualname).register_forward_hook(_After(self, k))
             for block in blocks:
                 module = self._private(routed, block.qualname)
-                handle = module.register_forward_pre_hook(_Before(self, k, block, block is blocks[0]), with_kwargs=True)
+                before = _Before(self, k, block, block is blocks[0], after.id if block is blocks[-1] else None)
+                handle = module.register_forward_pre_hook(before, with_kwargs=True)
                 self.hook_ids.setdefault(block.qualname, []).append(handle.id)
-            handle = self._private(routed, blocks[-1].qualname).register_forward_hook(_After(self, k))
-            self.hook_ids[blocks[-1].qualname].append(handle.id)
+            self.hook_ids[blocks[-1].qualname].append(after.id)
         if report.grid_node and self.plan.placed and not self.plan.grid_given:
             handle = self._private(routed, report.grid_node).register_forward_hook(_GridSource(self))
             self.hook_ids.setdefault(report.grid_node, []).append(handle.id)
@@ -100,15 +101,21 @@ class Hooks:
 
 
 class _Before:
-    """Forward pre-hook on a route's block: at `start` select and gather the stream; gather side inputs."""
+    """Forward pre-hook on a route's block: at `start` select and gather the stream; gather side inputs.
 
-    def __init__(self, hooks: Hooks, route: int, block: BlockInfo, first: bool):
-        self.hooks, self.route, self.block, self.first = hooks, route, block, first
+    On the route's last block it also moves the scatter (`after`, a forward hook id) behind every forward hook
+    registered since: a user's hook on that block then sees the block's own output, the kept tokens, as it
+    does in graph mode, where the scatter is a graph node after the block call."""
+
+    def __init__(self, hooks: Hooks, route: int, block: BlockInfo, first: bool, after: int | None = None):
+        self.hooks, self.route, self.block, self.first, self.after = hooks, route, block, first, after
 
     def __call__(self, module, args, kwargs):
         hooks = self.hooks
         if not hooks.active:
             return None
+        if self.after is not None and self.after in module._forward_hooks:
+            module._forward_hooks.move_to_end(self.after)
         slot = hooks.plan.report.stream_slot
         if self.first:
             hooks.gathered = {}

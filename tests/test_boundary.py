@@ -155,6 +155,28 @@ def test_blocks_in_a_boundary_route_see_the_kept_tokens_and_their_gathered_mask(
     assert seen == {0: (16, 16), 1: (8, 8), 2: (8, 8), 3: (12, 12), 4: (16, 16)}
 
 
+def test_a_users_forward_hook_on_a_routes_last_block_sees_its_own_output_in_both_modes() -> None:
+    """In graph mode the scatter is a node after the block call, so a hook on the route's last block sees (and
+    may change) the block's output on the kept tokens; boundary mode's scatter hook must run after it too."""
+    untraceable, traceable = twins()
+    args, kwargs = call()
+    results = []
+    for model in (untraceable, traceable):
+        routed = route(model).train()
+        seen = {}
+
+        def double(module, inputs, output, i):
+            seen[i] = output[0].shape[1]
+            return output[0] * 2, output[1]
+
+        for i in (2, 3):  # the last blocks of the two routes; registered after apply, as a user would
+            routed.blocks[i].register_forward_hook(lambda m, a, o, i=i: double(m, a, o, i))
+        results.append((routed(*args, **kwargs).sample, seen, rk.report_of(routed).mode))
+    assert [r[2] for r in results] == ["boundary", "graph"]
+    assert results[0][1] == results[1][1] == {2: 8, 3: 12}
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+
+
 def test_the_users_model_gets_no_hooks_and_eval_is_the_original_forward() -> None:
     untraceable, _ = twins()
     args, kwargs = call()
