@@ -165,12 +165,12 @@ def test_a_users_forward_hook_on_a_routes_last_block_sees_its_own_output_in_both
         routed = route(model).train()
         seen = {}
 
-        def double(module, inputs, output, i):
+        def double(output, i, seen=seen):
             seen[i] = output[0].shape[1]
             return output[0] * 2, output[1]
 
         for i in (2, 3):  # the last blocks of the two routes; registered after apply, as a user would
-            routed.blocks[i].register_forward_hook(lambda m, a, o, i=i: double(m, a, o, i))
+            routed.blocks[i].register_forward_hook(lambda m, a, o, i=i: double(o, i))
         results.append((routed(*args, **kwargs).sample, seen, rk.report_of(routed).mode))
     assert [r[2] for r in results] == ["boundary", "graph"]
     assert results[0][1] == results[1][1] == {2: 8, 3: 12}
