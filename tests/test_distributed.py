@@ -391,6 +391,48 @@ def test_routes_take_accelerates_per_block_units_inside_its_checkpoint_wrappers(
     torch.testing.assert_close(loss(routes, generator, "route", 0, 0), expected, **TOL)
 
 
+def _compiled_worker(rank: int, kinds: list[str], folder: str) -> None:
+    """FSDP2 as the recipes shard (routes: accelerate's order, checkpoint wrapper then the block inside it as
+    the unit; DAR: routekit's units), then `torch.compile` of the sharded model, as `recipes.train` does."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
+    try:
+        out = {}
+        for kind in kinds:
+            model, generator = build(kind)
+            if rk.report_of(model).dar is None:
+                _wrap_blocks_for_checkpointing(model)
+                for wrapper in model.blocks:
+                    fully_shard(wrapper._checkpoint_wrapped_module)
+                fully_shard(model)
+            else:
+                rk.shard(model)
+            net, opt, losses = torch.compile(model, backend="aot_eager"), optimiser(model), []
+            for step in range(STEPS):
+                value = loss(net, generator, kind, step, rank)
+                value.backward()
+                opt.step()
+                opt.zero_grad()
+                value = value.detach()
+                dist.all_reduce(value)
+                losses.append(value.item() / WORLD)
+            out[kind] = losses
+        if rank == 0:
+            torch.save(out, f"{folder}/results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_compiled_fsdp2_model_with_routes_or_dar_trains_as_one_process_does(tmp_path):
+    kinds = ["route", "static+route"]
+    mp.start_processes(_compiled_worker, args=(kinds, str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    got = torch.load(tmp_path / "results.pt", weights_only=False)
+    for kind in kinds:
+        torch.testing.assert_close(got[kind], reference(kind)["losses"], **TOL)
+
+
 # --- the recipes' accelerate FSDP2 path, as far as a CPU goes ----------------------------------------------------
 
 
