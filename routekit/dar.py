@@ -57,10 +57,11 @@ class DarState(nn.Module):
 
 
 def sum_sources(sources: list[torch.Tensor]) -> torch.Tensor:
-    """A chunk summary: the sum of the chunk's sublayer outputs, added in fp32, kept in their dtype."""
+    """A chunk summary: the sum of the chunk's sublayer outputs, added in fp32, kept in the newest one's dtype
+    (the mix that first reads the summary comes out in the newest sublayer's dtype, as every mix does)."""
     if len(sources) == 1:
         return sources[0]
-    return functools.reduce(operator.add, [s.float() for s in sources]).to(sources[0].dtype)
+    return functools.reduce(operator.add, [s.float() for s in sources]).to(sources[-1].dtype)
 
 
 def cast_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -81,8 +82,12 @@ def mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float, kernel: st
 
 def merge(sources: list[torch.Tensor], query: torch.Tensor, shared_mix: torch.Tensor, shared_lse: torch.Tensor,
           eps: float, kernel: str) -> torch.Tensor:
-    """One aggregation of a two-phase chunk: its own chunk's sources, continuing the chunk's shared part."""
-    return aggregate(_in_dtype(sources, shared_mix.dtype), query, eps, kernel, prefix=(shared_mix, shared_lse))
+    """One aggregation of a two-phase chunk: its own chunk's sources, continuing the chunk's shared part;
+    computed in the shared part's dtype, coming out, as every mix does, in the newest sublayer's (a block
+    whose sublayers give different dtypes, as Wan's fp32-gated ones in a bf16 model, reads each mix in the
+    dtype its plain residual add would have had)."""
+    h = aggregate(_in_dtype(sources, shared_mix.dtype), query, eps, kernel, prefix=(shared_mix, shared_lse))
+    return h if h.dtype == sources[-1].dtype else h.to(sources[-1].dtype)
 
 
 def layer_norm_of_merge(sources: list[torch.Tensor], query: torch.Tensor, shared_mix: torch.Tensor,
@@ -96,9 +101,9 @@ def layer_norm_of_merge(sources: list[torch.Tensor], query: torch.Tensor, shared
         h = merge(sources, query, shared_mix, shared_lse, eps, kernel)
         return F.layer_norm(h, h.shape[-1:], eps=norm_eps)
     h, stats = merged
-    # in the dtype F.layer_norm would give here (under CUDA autocast fp32, else the input's), read off an
-    # empty call: a trace-time constant, the call itself dead code
-    dtype = F.layer_norm(h.new_empty((0, h.shape[-1])), h.shape[-1:]).dtype
+    # in the dtype F.layer_norm would give on `merge`'s output (under CUDA autocast fp32, else the newest
+    # source's), read off an empty call: a trace-time constant, the call itself dead code
+    dtype = F.layer_norm(h.new_empty((0, h.shape[-1]), dtype=sources[-1].dtype), h.shape[-1:]).dtype
     return ((h.float() - stats[..., :1]) * stats[..., 1:]).to(dtype)
 
 

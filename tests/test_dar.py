@@ -453,6 +453,32 @@ def test_residual_adds_onto_a_cast_of_the_stream_are_found_and_rewritten_as_plai
         torch.testing.assert_close(run(routed, inputs(spec), train), run(reference, inputs(spec), train))
 
 
+class MixedDtypeBlock(Block):
+    """Wan's pattern in a bf16 model: an fp32 residual for the first sublayer (its branch gated in fp32, the sum
+    cast back), a plain bf16 one for the second. A chunk then holds sources of two dtypes."""
+
+    def forward(self, x, c):
+        mod = self.modulation(c)
+        x = (x.float() + self.branch(0, x, mod).float()).type_as(x)
+        return x + self.branch(1, x, mod)
+
+
+@pytest.mark.parametrize("chunk", [None, 2, 3])
+def test_a_bf16_model_whose_sublayers_give_two_dtypes_runs_with_every_chunking(chunk):
+    """Each mix comes out in the dtype of the newest sublayer output, chunk summaries included, so what reads
+    it (a Linear holding bf16 weights, behind a `type_as` of the mix) gets the dtype it got from the add."""
+    spec = Spec(kinds=(("ffn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=4, batch=2, seed=0)
+    model = build(spec)
+    model.blocks = nn.ModuleList(MixedDtypeBlock(8, ("ffn", "ffn"), True) for _ in range(3))
+    model = model.to(torch.bfloat16)
+    example = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in inputs(spec))
+    routed = dar(model, example, routes=[rk.Route(start=1, end=1)], chunk=chunk)
+    assert rk.report_of(routed).residual == "sublayer"
+    out = routed.train()(*example)
+    out.float().square().mean().backward()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(routed.routekit.dar.query.grad).all()
+
+
 # --- 4: with routes -----------------------------------------------------------------------------------
 
 
