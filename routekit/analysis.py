@@ -238,7 +238,7 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         sequences = {m.shape[1] for _, a in arguments for m in pytree.tree_leaves(_meta_of(a))
                      if isinstance(m, TensorMeta) and len(m.shape) >= 3 and m.shape[0] == batch
                      and m.shape[1] != tokens}
-        classified = [_side_input(s, a, _parameter_names(module), batch, tokens, channels, sequences)
+        classified = [_side_input(s, a, parameter_names(module), batch, tokens, channels, sequences)
                       for s, a in arguments]
         info = BlockInfo(i, node.target, type(module).__name__, node.name, out.name, tuple(c[0] for c in classified),
                          checkpointed="checkpoint" in node.meta)
@@ -288,7 +288,7 @@ def _side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chan
             tuple(joint))
 
 
-def _parameter_names(module: nn.Module) -> dict:
+def parameter_names(module: nn.Module) -> dict:
     """{positional slot: parameter name} of a block's forward (without self), for reading numbers by name."""
     try:
         params = list(inspect.signature(type(module).forward).parameters)[1:]
@@ -659,12 +659,13 @@ def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None 
 
 
 def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, out_index: int | None,
-                tokens: int) -> tuple[Trace, tuple[str, ...], str]:
-    """Trace one block alone on inputs as a route's blocks see them at `tokens` tokens; returns the trace, its
-    residual adds (node names) and the stream's placeholder."""
+                tokens: int, shrink: tuple[int, ...] = (), shared: bool = True) -> tuple[Trace, tuple[str, ...], str]:
+    """Trace one block alone on inputs as a route's blocks see them at `tokens` tokens (grid sizes handed as
+    numbers shrunk along `shrink`, tables without a batch axis kept so where `shared`: `fake_block_inputs`);
+    returns the trace, its residual adds (node names) and the stream's placeholder."""
     module = model.get_submodule(block.qualname)
     cut = None if tokens == stream.shape[1] else tokens
-    args, kwargs = fake_block_inputs(block, stream_slot, stream, _device(model), cut)
+    args, kwargs = fake_block_inputs(block, stream_slot, stream, _device(model), cut, shrink, shared=shared)
     tr = trace(module, tuple(args), kwargs)
     bound = bind_arguments(type(module).forward, tuple(args), kwargs)
     name = list(bound.arguments)[stream_slot] if isinstance(stream_slot, int) else stream_slot

@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import GraphReport, block_runs, find_timestep_embedding, run_block
+from .analysis import GraphReport, block_runs, find_timestep_embedding, parameter_names, run_block
 from .config import DAR, Route
 from .errors import ConfigError
 from .report import draw_plan, format_plan
@@ -129,7 +129,7 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
     for k, (route, (start, end)) in enumerate(zip(routes, spans)):
         keep = _checked_keep(k, route, report, grid)
         kept = kept_tokens(route.selector, route.rate, keep, report.tokens, grid)
-        shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
+        shrink = _shrink(k, route, report.blocks[start:end + 1], grid, model)
         _check_blocks_of(k, route, start, end, report, grid, model, kept, shrink)
         shared = _shared(model, report, report.blocks[start:end + 1], kept, shrink)
         planned.append(RoutePlan(route, start, end, keep, kept, shared, shrink))
@@ -279,7 +279,7 @@ def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockI
     return not block_runs(model, block, report.stream_slot, report.stream, report.tokens - 1, shrink)
 
 
-def _shrink(k: int, route: Route, blocks, grid) -> tuple[int, ...]:
+def _shrink(k: int, route: Route, blocks, grid, model: nn.Module) -> tuple[int, ...]:
     """The grid axes (negative) whose sizes the route's blocks are handed and its selector shrinks; refuses a
     selector whose kept tokens form no grid, where a block takes the grid's sizes."""
     takers = [b for b in blocks if any(s.grid for s in b.side_inputs)]
@@ -288,11 +288,13 @@ def _shrink(k: int, route: Route, blocks, grid) -> tuple[int, ...]:
     spec = selector(route.selector)
     kept = spec.kept_grid(grid, route.rate) if spec.kept_grid else None
     if kept is None:
-        names = [s.slot for s in takers[0].side_inputs if s.grid]
+        params = parameter_names(model.get_submodule(takers[0].qualname))
+        names = [params.get(s.slot, s.slot) for s in takers[0].side_inputs if s.grid]
         raise ConfigError(
-            f"route {k}: {takers[0].qualname} is handed the token grid's sizes ({', '.join(map(repr, names))}), so "
-            f"its kept tokens must form a smaller {'×'.join(map(str, grid))} grid, and selector {route.selector!r}'s do "
-            "not; use selector='row', 'window' or 'column' ('frame' for video)"
+            f"route {k}: {takers[0].qualname} is handed the token grid's sizes as numbers (arguments "
+            f"{', '.join(map(repr, names))}), so the tokens it keeps must form a grid smaller than the "
+            f"{'×'.join(map(str, grid))} one, which selector {route.selector!r}'s do not; use selector='row', 'window' "
+            "or 'column' ('frame' for video)"
         )
     return tuple(axis - len(grid) for axis in range(len(grid)) if kept[axis] != grid[axis])
 

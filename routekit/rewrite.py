@@ -209,7 +209,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     history = _History(graph, v0, config.chunk)
     starts = {r.start: k for k, r in enumerate(routes)}
     ends = {r.end: k for k, r in enumerate(routes)}
-    kept = {i: r.kept for r in routes for i in r.blocks}
+    route_of = {i: r for r in routes for i in r.blocks}
     two_phase = dict(plan.dar.two_phase if routes else plan.dar.two_phase_unrouted)
     point = 0
     chunk = None  # the current two-phase chunk: (first point, its shared sources, mixes node, state node)
@@ -256,7 +256,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
             with graph.inserting_before(call):
                 history.enter(index, index.args[0])
         if info.adds:
-            body, adds = _body(model, plan, info, kept.get(i, report.tokens))
+            body, adds = _body(model, plan, info, route_of.get(i))
             result.specialised.extend(body.specialised)
             # the block's forward no longer runs (its hooks would not), and what its code read is baked in
             result.assumed += body.assumed.under(info.qualname) + Assumptions(traced_through=(info.qualname,))
@@ -287,13 +287,16 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     fold_norms(graph, model)
 
 
-def _body(model: nn.Module, plan: Plan, info: BlockInfo, tokens: int) -> tuple[Trace, tuple[str, ...]]:
-    """The block's own trace at the token count it sees: the analysis' one, unless a route gives the block
-    fewer tokens and that trace was specialised to its shapes; then the block is traced at the kept count."""
+def _body(model: nn.Module, plan: Plan, info: BlockInfo, route: RoutePlan | None) -> tuple[Trace, tuple[str, ...]]:
+    """The block's own trace as it runs: the analysis' one, unless `route` gives the block fewer tokens and
+    that trace was specialised to its shapes; then the block is traced as the route hands it its inputs (the
+    kept count, grid sizes shrunk, tables as the route cuts them)."""
     report = plan.report
+    tokens = report.tokens if route is None else route.kept
     if tokens == report.tokens or not info.body.specialised:
         return info.body, info.adds
-    body, adds, _ = trace_block(model, info, report.stream_slot, report.stream, report.stream_out_index, tokens)
+    body, adds, _ = trace_block(model, info, report.stream_slot, report.stream, report.stream_out_index, tokens,
+                                route.shrink, route.shared)
     if len(adds) != len(info.adds):
         raise ConfigError(
             f"DAR: {info.qualname} has {len(adds)} residual adds on the route's {tokens} tokens but {len(info.adds)} "

@@ -153,6 +153,26 @@ def test_the_model_routes_verifies_saves_the_planned_flops_and_takes_dar(name: s
         pytest.skip(str(err))
 
 
+@pytest.mark.parametrize("name", list(ZOO))
+def test_the_model_in_bf16_trains_with_its_route_and_dar(name: str) -> None:
+    """The zoo runs in fp32 above; people train in bf16, where sublayers can give outputs of two dtypes (Wan
+    gates in fp32) and every rewritten add must hand on the dtype its readers expect."""
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    try:
+        model, args, kwargs = entry.build()
+    except Missing as err:
+        pytest.skip(str(err))
+    to_bf16 = lambda v: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+    model, args, kwargs = model.to(torch.bfloat16), pytree.tree_map(to_bf16, args), pytree.tree_map(to_bf16, kwargs)
+    torch.set_num_threads(1)
+    routed = rk.apply(model, rk.Route(**entry.route), residual=rk.DAR(chunk=3), example_inputs=args,
+                      example_kwargs=kwargs, **entry.options).train()
+    loss = loss_of(routed(*args, **kwargs))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(routed.routekit.dar.query.grad).all()
+
+
 def test_the_readme_table_is_what_this_run_measured() -> None:
     """Each model this run could build has the README row it measured (rows of packages absent here are not
     compared); regenerate with `python tests/test_model_support.py`."""

@@ -121,5 +121,6 @@ def test_grid_sizes_handed_to_blocks_as_numbers_follow_the_kept_grid(mode, selec
     routed.train()
     assert routed(image).shape == (2, 48, DIM)
     rk.verify(model, routed, (image,))
-    with pytest.raises(rk.ConfigError, match="grid's sizes.*selector='row'"):
+    with pytest.raises(rk.ConfigError, match=r"sizes as numbers \(arguments 'height', 'width'\).*than the 6×8 one.*"
+                                             r"selector='row'"):
         rk.apply(model, rk.Route(start=1, end=2, selector="importance"), example_inputs=(image,), mode=mode)
