@@ -129,9 +129,11 @@ class Programs:
         tensors, program = self.program(routed, args, kwargs)
         return program(routed, tensors)
 
-    def run_fresh(self, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Any:
-        """The output of a program traced now (not the cached one) for this call, with or without the routes."""
-        program = _build(self.plan, routed, args, kwargs, routes)
+    def run_fresh(self, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None,
+                  plan: Plan | None = None) -> Any:
+        """The output of a program traced now (not the cached one) for this call, with or without the routes,
+        from this executor's plan or from `plan` (the same model, other routes)."""
+        program = _build(plan or self.plan, routed, args, kwargs, routes)
         return program(routed, call_tensors(routed, args, kwargs))
 
     def called(self) -> frozenset[str]:

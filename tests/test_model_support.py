@@ -156,7 +156,8 @@ def test_the_model_routes_verifies_saves_the_planned_flops_and_takes_dar(name: s
 @pytest.mark.parametrize("name", list(ZOO))
 def test_the_model_in_bf16_trains_with_its_route_and_dar(name: str) -> None:
     """The zoo runs in fp32 above; people train in bf16, where sublayers can give outputs of two dtypes (Wan
-    gates in fp32) and every rewritten add must hand on the dtype its readers expect."""
+    gates in fp32) and every rewritten add must hand on the dtype its readers expect. Route and DAR together,
+    which `verify` checks against DAR alone."""
     entry = ZOO[name]
     torch.manual_seed(0)
     try:
@@ -171,6 +172,7 @@ def test_the_model_in_bf16_trains_with_its_route_and_dar(name: str) -> None:
     loss = loss_of(routed(*args, **kwargs))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(routed.routekit.dar.query.grad).all()
+    assert "matches DAR without routes" in rk.verify(model, routed, args, kwargs)["train"]
 
 
 def test_the_readme_table_is_what_this_run_measured() -> None:

@@ -162,6 +162,24 @@ def test_verify_works_on_dar_models(routes):
     assert checked["train"] == (None if routes is None else "rate 0 matches DAR without routes (to rounding)")
 
 
+def test_a_bf16_dar_model_with_a_route_left_routing_at_rate_0_fails_verify(monkeypatch):
+    """DAR's rate-0 check allows rounding in the output's dtype (a few bf16 ulps: the zoo's bf16 test holds that
+    real models' reordered sums pass), and no more: the routed program run at its real rate is still caught."""
+    import contextlib
+    import importlib
+
+    model, args = tiny_dit()
+    model = model.to(torch.bfloat16)
+    args = tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in args)
+    routed = rk.apply(model, routes=[rk.Route(start=1, end=2)], residual=rk.DAR(chunk=2), example_inputs=args)
+    with torch.no_grad():
+        routed.routekit.dar.query.normal_(generator=torch.Generator().manual_seed(3))
+    assert rk.verify(model, routed, args)["train"] == "rate 0 matches DAR without routes (to rounding)"
+    monkeypatch.setattr(importlib.import_module("routekit.verify"), "_rate_zero", lambda r: contextlib.nullcontext())
+    with pytest.raises(rk.InferenceChanged, match="not close to DAR without routes"):
+        rk.verify(model, routed, args)
+
+
 def test_a_dar_program_never_goes_stale(monkeypatch):
     """An attribute the inlined attention reads, changed after the program was built, makes the program be
     traced again: its output is then the DAR graph traced afresh (verify passes), not the old one; and where
