@@ -20,7 +20,7 @@ from .errors import (
 from .inspection import inspect
 from .model import FallbackWarning, RoutedModel, apply, force_keep, last_route_mask, report_of, strip
 from .plan import Plan
-from .selectors import register_selector, selector_names
+from .selectors import register_selector, selector_names, uniform
 from .sharding import fsdp_units, shard
 from .verify import verify
 
@@ -28,6 +28,6 @@ __all__ = [
     "DAR", "AnalysisError", "ConfigError", "FallbackWarning", "GraphReport", "InferenceChanged", "InputError",
     "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "SelectorError", "TraceError", "apply",
     "force_keep", "fsdp_units", "inspect", "last_route_mask", "register_selector", "report_of", "selector_names",
-    "shard", "strip", "verify",
+    "shard", "strip", "uniform", "verify",
 ]
 __version__ = "0.1.0"

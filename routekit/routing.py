@@ -14,7 +14,7 @@ from torch import nn
 
 from .config import Route
 from .errors import SelectorError
-from .selectors import checked
+from .selectors import checked, uniform
 from .selectors import selector as selector_spec
 
 
@@ -198,6 +198,6 @@ def with_forced(index: torch.Tensor, force: torch.Tensor, selector: str, generat
                             "tokens, so use it with a selector that does too (random, importance)")
     force = force.to(index.device)
     chosen = torch.zeros(force.shape, device=index.device).scatter_(1, index, 1.0)
-    scores = 4.0 * force + 2.0 * chosen + torch.rand(force.shape, generator=generator, device=index.device)
+    scores = 4.0 * force + 2.0 * chosen + uniform(*force.shape, generator=generator, device=index.device)
     count = max(kept, int(force.sum(1).max()))
     return scores.topk(count, dim=1, sorted=False).indices.sort(dim=1).values

@@ -124,6 +124,15 @@ def checked(name: str, index, batch: int, tokens: int) -> torch.Tensor:
     return index
 
 
+def uniform(*size: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """`torch.rand(*size)` from `generator`, with no `generator=` at all where it is None: torch.compile's fake
+    tensors refuse an explicit `generator=None` once the batch size is symbolic (torch 2.13 and 2.14), which
+    the second batch size a compiled model meets makes it. Selectors of your own can draw through it too."""
+    if generator is None:
+        return torch.rand(*size, device=device)
+    return torch.rand(*size, generator=generator, device=device)
+
+
 def kept_count(count: int, rate: float) -> int:
     """How many of `count` things a route keeps at `rate` (the fraction routed around)."""
     return count - int(count * rate)
@@ -138,7 +147,7 @@ def _keep_sorted(scores: torch.Tensor, keep: int) -> torch.Tensor:
 def random_tokens(batch: int, tokens: int, rate: float, *, grid: Grid | None = None,
                   generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """TREAD's selection: each sample keeps an independent uniform subset of tokens."""
-    scores = torch.rand(batch, tokens, generator=generator, device=device)
+    scores = uniform(batch, tokens, generator=generator, device=device)
     return _keep_sorted(scores, kept_count(tokens, rate))
 
 
@@ -157,7 +166,7 @@ def importance(mix: float = 0.5) -> Selector:
         scaled = (norm - low) / (high - low).clamp_min(torch.finfo(torch.float32).tiny)
         scores = (1 - mix) * scaled
         if mix:
-            scores = scores + mix * torch.rand(batch, tokens, generator=generator, device=device)
+            scores = scores + mix * uniform(batch, tokens, generator=generator, device=device)
         return _keep_sorted(scores, kept_count(tokens, rate))
 
     return select
@@ -186,7 +195,7 @@ def random_rows(batch: int, tokens: int, rate: float, *, grid: Grid | None = Non
     """Whole rows of the grid per sample (of every frame, for video): on an H×W grid the kept tokens form a
     smaller (H', W) grid."""
     height, width = _rows(_checked_grid(grid, tokens, "row"))
-    rows = _keep_sorted(torch.rand(batch, height, generator=generator, device=device), kept_count(height, rate))
+    rows = _keep_sorted(uniform(batch, height, generator=generator, device=device), kept_count(height, rate))
     return _rows_to_tokens(rows, width)
 
 
@@ -196,7 +205,8 @@ def random_window(batch: int, tokens: int, rate: float, *, grid: Grid | None = N
     """A contiguous band of whole rows per sample: scans see one unbroken stretch of the image."""
     height, width = _rows(_checked_grid(grid, tokens, "window"))
     keep_rows = kept_count(height, rate)
-    first = torch.randint(0, height - keep_rows + 1, (batch, 1), generator=generator, device=device)
+    drawn = {"generator": generator} if generator is not None else {}  # as `uniform` draws, for torch.compile
+    first = torch.randint(0, height - keep_rows + 1, (batch, 1), device=device, **drawn)
     rows = first + torch.arange(keep_rows, device=first.device)
     return _rows_to_tokens(rows, width)
 
@@ -210,7 +220,7 @@ def random_columns(batch: int, tokens: int, rate: float, *, grid: Grid | None = 
                    generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """Whole columns per sample (the same columns in every frame), for blocks that scan vertically."""
     height, width = _rows(_checked_grid(grid, tokens, "column"))
-    cols = _keep_sorted(torch.rand(batch, width, generator=generator, device=device), kept_count(width, rate))
+    cols = _keep_sorted(uniform(batch, width, generator=generator, device=device), kept_count(width, rate))
     rows = torch.arange(height, device=cols.device)
     return (rows[None, :, None] * width + cols[:, None, :]).flatten(1)
 
@@ -224,7 +234,7 @@ def random_frames(batch: int, tokens: int, rate: float, *, grid: Grid | None = N
                   generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """Whole frames of a T×H×W video grid per sample: the kept tokens form a shorter (T', H, W) video."""
     frames, height, width = _checked_grid(grid, tokens, "frame", rank=3)
-    kept = _keep_sorted(torch.rand(batch, frames, generator=generator, device=device), kept_count(frames, rate))
+    kept = _keep_sorted(uniform(batch, frames, generator=generator, device=device), kept_count(frames, rate))
     return _rows_to_tokens(kept, height * width)
 
 
@@ -235,7 +245,7 @@ def random_tubes(batch: int, tokens: int, rate: float, *, grid: Grid | None = No
     tube through time, so the routed blocks still see every frame of it."""
     frames, height, width = _checked_grid(grid, tokens, "tube", rank=3)
     area = height * width
-    spots = _keep_sorted(torch.rand(batch, area, generator=generator, device=device), kept_count(area, rate))
+    spots = _keep_sorted(uniform(batch, area, generator=generator, device=device), kept_count(area, rate))
     starts = torch.arange(frames, device=spots.device) * area
     return (starts[None, :, None] + spots[:, None, :]).flatten(1)
 

@@ -67,6 +67,23 @@ def test_compiled_routed_dit_matches_eager_in_train_mode(backend: str, selector:
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("selector", ["random", "importance", "row", "window", "column"])
+def test_a_compiled_routed_model_takes_a_second_batch_size(selector: str) -> None:
+    """The last batch of an epoch is often smaller: the second batch size makes Dynamo's batch symbolic, and the
+    selectors' draws must trace with it (torch's fake tensors refused `torch.rand(..., generator=None)`)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
+        routed = rk.apply(model, routes=[rk.Route(start=1, end=2, selector=selector)],
+                          example_inputs=dit.example_inputs(model, 2)).train()
+        torch._dynamo.reset()
+        compiled = torch.compile(routed, backend="aot_eager")
+        for batch in (4, 6, 3):
+            x, t, y = dit.example_inputs(model, batch, generator=torch.Generator().manual_seed(batch))
+            compiled(x, t, y).square().mean().backward()
+            assert rk.last_route_mask(routed).shape == (batch, 16)
+
+
 class ExternalDiT(torch.nn.Module):
     """A DiT as people write it outside this project: the owner reads the grid off the token count
     (`int(N ** 0.5)`, specialised when traced) and the blocks are plain modules."""
