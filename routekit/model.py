@@ -168,7 +168,8 @@ class Programs:
     def _stale(self, program: Program, broken: str) -> None:
         """Count a program traced again because an assumption broke; one that breaks at every call is a value
         the forward changes itself, which a graph cannot hold: say which."""
-        self.retraced[broken.split(" is ")[0]] = count = self.retraced.get(broken.split(" is ")[0], 0) + 1
+        what = broken.split(" is ")[0]
+        self.retraced[what] = count = self.retraced.get(what, 0) + 1
         if count > 8:
             raise ConfigError(
                 f"the routed graph was traced again {count} times because {broken}: a value the forward reads as "

@@ -124,13 +124,17 @@ def checked(name: str, index, batch: int, tokens: int) -> torch.Tensor:
     return index
 
 
+def _drawn_from(generator: torch.Generator | None) -> dict:
+    """The keyword arguments that make a torch draw use `generator`: none at all where it is None, for
+    torch.compile's fake tensors refuse an explicit `generator=None` once the batch size is symbolic (torch
+    2.13 and 2.14), which the second batch size a compiled model meets makes it."""
+    return {} if generator is None else {"generator": generator}
+
+
 def uniform(*size: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-    """`torch.rand(*size)` from `generator`, with no `generator=` at all where it is None: torch.compile's fake
-    tensors refuse an explicit `generator=None` once the batch size is symbolic (torch 2.13 and 2.14), which
-    the second batch size a compiled model meets makes it. Selectors of your own can draw through it too."""
-    if generator is None:
-        return torch.rand(*size, device=device)
-    return torch.rand(*size, generator=generator, device=device)
+    """`torch.rand(*size)` from `generator` (`_drawn_from`): compiles at any batch size. Selectors of your own
+    can draw through it too."""
+    return torch.rand(*size, device=device, **_drawn_from(generator))
 
 
 def kept_count(count: int, rate: float) -> int:
@@ -205,8 +209,7 @@ def random_window(batch: int, tokens: int, rate: float, *, grid: Grid | None = N
     """A contiguous band of whole rows per sample: scans see one unbroken stretch of the image."""
     height, width = _rows(_checked_grid(grid, tokens, "window"))
     keep_rows = kept_count(height, rate)
-    drawn = {"generator": generator} if generator is not None else {}  # as `uniform` draws, for torch.compile
-    first = torch.randint(0, height - keep_rows + 1, (batch, 1), device=device, **drawn)
+    first = torch.randint(0, height - keep_rows + 1, (batch, 1), device=device, **_drawn_from(generator))
     rows = first + torch.arange(keep_rows, device=first.device)
     return _rows_to_tokens(rows, width)
 

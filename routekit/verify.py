@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import inspect
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
+from .analysis import parameter_names
 from .config import Route
 from .errors import InferenceChanged, InputError, TraceError
 from .model import RoutedModel, example_call, report_of, unwrap_compiled
@@ -189,7 +189,7 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
         index = getattr(routed, STATE).routes[0].last_index
         module = original.get_submodule(block.qualname)
         forward = type(unwrap_compiled(module)[0]).forward  # a compiled block's own signature
-        names = [p for p in inspect.signature(forward).parameters][1:]
+        names = parameter_names(unwrap_compiled(module)[0])
         name = lambda slot: names[slot] if isinstance(slot, int) else slot  # noqa: E731
         bound = bind_arguments(forward, *seen["original"])  # by name: the two calls may differ in form
         values = bound.arguments

@@ -70,6 +70,21 @@ class Tokens(nn.Module):
         return h
 
 
+class Patches(nn.Module):
+    """An image in, through a 2×2 patch convolution and a stack of blocks."""
+
+    def __init__(self, depth: int = 3, block=Mlp):
+        super().__init__()
+        self.embed = nn.Conv2d(3, D, 2, 2)
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
+
+    def forward(self, image):
+        h = self.embed(image).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
 def tokens(batch: int = 2, n: int = 6, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, n, 3, generator=torch.Generator().manual_seed(seed))
 
@@ -421,19 +436,7 @@ def test_tokens_not_made_from_the_image_are_measured_special_and_the_grid_is_the
 
 
 def test_a_model_whose_patch_grid_holds_every_token_is_not_run_again_to_measure():
-    class Plain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Conv2d(3, D, 2, 2)
-            self.blocks = nn.ModuleList(Mlp() for _ in range(3))
-
-        def forward(self, image):
-            h = self.embed(image).flatten(2).transpose(1, 2)
-            for block in self.blocks:
-                h = block(h)
-            return h
-
-    model = built(Plain)
+    model = built(Patches)
     embeds = []
     model.embed.register_forward_hook(lambda *_: embeds.append(1))
     report = rk.inspect(model, (image(),))
@@ -572,19 +575,7 @@ def test_a_block_that_reshapes_its_tokens_to_rows_of_two_needs_a_row_selector():
             rows = x.reshape(b, n // 2, 2, d)  # fails on an odd count
             return x + self.fc(self.norm(rows.flatten(1, 2)))
 
-    class Owner(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Conv2d(3, D, 2, 2)
-            self.blocks = nn.ModuleList(Rows() for _ in range(3))
-
-        def forward(self, image):
-            h = self.embed(image).flatten(2).transpose(1, 2)
-            for block in self.blocks:
-                h = block(h)
-            return h
-
-    model, inputs = built(Owner), (torch.randn(2, 3, 8, 4),)  # a 4×2 grid
+    model, inputs = built(Patches, 3, Rows), (torch.randn(2, 3, 8, 4),)  # a 4×2 grid
     with pytest.raises(ConfigError, match="whole grid rows"):
         rk.inspect(model, inputs, routes=rk.Route(start=0, end=1, selector="random"))
     assert rk.inspect(model, inputs, routes=rk.Route(start=0, end=1, selector="row")).placed[0].kept == 4
