@@ -153,11 +153,12 @@ class PatchDenoiser(nn.Module):
     """What DiT, Diffusion-RWKV and DiM share: patch embedding with fixed 2-D positions, timestep and
     label embedders, a stack of blocks (x, c) -> x, an adaLN output layer. Only the blocks differ, so a
     subclass passes `make_block(index, grid) -> nn.Module`. forward(x, t, y) returns a tensor shaped
-    like x (twice the channels when learn_sigma)."""
+    like x (twice the channels when learn_sigma). `compile_blocks`: torch.compile each block on its own
+    (regional compilation), the way the official TREAD code and diffusers users compile."""
 
     def __init__(self, make_block, depth: int, hidden: int, patch: int,
                  input_size: int | tuple[int, int] = 32, in_channels: int = 4, num_classes: int = 1000,
-                 learn_sigma: bool = False, class_dropout: float = 0.1):
+                 learn_sigma: bool = False, class_dropout: float = 0.1, compile_blocks: bool = False):
         super().__init__()
         height, width = (input_size, input_size) if isinstance(input_size, int) else input_size
         if height % patch or width % patch or hidden % 4:
@@ -177,6 +178,9 @@ class PatchDenoiser(nn.Module):
         self.blocks = nn.ModuleList([make_block(i, self.grid) for i in range(depth)])
         self.final_layer = FinalLayer(hidden, patch, self.out_channels)
         self.initialize_weights()
+        if compile_blocks:  # each block's forward compiled on its own, as the official TREAD code ships its DiT
+            for block in self.blocks:
+                block.compile()
 
     def initialize_weights(self) -> None:
         """DiT's initialisation; the zeros make every block start as the identity (adaLN-Zero).

@@ -16,6 +16,8 @@ from .errors import (
     RoutekitError,
     SelectorError,
     TraceError,
+    TrainingChanged,
+    VerificationError,
 )
 from .inspection import inspect
 from .model import FallbackWarning, RoutedModel, apply, force_keep, last_route_mask, report_of, strip
@@ -26,7 +28,8 @@ from .verify import verify
 
 __all__ = [
     "DAR", "AnalysisError", "ConfigError", "FallbackWarning", "GraphReport", "InferenceChanged", "InputError",
-    "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "SelectorError", "TraceError", "apply",
+    "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "SelectorError", "TraceError", "TrainingChanged",
+    "VerificationError", "apply",
     "force_keep", "fsdp_units", "inspect", "last_route_mask", "register_selector", "report_of", "selector_names",
     "shard", "strip", "uniform", "verify",
 ]

@@ -15,6 +15,7 @@ its residual adds are found (what DAR rewrites).
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -29,8 +30,9 @@ from torch import nn
 
 from .errors import AnalysisError, RoutekitError
 from .guards import hooked
-from .record import Image, grid_image, image_input, tokens_not_from
+from .record import Image, grid_image, image_input, token_offset, tokens_not_from
 from .routing import Gather, Shrink, gather_tokens, is_opaque, keys, route_side
+from .state import fresh
 from .trace import TensorMeta, Trace, bind_arguments, preserved_state, trace
 
 Slot = int | str  # a positional index or a keyword name in a block call
@@ -52,6 +54,7 @@ class SideInput:
     tokens: tuple[Gather, ...] = ()
     grid: tuple[tuple[tuple, int], ...] = ()
     unordered: tuple[tuple, ...] = ()  # joint tables whose layout (other tokens first or last) the block hides
+    collided: tuple[tuple, ...] = ()  # tensors whose last axis is as long as the stream: tokens or features, untold
     sealed: tuple[tuple, ...] = ()  # objects a route does not look into (see `is_opaque`) that hold per-token tensors
 
     @property
@@ -63,9 +66,12 @@ class SideInput:
         return "per-sample" if any(isinstance(v, TensorMeta) for v in pytree.tree_leaves(self.meta)) else "constant"
 
     def describe(self) -> str:
-        """One line, whatever it holds: tensors as dtype[shape], containers by their entries, long values cut."""
-        text = repr(self.meta)
-        return text if len(text) <= 60 else text[:57] + "..."
+        """One line, whatever it holds: tensors as dtype[shape], containers by their entries, an object (a cache)
+        by its class, long values cut."""
+        plain = (TensorMeta, tuple, list, dict, int, float, bool, str, type(None))
+        meta = self.meta
+        text = repr(meta) if isinstance(meta, plain) else type(meta).__name__
+        return text if len(text) <= 72 else text[:69] + "..."
 
 
 @dataclass(frozen=True)
@@ -98,12 +104,13 @@ class GraphReport:
     stream: TensorMeta
     grid: tuple[int, int] | None
     grid_node: str | None  # the node (graph mode) or module (boundary mode) the grid was read off
-    special: tuple[int, ...]  # token positions outside the patch grid (class/register/text tokens)
+    special: tuple[int, ...]  # tokens not made from the image (text, register, class tokens): routes keep them
     candidates: dict[str, int]
     leafed: dict[str, str]
     specialised: tuple[str, ...]
     fallback: str | None = None  # why the owner forward was not traced (boundary mode)
     residual: str | None = None  # "sublayer", "block" or "mixed" granularity of the adds, or why unknown
+    unknown_special: str | None = None  # why the special tokens could not be told (a route must be given `keep`)
 
     @property
     def depth(self) -> int:
@@ -162,6 +169,23 @@ def _chains(calls: list[fx.Node]):
     yield run, link
 
 
+def _unchained(nodes: list[fx.Node]) -> str:
+    """Why two successive calls of one container do not chain: what stands between the first's output and the
+    second's input (an add of the owner's own, `x = x + block(x)`), or that the second does not read it."""
+    for prev, nxt in zip(nodes, nodes[1:]):
+        users = [u for u in prev.users if u is not nxt]
+        between = [u for u in users if any(a is u or (isinstance(a, fx.Node) and u in a.all_input_nodes)
+                                          for _, a in slots(nxt))]
+        if between:
+            return (f"{prev.target}'s output reaches {nxt.target} only through {between[0].name} "
+                    f"({getattr(between[0].target, '__name__', between[0].target)}), an op of the owner's between "
+                    "the blocks; routekit needs each block's output to be the next block's input (a residual add "
+                    "inside the block, as DiT, ViT and LLM blocks have it)")
+        if not _link(prev, nxt):
+            return f"{nxt.target} does not read {prev.target}'s output"
+    return "its members are not called one after another"
+
+
 def _containers(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))}
 
@@ -177,8 +201,9 @@ def _carries_stream(nodes: list[fx.Node], link: tuple) -> bool:
         getattr(n.meta.get("rk"), "shape", None) == meta.shape or link[1] is not None for n in nodes)
 
 
-def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, list[fx.Node], Slot, int | None, dict]:
-    """The chosen block chain: (container, its calls, stream slot, stream output index, all chains found)."""
+def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
+    """The chosen block chain's container, and every chain found: {container: (its calls, (stream slot, stream
+    output index))}."""
     containers = _containers(model)
     calls: dict[str, list[fx.Node]] = {}
     for node in tr.graph.nodes:
@@ -199,16 +224,16 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, list[fx
             )
         chosen = stack
     elif not chains:
+        why = "".join(f"; {_unchained(nodes)}" for nodes in calls.values() if len(nodes) >= 2)
         raise AnalysisError(
             f"no block stack found in {type(model).__name__}: routekit looks for a ModuleList/Sequential "
             "whose members are called one after another, each feeding its output to the next. Containers "
-            f"called in the traced forward: {_listing({k: len(v) for k, v in calls.items()}) or 'none'}"
+            f"called in the traced forward: {_listing({k: len(v) for k, v in calls.items()}) or 'none'}{why}"
         )
     else:
         token_chains = [k for k in chains if _carries_stream(*chains[k])]
         chosen = max(token_chains or chains, key=lambda k: len(chains[k][0]))
-    nodes, (slot, out_index) = chains[chosen]
-    return chosen, nodes, slot, out_index, {k: len(v[0]) for k, v in chains.items()}
+    return chosen, chains
 
 
 def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Literal["graph", "boundary"] = "graph",
@@ -219,7 +244,9 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     `call`: the example call, to measure what the graph does not show (special tokens of a recording).
     `residual`: also trace each block alone and find its residual adds.
     """
-    chosen, nodes, slot, out_index, candidates = _stack(tr, model, stack)
+    chosen, chains = _stack(tr, model, stack)
+    nodes, (slot, out_index) = chains[chosen]
+    candidates = {k: len(v[0]) for k, v in chains.items()}
     first_in = slot_value(nodes[0], slot)
     stream = first_in.meta["rk"] if isinstance(first_in, fx.Node) else None
     if not isinstance(stream, TensorMeta) or len(stream.shape) != 3:
@@ -245,13 +272,27 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         blocks.append(_joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     blocks = _with_escapes(blocks, by_name, tokens)
     if images is None:
-        grid, grid_node, special = _graph_grid(tr.graph, model, first_in, batch, tokens)
+        special = _graph_special(tr.graph, first_in, batch, tokens, chains)
     else:
-        grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], slot, batch, tokens, call)
-    if not special and call is not None and (grid is None or math.prod(grid) < tokens):
-        grid, special = _measured(model, call, blocks[0], slot, batch, tokens, grid)
+        at = _measure_point(chains, chosen, batch, tokens)
+        grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], at, batch, tokens, call)
+        if not special and grid is None and call is not None:
+            special = _recorded_special(model, call, chains, chosen, at, batch, tokens)
+    unknown = None
+    if special is None:  # what the graph or the recording does not show, measured: conclusive only if it finds some
+        special = _measured(model, call, blocks[0].qualname, slot, batch, tokens) if call is not None else None
+        if not special:
+            special, unknown = (), (
+                "the stream joins tokens of several sources along the token axis, and routekit could not tell "
+                "which were made from the image" if images is None else
+                "routekit could not measure which of the stream's tokens were not made from the image")
+    if images is None:
+        grid, grid_node = _graph_grid(tr.graph, model, first_in, batch, tokens - len(special))
+    if grid is None and special and call is not None:  # the image patchified by reshaping, joined with others
+        grid = _grid_from_image(call, batch, tokens - len(special))
     fewer = tokens - (grid[-1] if grid else 1)  # a whole grid row fewer: blocks that reshape to rows still run
-    blocks = [_resolved(model, b, slot, stream, fewer) for b in blocks]
+    decided: dict = {}
+    blocks = [_resolved(model, b, slot, stream, fewer, decided) for b in blocks]
     granularity = None
     if residual:
         blocks, granularity = _with_residual_adds(model, blocks, slot, stream, out_index)
@@ -259,7 +300,7 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         model=type(model).__name__, mode=mode, stack=chosen, blocks=tuple(blocks), stream_slot=slot,
         stream_out_index=out_index, stream=stream, grid=grid, grid_node=grid_node, special=special,
         candidates=candidates, leafed=dict(tr.leafed), specialised=tuple(tr.specialised), fallback=fallback,
-        residual=granularity,
+        residual=granularity, unknown_special=unknown,
     )
 
 
@@ -284,7 +325,7 @@ def _side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chan
             axis = _grid_axis(names.get(slot, str(slot)), keys(path))
             if axis is not None:
                 grid.append((keys(path), axis))
-    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), tuple(sealed)),
+    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), sealed=tuple(sealed)),
             tuple(joint))
 
 
@@ -357,9 +398,17 @@ def _ambiguous(side: SideInput, batch: int, tokens: int, channels: int) -> bool:
             and meta.shape[0] == batch and meta.dtype.is_floating_point)
 
 
-def _resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, fewer: int) -> BlockInfo:
-    """Settle ambiguous side inputs by probing the block with `fewer` tokens: if it runs with the input
-    unchanged it is per-sample, if only with the input cut too it is per-token."""
+def _resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, fewer: int,
+              decided: dict) -> BlockInfo:
+    """Settle what the shapes alone leave open by probing the block with `fewer` tokens.
+
+    An ambiguous side input (`_ambiguous`) is per-sample if the block runs with it unchanged, per-token if only
+    with it cut too. A tensor whose last axis is as long as the stream and follows a token axis (an attention
+    mask (B, 1, N, N), or a RoPE table (B, N, head_dim) where head_dim happens to equal N) has its last axis cut
+    where the block runs that way: every such tensor's two readings are probed together (a block given a mask
+    and a RoPE table fails if either is cut wrong), and one combination must run, else each is `collided`.
+    `decided` carries the decision from block to block (same class, same inputs).
+    """
     batch, tokens, channels = stream.shape
     sides = list(block.side_inputs)
     for i, side in enumerate(sides):
@@ -371,7 +420,35 @@ def _resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Ten
             sides[i] = unchanged
         elif not block_runs(model, block, stream_slot, stream, fewer):
             sides[i] = unchanged
+    open_ = [(i, j) for i, side in enumerate(sides) for j, g in enumerate(side.tokens)
+             if len(g.axes) >= 2 and g.axes[-1] == len(_leaf_at(side.meta, g.path).shape) - 1]
+    if not open_ or fewer < 1:
+        return replace(block, side_inputs=tuple(sides))
+
+    def read(narrow: tuple[bool, ...]) -> list[SideInput]:
+        out = list(sides)
+        for (i, j), cut in zip(open_, narrow):
+            if cut:
+                g = out[i].tokens[j]
+                out[i] = replace(out[i], tokens=out[i].tokens[:j] + (g._replace(axes=g.axes[:-1]),) + out[i].tokens[j + 1:])
+        return out
+
+    key = (block.cls, tuple((sides[i].node, sides[i].tokens[j].path) for i, j in open_))
+    if key not in decided:
+        readings = sorted(itertools.product((True, False), repeat=len(open_)), key=lambda r: -sum(r))[:16]
+        decided[key] = next((r for r in readings if block_runs(model, replace(block, side_inputs=tuple(read(r))),
+                                                                 stream_slot, stream, fewer)), None)
+    if decided[key] is not None:
+        return replace(block, side_inputs=tuple(read(decided[key])))
+    for i, j in open_:
+        sides[i] = replace(sides[i], collided=sides[i].collided + (sides[i].tokens[j].path,))
     return replace(block, side_inputs=tuple(sides))
+
+
+def _leaf_at(meta: Any, path: tuple) -> Any:
+    for key in path:
+        meta = meta[key]
+    return meta
 
 
 def _joint_order(model: nn.Module, block: BlockInfo, joint: dict, stream_slot: Slot, stream: TensorMeta) -> BlockInfo:
@@ -456,7 +533,7 @@ def run_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Ten
               shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True) -> Any:
     """The block's output as a route's block on `tokens` tokens (`fake_block_inputs`), or None where it fails;
     no lasting side effects."""
-    args, kwargs = fake_block_inputs(block, stream_slot, stream, _device(model), tokens, shrink, random, shared)
+    args, kwargs = fresh(fake_block_inputs(block, stream_slot, stream, _device(model), tokens, shrink, random, shared))
     with preserved_state(model, [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]):
         torch.manual_seed(0)
         try:
@@ -497,10 +574,22 @@ def grid_of(meta: Any, batch: int) -> tuple[int, ...] | None:
 _PATCH_EMBEDDINGS = (nn.Conv2d, nn.Conv3d)
 
 
-def _graph_grid(graph: fx.Graph, model: nn.Module, stream_in: fx.Node, batch: int, tokens: int):
-    """(grid, grid node, special positions) from a traced graph: the patch embedding the stream comes from (a
-    Conv2d/Conv3d's output, else the nearest (B, C, H, W) or (B, C, T, H, W) ancestor) with as many cells as
-    the stream has tokens, or with fewer, joined with other tokens by a `cat`."""
+def _graph_special(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int,
+                   chains: dict) -> tuple[int, ...] | None:
+    """The special tokens a traced graph shows: those the owner put into the stream from something other than the
+    image (`_made_from_image`): text joined in, register and class tokens, with or without a grid; None where
+    the graph does not show them."""
+    made = _made_from_image(graph, stream_in, batch, tokens, chains)
+    if made is None:
+        return None
+    special = _positions([not m for m in made])
+    return () if len(special) == tokens else special  # nothing from the first input: it is not the image
+
+
+def _graph_grid(graph: fx.Graph, model: nn.Module, stream_in: fx.Node, batch: int,
+                cells: int) -> tuple[tuple[int, ...] | None, str | None]:
+    """(grid, its node): the patch embedding the stream comes from (a Conv2d/Conv3d's output, else the nearest
+    (B, C, H, W) or (B, C, T, H, W) ancestor) with `cells` cells, the stream's tokens but the special ones."""
     g = to_networkx(graph)
     ancestors = nx.ancestors(g, stream_in.name) | {stream_in.name}
     nearest = [n for n in reversed(graph.nodes) if n.name in ancestors and grid_of(n.meta["rk"], batch)]
@@ -508,96 +597,233 @@ def _graph_grid(graph: fx.Graph, model: nn.Module, stream_in: fx.Node, batch: in
                                                                        _PATCH_EMBEDDINGS)]
     for node in convs + nearest:
         grid = grid_of(node.meta["rk"], batch)
-        if math.prod(grid) == tokens:
-            return grid, node.name, ()
-    return _special_tokens(graph, g, convs + nearest, ancestors, batch, tokens)
+        if math.prod(grid) == cells:
+            return grid, node.name
+    return None, None
+
+
+def _positions(flags: list[bool]) -> tuple[int, ...]:
+    """The flagged token positions: counted from the start before the first unflagged one, from the end after it
+    (text before the image keeps its positions at any image size, register tokens after it theirs)."""
+    first = next((i for i, f in enumerate(flags) if not f), len(flags))
+    return tuple(i if i < first else i - len(flags) for i, f in enumerate(flags) if f)
 
 
 _CATS = {torch.cat, torch.concat, torch.concatenate}
 
 
-def _special_tokens(graph: fx.Graph, g: nx.DiGraph, candidates: list[fx.Node], ancestors: set, batch: int,
-                    tokens: int):
-    """(grid, grid node, special positions) when the stream is a patch grid joined with other tokens.
+def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int,
+                     chains: dict) -> tuple[bool, ...] | None:
+    """Per token of the stream entering the blocks: whether it was made from the image, the model's first tensor
+    input (latents, pixels, token ids) that the stream comes from; None where a `cat` along the token axis does
+    not show which of its parts holds which tokens.
 
-    Takes the first candidate grid with fewer cells than the stream has tokens, and looks for a `cat`
-    along the token axis between it and the stream whose other operands hold the extra tokens.
-    Returns (None, None, ()) when the graph does not show it.
+    Read backwards along the token axis: a `cat` along it joins its parts' tokens; a chain's block hands on the
+    tokens of its stream input, any other op those of its inputs that carry as many tokens (the batched ones
+    before a table shared by the batch); a value none of whose inputs carry its tokens (a patch embedding's
+    flatten) was made from the image if the image is among its ancestors. Only the tokens' origin counts: text
+    tokens that attended to the image in a joint block are still text.
     """
-    by_name = {n.name: n for n in graph.nodes}
-    order = {name: i for i, name in enumerate(by_name)}
-    for node in candidates:
-        cells = math.prod(grid_of(node.meta["rk"], batch))
-        if not 0 < cells < tokens:
-            continue
-        below = nx.descendants(g, node.name) & ancestors
-        for name in sorted(below, key=order.get, reverse=True):
-            split = _cat_split(by_name[name], node.name, g, tokens, cells)
-            if split is not None:
-                before, after = split
-                return grid_of(node.meta["rk"], batch), node.name, tuple(range(before)) + tuple(range(-after, 0))
-        return None, None, ()
-    return None, None, ()
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)]
+    g = to_networkx(graph)
+    ancestors = nx.ancestors(g, stream_in.name)
+    image = next((n for n in inputs if n.name in ancestors or n is stream_in), None)
+    stream_of = {}  # a chain block's stream output node -> its stream input
+    for nodes, (slot, out_index) in chains.values():
+        for node in nodes:
+            out = node if out_index is None else next(
+                (u for u in node.users if u.target is operator.getitem and u.args[1] == out_index), None)
+            if out is not None and isinstance(slot_value(node, slot), fx.Node):
+                stream_of[out] = slot_value(node, slot)
+    memo: dict[fx.Node, tuple[bool, ...] | None] = {}
+
+    def carries(value: Any, count: int) -> bool:
+        meta = getattr(value, "meta", {}).get("rk") if isinstance(value, fx.Node) else None
+        return isinstance(meta, TensorMeta) and len(meta.shape) >= 2 and meta.shape[1] == count
+
+    def origin(node: fx.Node, count: int) -> tuple[bool, ...] | None:
+        if node in memo:
+            return memo[node]
+        memo[node] = result = _origin(node, count)
+        return result
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def _origin(node: fx.Node, count: int) -> tuple[bool, ...] | None:
+        writes = sorted((u for u in node.users if u.op == "call_function" and u.target is operator.setitem
+                         and u.args[0] is node), key=order.get)
+        made = _made(node, count)
+        if not writes or made is None:
+            return made
+        made, written = list(made), set()  # item assignments into the value, in order (a canvas filled per sample)
+        for write in writes:
+            positions = _token_positions(write.args[1], count)
+            value = write.args[2]
+            got = of_value(value, len(positions)) if positions is not None and isinstance(value, fx.Node) else None
+            if got is None or len(got) != len(positions):
+                return None
+            for p, m in zip(positions, got):
+                made[p] = (made[p] or m) if p in written else m
+                written.add(p)
+        return tuple(made)
+
+    def whole(node: fx.Node) -> tuple[bool, ...] | None:
+        """The origins of all of a tensor's tokens (its axis 1), or None for a tensor with no token axis."""
+        meta = node.meta.get("rk")
+        return origin(node, meta.shape[1]) if isinstance(meta, TensorMeta) and len(meta.shape) >= 2 else None
+
+    def of_value(value: fx.Node, count: int) -> tuple[bool, ...] | None:
+        """The origins of the `count` tokens a value assigned into the stream holds: a slice of some tensor's
+        tokens, or a tensor of its own carrying them."""
+        if value.op == "call_function" and value.target is operator.getitem \
+                and isinstance(value.args[0].meta.get("rk"), TensorMeta):
+            return _sliced(value, whole)
+        return origin(value, count) if carries(value, count) else None
+
+    def _made(node: fx.Node, count: int) -> tuple[bool, ...] | None:
+        if node.op == "placeholder":
+            return (node is image,) * count
+        if node.op == "get_attr":
+            return (False,) * count
+        if node in stream_of:
+            return origin(stream_of[node], count)
+        if _is_token_cat(node):
+            if not isinstance(node.args[0], (list, tuple)):  # a cat of a tuple some call returns: parts unseen
+                return None
+            parts = list(node.args[0])
+            if not all(isinstance(p, fx.Node) and carries(p, p.meta["rk"].shape[1]) for p in parts) \
+                    or sum(p.meta["rk"].shape[1] for p in parts) != count:
+                return None
+            made = [origin(p, p.meta["rk"].shape[1]) for p in parts]
+            return None if any(m is None for m in made) else sum(made, ())
+        if node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0].meta.get("rk"), TensorMeta):  # a slice of a tensor's tokens
+            made = _sliced(node, whole)
+            if made is not None and len(made) == count:
+                return made
+        source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
+        feeding = [a for a in source.all_input_nodes if carries(a, count)]
+        batched = [a for a in feeding if a.meta["rk"].shape[0] == batch] or feeding
+        if not batched:
+            return (image is not None and (image is node or image.name in nx.ancestors(g, node.name)),) * count
+        made = [origin(a, count) for a in batched]
+        if any(m is None for m in made):
+            return None
+        return tuple(any(column) for column in zip(*made))
+
+    return origin(stream_in, tokens)
 
 
-def _cat_split(node: fx.Node, grid_node: str, g: nx.DiGraph, tokens: int, grid_tokens: int):
-    """(tokens before, tokens after) the grid operand of a token-axis `cat` producing the stream, else None."""
+def _token_positions(index: Any, count: int) -> range | None:
+    """The token positions an index into a (B, N, ...) tensor picks: `[:, a:b]`, `[i, a:b]` (one sample's) or
+    `[i]` (all of one sample's); None for any other index."""
+    def value(v):  # a number the trace computed is a node holding it
+        return v.meta.get("rk") if isinstance(v, fx.Node) else v
+
+    index = tuple(slice(value(i.start), value(i.stop), value(i.step)) if isinstance(i, slice) else value(i)
+                  for i in (index if isinstance(index, tuple) else (index,)))
+    if any(isinstance(i, slice) and not all(b is None or type(b) is int for b in (i.start, i.stop, i.step))
+           for i in index):
+        return None
+    if not index or not (index[0] == slice(None) or type(index[0]) is int):
+        return None
+    if len(index) == 1:
+        return range(count) if type(index[0]) is int else None
+    return range(count)[index[1]] if isinstance(index[1], slice) else None
+
+
+def _sliced(node: fx.Node, origin) -> tuple[bool, ...] | None:
+    """The origins of the tokens `x[...]` picks (`_token_positions`), from `origin(x)`; None for another index."""
+    made = origin(node.args[0])
+    positions = None if made is None else _token_positions(node.args[1], len(made))
+    return None if positions is None else tuple(made[p] for p in positions)
+
+
+def _is_token_cat(node: fx.Node) -> bool:
+    """A `cat` along the token axis (dim 1 of (B, N, ...), or -2 of (B, N, D))."""
     is_cat = (node.op == "call_function" and node.target in _CATS) or (node.op == "call_method" and node.target == "cat")
     meta = node.meta.get("rk")
-    if not is_cat or not isinstance(meta, TensorMeta) or len(meta.shape) != 3 or meta.shape[1] != tokens:
-        return None
-    parts = node.args[0]
+    if not is_cat or not isinstance(meta, TensorMeta) or len(meta.shape) < 2:
+        return False
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if not isinstance(parts, (list, tuple)) or dim not in (1, -2):
-        return None
-    sizes, grid_part = [], None
-    for i, part in enumerate(parts):
-        part_meta = part.meta.get("rk") if isinstance(part, fx.Node) else None
-        if not isinstance(part_meta, TensorMeta) or len(part_meta.shape) != 3:
-            return None
-        sizes.append(part_meta.shape[1])
-        if part.name == grid_node or grid_node in nx.ancestors(g, part.name):
-            grid_part = i
-    if grid_part is None or sizes[grid_part] != grid_tokens:
-        return None
-    return sum(sizes[:grid_part]), sum(sizes[grid_part + 1:])
+    return isinstance(dim, int) and dim % len(meta.shape) == 1
 
 
-def _recorded_grid(model: nn.Module, images: list[Image], tr: Trace, first: BlockInfo, slot: Slot, batch: int,
-                   tokens: int, call: tuple[tuple, dict] | None):
-    """(grid, grid module, special positions) of a recording: the patch embedding's output seen before the
-    first block and, where its H·W is less than the stream's tokens, the tokens not made from it (measured)."""
+def _measure_point(chains: dict, chosen: str, batch: int, tokens: int) -> tuple[str, Slot]:
+    """Where a recording's special tokens are measured: (block, stream slot) of the first block of the earliest
+    chain whose stream is the stack's, as many tokens (U-ViT's in-blocks before its out-blocks: there the blocks
+    have not mixed the class token with the image's yet), else of the stack's own first block."""
+    nodes, (slot, _) = chains[chosen]
+    order = {node: i for i, node in enumerate(nodes[0].graph.nodes)}
+    for others, (other_slot, _) in sorted(chains.values(), key=lambda item: order[item[0][0]]):
+        meta = getattr(slot_value(others[0], other_slot), "meta", {}).get("rk")
+        if order[others[0]] <= order[nodes[0]] and isinstance(meta, TensorMeta) and meta.shape[:2] == (batch, tokens):
+            return others[0].target, other_slot
+    return nodes[0].target, slot
+
+
+def _recorded_grid(model: nn.Module, images: list[Image], tr: Trace, first: BlockInfo, at: tuple[str, Slot],
+                   batch: int, tokens: int, call: tuple[tuple, dict] | None):
+    """(grid, grid module, special positions; None where unmeasured) of a recording: the patch embedding's output
+    seen before the first block and, where its H·W is less than the stream's tokens, the tokens not made from it
+    (measured at `at`, a block and its stream slot)."""
     first_call = [n.name for n in tr.graph.nodes if n.op == "call_module"].index(first.node)
     image = grid_image(images, first_call, batch, tokens)
     if image is None:
         return None, None, ()
     grid = image.shape[2:]
-    special: tuple[int, ...] = ()
-    if math.prod(grid) < tokens and call is not None:
-        special = tokens_not_from(model, *call, first.qualname, slot, module=image.module)
-        if len(special) != tokens - math.prod(grid):
-            special = ()  # the measurement does not account for the extra tokens: leave them to `keep`
+    special: tuple[int, ...] | None = ()
+    if math.prod(grid) < tokens:
+        special = tokens_not_from(model, *call, *at, module=image.module) if call else None
+        if special is not None and len(special) != tokens - math.prod(grid):
+            special = None  # the measurement does not account for the extra tokens
     return grid, image.module, special
 
 
-def _measured(model: nn.Module, call: tuple[tuple, dict], first: BlockInfo, slot: Slot, batch: int, tokens: int,
-              grid: tuple[int, ...] | None) -> tuple[tuple[int, ...] | None, tuple[int, ...]]:
-    """(grid, special positions) measured where the graph does not show them: the stream's tokens that do not
-    depend on the call's image are special (text tokens of a joint stream, class and register tokens); the
-    grid, where none was found, is the image's size over the one patch size that gives the other tokens."""
+def _measured(model: nn.Module, call: tuple[tuple, dict], block: str, slot: Slot, batch: int,
+              tokens: int) -> tuple[int, ...] | None:
+    """The special positions measured where the graph does not show them: the tokens of the stream entering
+    `block` that do not change with the call's image (class and register tokens, text a block did not mix with
+    the image); () where all change, None where there is no image to change."""
     image = image_input(*call, batch)
     if image is None:
-        return grid, ()
-    special = tokens_not_from(model, *call, first.qualname, slot, image=image)
-    cells = tokens - len(special)
-    if not special or special == tuple(range(tokens)) or cells < 1:
-        return grid, ()
-    if grid is None:
-        spatial = image.shape[2:]
-        sizes = [tuple(d // p for d in spatial) for p in range(1, max(spatial) + 1)
-                 if all(d % p == 0 for d in spatial) and math.prod(d // p for d in spatial) == cells]
-        grid = sizes[0] if len(sizes) == 1 else None
-    return grid, special
+        return None
+    special = tokens_not_from(model, *call, block, slot, image=image)
+    return () if special == tuple(range(tokens)) else special
+
+
+def _recorded_special(model: nn.Module, call: tuple[tuple, dict], chains: dict, chosen: str, at: tuple[str, Slot],
+                      batch: int, tokens: int) -> tuple[int, ...] | None:
+    """The special tokens of a recording with no grid: where the stack joins an earlier chain's tokens with others
+    (text joined to a double-stream stack's image tokens), all but the positions holding that chain's output;
+    else the tokens that do not change with the image at `at` (`_measure_point`). A call with no image to change
+    (token ids in) has nothing to tell apart: (). None where a join is not found."""
+    nodes, (slot, _) = chains[chosen]
+    order = {node: i for i, node in enumerate(nodes[0].graph.nodes)}
+    earlier = sorted(((n, link) for parent, (n, link) in chains.items() if parent != chosen
+                      and order[n[-1]] < order[nodes[0]]), key=lambda item: order[item[0][0]])
+    if at[0] == nodes[0].target:
+        for others, (_, out_index) in reversed(earlier):
+            meta = pytree.tree_leaves(others[-1].meta.get("rk"))
+            out = meta[out_index or 0] if len(meta) > (out_index or 0) else None
+            length = out.shape[1] if isinstance(out, TensorMeta) and len(out.shape) >= 2 else tokens
+            if length < tokens:
+                offset = token_offset(model, *call, nodes[0].target, slot, others[-1].target, out_index)
+                return None if offset is None else _positions(
+                    [not offset <= i < offset + length for i in range(tokens)])
+    return _measured(model, call, *at, batch, tokens) or ()
+
+
+def _grid_from_image(call: tuple[tuple, dict], batch: int, cells: int) -> tuple[int, ...] | None:
+    """Where no patch embedding shows the grid (an image patchified by reshaping, as Lumina2's): the call's image
+    size over the one patch size that gives `cells` tokens."""
+    image = image_input(*call, batch)
+    if image is None or cells < 1 or image.dim() not in (4, 5):
+        return None
+    spatial = image.shape[2:]
+    sizes = [tuple(d // p for d in spatial) for p in range(1, max(spatial) + 1)
+             if all(d % p == 0 for d in spatial) and math.prod(d // p for d in spatial) == cells]
+    return sizes[0] if len(sizes) == 1 else None
 
 
 # ---- residual adds (what DAR rewrites) -------------------------------------------------------------------
@@ -656,6 +882,21 @@ def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None 
     if output is not None and adds and current is not uncast(output):
         return []
     return adds
+
+
+def without_residual(model: nn.Module, block: BlockInfo) -> bool:
+    """Whether a block's own trace shows no residual connection and hides none: no add of token-carrying values,
+    and every module it calls one of torch.nn's plain layers (any other module may add a residual inside)."""
+    if block.body is None or block.adds:
+        return False
+    for node in block.body.graph.nodes:
+        if _is_add(node) and len(getattr(node.meta.get("rk"), "shape", ())) >= 3:
+            return False
+        if node.op == "call_module":
+            module = model.get_submodule(block.qualname).get_submodule(node.target)
+            if not type(module).__module__.startswith("torch.nn") or next(module.children(), None) is not None:
+                return False  # its own code, or torch's composite layers (a TransformerEncoderLayer adds inside)
+    return True
 
 
 def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, out_index: int | None,

@@ -116,6 +116,13 @@ class DAR(_Config):
     "dynamic" (W_l v_{l-1}, zero-init). `chunk`: a sublayer sees summaries of earlier chunks of
     `chunk` sublayers plus the raw outputs of its own chunk. `timestep`: the fx node or module name
     of the timestep embedding, when analysis cannot find it.
+
+    `preserve`: start from the model as it is, for fine-tuning pretrained weights. The paper's zero-init
+    queries start every aggregation as the uniform average of its history, which is not the residual sum a
+    pretrained model was trained with, so its output changes at step 0. With `preserve=True` each
+    aggregation is blended into the residual add it replaces, h = a + g·(mix − a) with a = the add's own
+    value and a learned gate g per aggregation starting at 0: at step 0 the model computes exactly what it
+    did, and training moves each gate towards DAR's mix. None of the paper's variants has this.
     """
 
     query: Literal["static", "static_t", "dynamic"] = "static"
@@ -123,6 +130,7 @@ class DAR(_Config):
     kernel: Literal["auto", "triton", "torch"] = "auto"
     timestep: str | None = None
     eps: float = 1e-6
+    preserve: bool = False
 
     @field_validator("chunk")
     @classmethod

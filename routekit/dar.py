@@ -50,10 +50,18 @@ class DarState(nn.Module):
             self.dynamic = nn.Parameter(torch.zeros(points, dim, dim))
         else:
             self.query = nn.Parameter(torch.zeros(points, dim))
+        if config.preserve:  # each aggregation's share against the residual add it replaces: none at step 0
+            self.gate = nn.Parameter(torch.zeros(points))
 
     def extra_repr(self) -> str:
         c = self.config
         return f"query={c.query!r}, chunk={c.chunk}, points={self.points}, dim={self.dim}, kernel={c.kernel!r}"
+
+
+def blend(add: torch.Tensor, mix: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`DAR(preserve=True)`: the residual add's value `add` moved by `gate` (0 at step 0) towards DAR's `mix`,
+    in the add's dtype; at gate 0 exactly the add (a zero times a finite difference adds nothing)."""
+    return add + (gate * (mix - add)).to(add.dtype)
 
 
 def sum_sources(sources: list[torch.Tensor]) -> torch.Tensor:

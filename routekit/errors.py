@@ -26,8 +26,16 @@ class InputError(RoutekitError, ValueError):
     """Example inputs or call arguments that do not fit the model."""
 
 
-class InferenceChanged(RoutekitError, AssertionError):
-    """The routed model's inference path differs from the original model's."""
+class VerificationError(RoutekitError, AssertionError):
+    """`verify` found that a routed model computes something it was not asked to change."""
+
+
+class InferenceChanged(VerificationError):
+    """The routed model in eval differs from the original model."""
+
+
+class TrainingChanged(VerificationError):
+    """The routed model's training forward changes more than which tokens the routed blocks see."""
 
 
 class NonFiniteError(RoutekitError, FloatingPointError):

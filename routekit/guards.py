@@ -10,9 +10,12 @@ which attribute to turn into an argument).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import enum
+import inspect
 import operator
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,3 +205,36 @@ def _is_shape(node: Any) -> bool:
     return isinstance(node, fx.Node) and (
         (node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",))
         or (node.op == "call_method" and node.target == "size" and not node.args[1:] and not node.kwargs))
+
+
+def assigned_attributes(cls: type, method: str = "forward", depth: int = 0,
+                        seen: set | None = None) -> list[tuple[str, str]]:
+    """(attribute, method) for every `self.attr = ...` in `cls`'s forward and in the methods it calls on self,
+    read off the source without running it.
+
+    A forward that sets its own attributes keeps state a traced graph cannot carry, and may set them only when
+    something changes (transformers' RwkvModel rescales its weights and sets `layers_are_rescaled` when the mode
+    flips): a trace on the example call cannot see that, so the source is read instead, and nothing is run (a
+    run in the other mode would rescale the user's weights).
+    """
+    seen = set() if seen is None else seen
+    owner = next((k for k in cls.__mro__ if method in vars(k)), None)
+    if owner is None or owner in (nn.Module, object) or (owner, method) in seen or depth > 3:
+        return []
+    seen.add((owner, method))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(vars(owner)[method]))))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        found += [(t.attr, f"{owner.__name__}.{method}") for t in targets if _on_self(t)]
+        if isinstance(node, ast.Call) and _on_self(node.func):
+            found += assigned_attributes(cls, node.func.attr, depth + 1, seen)
+    return found
+
+
+def _on_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"

@@ -29,7 +29,6 @@ class Hooks:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.paths: list[str] = []  # modules the routed model holds private copies of
-        self.hook_ids: dict[str, list[int]] = {}
         self.selects: list[nn.Module] = []
         self.active = False
         self._clear()
@@ -57,32 +56,18 @@ class Hooks:
             for block in blocks:
                 module = self._private(routed, block.qualname)
                 before = _Before(self, k, block, block is blocks[0], after.id if block is blocks[-1] else None)
-                handle = module.register_forward_pre_hook(before, with_kwargs=True)
-                self.hook_ids.setdefault(block.qualname, []).append(handle.id)
-            self.hook_ids[blocks[-1].qualname].append(after.id)
+                module.register_forward_pre_hook(before, with_kwargs=True)
         if report.grid_node and self.plan.placed and not self.plan.grid_given:
-            handle = self._private(routed, report.grid_node).register_forward_hook(_GridSource(self))
-            self.hook_ids.setdefault(report.grid_node, []).append(handle.id)
+            self._private(routed, report.grid_node).register_forward_hook(_GridSource(self))
 
-    def detach(self, plain: nn.Module) -> None:
-        """Give `plain` (a copy of the routed model) private copies of the hooked modules, without routekit's hooks."""
-        for path in list(self.paths):
-            self._private(plain, path, fresh=True)
-            module = plain.get_submodule(path)
-            for attr, hooks in module.__dict__.items():
-                if "hook" in attr and isinstance(hooks, dict):
-                    for hook_id in self.hook_ids.get(path, []):
-                        hooks.pop(hook_id, None)
-
-    def _private(self, root: nn.Module, qualname: str, fresh: bool = False) -> nn.Module:
+    def _private(self, root: nn.Module, qualname: str) -> nn.Module:
         """`root`'s own copy of the module at `qualname`, copying every module on the path once."""
         module, path = root, ""
         for atom in qualname.split(".") if qualname else []:
             path = f"{path}.{atom}" if path else atom
-            if fresh or path not in self.paths:
+            if path not in self.paths:
                 module._modules[atom] = _own_copy(module._modules[atom])
-                if path not in self.paths:
-                    self.paths.append(path)
+                self.paths.append(path)
             module = module._modules[atom]
         return module
 

@@ -25,15 +25,15 @@ from .analysis import GraphReport, analyse
 from .config import DAR, Route, coerce_routes
 from .dar import DarState
 from .errors import ConfigError, InputError, NonFiniteError, TraceError
-from .guards import Assumptions
+from .guards import Assumptions, assigned_attributes
 from .hooks import Hooks
 from .plan import Plan, make_plan
 from .record import record
 from .rewrite import STATE, compile_graph, constants_to_inputs, rewrite
 from .routing import RouteSelect
 from .sharding import check_sharding
-from .state import training_mode, unwrap_compiled
-from .trace import TensorMeta, Trace, bind_arguments, call_inputs, call_spec, flatten, preserved_state, shallow_copy, trace
+from .state import eager, training_mode, unwrap_compiled
+from .trace import TensorMeta, Trace, bind_arguments, call_inputs, call_spec, flatten, preserved_state, trace
 
 Mode = Literal["auto", "graph", "boundary"]
 
@@ -54,8 +54,15 @@ def observe(model: nn.Module, args: tuple, kwargs: dict, *, mode: Mode = "auto",
     if mode not in ("auto", "graph", "boundary"):
         raise ConfigError(f"mode must be 'auto', 'graph' or 'boundary', got {mode!r}")
     reason = None
+    sets = assigned_attributes(type(model))
+    if sets and mode != "boundary":
+        attr, where = sets[0]
+        reason = (f"{where} sets self.{attr} as the forward runs, state a traced graph would not carry (and "
+                  "that may change only in another mode)")
+        if mode == "graph":
+            raise TraceError(f"cannot trace {type(model).__name__}.forward: {reason}; route it in mode='boundary'")
     with training_mode(model, True):
-        if mode != "boundary":
+        if mode != "boundary" and reason is None:
             try:
                 tr = trace(model, args, kwargs)
                 return tr, analyse(tr, model, stack=stack, residual=residual, call=(args, kwargs))
@@ -152,7 +159,7 @@ class Programs:
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
         batch = tuple((shape[1:], dtype) for shape, dtype in shapes)
         found = bucket.get(None) or bucket.get(("batch", batch)) or bucket.get(("shapes", shapes))
-        broken = found.assumed.broken(routed) if found is not None else None
+        broken = found.assumed.broken(routed._routekit_model) if found is not None else None
         if broken is not None:
             self._stale(found, broken)
             del bucket[found.key(shapes)]
@@ -186,9 +193,10 @@ def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
 
 def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Program:
     """Trace the original forward for this call and write the plan into it (planned again on this call's analysis)."""
-    original = shallow_copy(routed, cls=routed._routekit_base)
-    tr = trace(original, args, kwargs)
-    report = analyse(tr, original, stack=plan.report.stack, residual=plan.dar is not None)
+    original = routed._routekit_model
+    with eager():
+        tr = trace(original, args, kwargs)
+        report = analyse(tr, original, stack=plan.report.stack, residual=plan.dar is not None)
     return build_program(tr, plan.with_report(report, original, tr.graph), original, routed.training, routes)
 
 
@@ -213,10 +221,45 @@ class RoutekitState(nn.Module):
             self.dar = dar
 
 
+# What a routed model holds of its own: nn.Module's tables (its submodule table adds routekit's state; the
+# parameter, buffer and hook tables are the model's own dicts), a compiled call of its own, routekit's
+# state. Everything else (the mode, `self.scale`, diffusers' `gradient_checkpointing`, a config) is the
+# model's, read and written there, as a torch.compile or peft wrapper reads the model it wraps.
+_OWN = (frozenset(nn.Module().__dict__) - {"training"}) | {"_compiled_call_impl"}
+
+
 class RoutedModel(nn.Module):
-    """Mixin before the model's class: the training forward runs the plan through the executor."""
+    """Mixin before the model's class: the training forward runs the plan through the executor. One state
+    with the model: an attribute set on either after `apply` is seen by both (see `_OWN`)."""
 
     _routekit_base: type
+
+    def __getattr__(self, name: str):
+        state = self.__dict__
+        for table in ("_parameters", "_buffers", "_modules"):
+            if name in state.get(table, ()):
+                return state[table][name]
+        model = state.get("_routekit_model")
+        if model is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        found = model.__dict__.get(name, _OWN)
+        return getattr(model, name) if found is _OWN else found
+
+    def __setattr__(self, name: str, value) -> None:
+        model = self.__dict__.get("_routekit_model")
+        if model is None or name in _OWN or name.startswith(("_routekit_", "__")):
+            return super().__setattr__(name, value)
+        setattr(model, name, value)
+        if isinstance(value, nn.Module):  # a submodule set on the routed model: in its own table too
+            self._modules[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        model = self.__dict__.get("_routekit_model")
+        if model is None or name in _OWN or name.startswith("_routekit_") or name in self._modules:
+            self._modules.pop(name, None) if name in self._modules else super().__delattr__(name)
+            if model is None or name not in model._modules:
+                return
+        delattr(model, name)
 
     def forward(self, *args, **kwargs):
         plan = self._routekit_plan
@@ -270,7 +313,9 @@ def assemble(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tupl
         param = next(model.parameters(), None)
         if param is not None:
             dar.to(param.device)
-    routed = shallow_copy(model, cls=_routed_class(type(model)))
+    routed = _routed_class(type(model)).__new__(_routed_class(type(model)))
+    routed.__dict__.update({k: v for k, v in model.__dict__.items() if k in _OWN}, _routekit_model=model)
+    routed.__dict__["_modules"] = type(model._modules)(model._modules)  # its own table: routekit's state joins it
     state = RoutekitState(plan, dar)
     routed.add_module(STATE, state)
     for select in state.routes:
@@ -306,11 +351,12 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     if residual is not None and not isinstance(residual, DAR):
         raise ConfigError(f"residual must be routekit.DAR(...) or None, got {residual!r}")
     args, kwargs = example_call(model, example_inputs, example_kwargs)
-    tr, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=residual is not None)
-    plan = make_plan(report, coerce_routes(routes, report.depth), residual, model, grid=grid,
-                     graph=tr.graph if tr is not None else None)
-    routed = assemble(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
-    _dry_run(routed, plan, tr, args, kwargs)
+    with eager():
+        tr, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=residual is not None)
+        plan = make_plan(report, coerce_routes(routes, report.depth), residual, model, grid=grid,
+                         graph=tr.graph if tr is not None else None)
+        routed = assemble(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
+        _dry_run(routed, plan, tr, args, kwargs)
     return rewrap(routed)  # in the model's modes, module by module (they are the same modules)
 
 
@@ -393,18 +439,20 @@ def _check_finite(out, plan: Plan) -> None:
             )
 
 
-def strip(routed: nn.Module) -> nn.Module:
-    """The plain model back: same class as the original, sharing the routed model's weights."""
+def strip(routed: nn.Module, *, drop_dar: bool = False) -> nn.Module:
+    """The plain model back: the model `apply` was given (one state with the routed model: same weights, same
+    attributes), compiled as the routed model was. A model trained with DAR computes something else without
+    its aggregations: that is refused unless `drop_dar=True` says to drop them (and their trained queries)."""
     routed, rewrap = unwrap_compiled(routed)
     if not isinstance(routed, RoutedModel):
         raise InputError(f"strip takes a model returned by routekit.apply, got {type(routed).__name__}")
-    plain = shallow_copy(routed, cls=routed._routekit_base)
-    del plain._modules[STATE]
-    if isinstance(routed._routekit_executor, Hooks):
-        routed._routekit_executor.detach(plain)
-    for key in [k for k in plain.__dict__ if k.startswith("_routekit_")]:
-        del plain.__dict__[key]
-    return rewrap(plain)
+    if routed._routekit_plan.dar is not None and not drop_dar:
+        raise ConfigError(
+            f"this model has DAR ({routed._routekit_plan.dar.points} aggregations in place of its residual adds): "
+            "without them it computes something else, so strip would drop what it learned; keep the routed model "
+            "(its eval runs DAR), or pass strip(model, drop_dar=True) to get the model without DAR anyway"
+        )
+    return rewrap(routed._routekit_model)
 
 
 def report_of(routed: nn.Module) -> Plan:

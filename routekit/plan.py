@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import GraphReport, block_runs, find_timestep_embedding, parameter_names, run_block
+from .analysis import GraphReport, block_runs, find_timestep_embedding, parameter_names, run_block, without_residual
 from .config import DAR, Route
 from .errors import ConfigError
 from .report import draw_plan, format_plan
@@ -123,8 +123,18 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
     `graph`: the traced owner graph (where DAR looks up the timestep embedding).
     """
     given = grid is not None
-    grid = checked_grid(grid, report.tokens) if given else report.grid
-    spans = resolve_blocks(routes, [b.qualname for b in report.blocks])
+    grid = checked_grid(grid, report.tokens, len(report.special)) if given else report.grid
+    try:
+        spans = resolve_blocks(routes, [b.qualname for b in report.blocks])
+    except ConfigError as err:
+        others = {k: v for k, v in report.candidates.items() if k != report.stack}
+        if not others or "outside the stack" not in str(err):
+            raise
+        raise ConfigError(
+            f"{err}. The stack routed is {report.stack!r}; other chains of blocks: {others}. A model "
+            "whose blocks sit in stages (Swin's windowed stages joined by patch merging, a U-Net's levels) has one "
+            "chain per stage, with another token count in each: a route lives in one, named with stack='...'"
+        ) from None
     planned = []
     for k, (route, (start, end)) in enumerate(zip(routes, spans)):
         keep = _checked_keep(k, route, report, grid)
@@ -133,17 +143,19 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
         _check_blocks_of(k, route, start, end, report, grid, model, kept, shrink)
         shared = _shared(model, report, report.blocks[start:end + 1], kept, shrink)
         planned.append(RoutePlan(route, start, end, keep, kept, shared, shrink))
-    dar = _dar_plan(residual, report, planned, graph) if residual is not None else None
+    dar = _dar_plan(residual, report, planned, graph, model) if residual is not None else None
     return Plan(report, tuple(planned), dar, grid, given)
 
 
-def checked_grid(grid, tokens: int) -> tuple[int, ...]:
-    """A user's grid=(H, W) or (T, H, W): positive ints whose product is the stream's tokens."""
+def checked_grid(grid, tokens: int, special: int = 0) -> tuple[int, ...]:
+    """A user's grid=(H, W) or (T, H, W): positive ints whose product is the stream's tokens, or its tokens but
+    the `special` ones (text, register, class tokens joined to the image's)."""
     if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(type(g) is int and g > 0 for g in grid)):
         raise ConfigError(f"grid is (H, W) or (T, H, W), positive ints, got {grid!r:.80}")
-    if math.prod(grid) != tokens:
-        raise ConfigError(f"grid {tuple(grid)} does not match the stream's {tokens} tokens (their product must "
-                          "equal it)")
+    if math.prod(grid) not in (tokens, tokens - special):
+        others = f" or, without its {special} special tokens, {tokens - special}" if special else ""
+        raise ConfigError(f"grid {tuple(grid)} does not match the stream's {tokens} tokens{others} (the grid's "
+                          "product must equal it)")
     return tuple(int(g) for g in grid)
 
 
@@ -201,6 +213,12 @@ def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int,
     (class, register, text tokens: a route never sets them aside unless `keep=[]` says to); refuses keeps
     that do not fit the stream."""
     tokens = report.tokens
+    if route.keep is None and report.unknown_special:
+        raise ConfigError(
+            f"route {k}: {report.unknown_special}, so it cannot keep them by itself: pass keep=[...] with the "
+            "positions of the tokens that are not the image's (text, register, class tokens; negative positions "
+            "count from the end), or keep=[] to route every token alike"
+        )
     try:
         keep = resolve_keep(report.special if route.keep is None else route.keep, tokens)
     except ConfigError as err:
@@ -238,6 +256,16 @@ def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphRe
                 f"({side.describe()}) holding a tensor over the stream's tokens, and a route does not cut inside "
                 "objects (state such as a cache is the blocks' own); pass that tensor to the block as an argument "
                 "or inside a tuple/list/dict, or end the route before this block"
+            )
+        collided = [s for s in block.side_inputs if s.collided]
+        if collided:
+            side = collided[0]
+            where = "".join(f"[{k!r}]" for k in side.collided[0])
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: its input {side.slot!r}{where} ({side.describe()}) has "
+                f"a last axis as long as the stream's {report.tokens} tokens, and the block runs neither with that "
+                "axis cut nor with it kept when the stream is cut, so routekit cannot tell whether it holds tokens "
+                "or features; trace with example inputs of another token count (one no feature axis is as long as)"
             )
         if block.aux_escapes:
             raise ConfigError(
@@ -327,7 +355,8 @@ def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, 
     return index.shape[1]
 
 
-def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: fx.Graph | None) -> DarPlan:
+def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: fx.Graph | None,
+              model: nn.Module) -> DarPlan:
     if report.mode != "graph":
         raise ConfigError(
             "residual=DAR(...) rewrites the residual adds of a traced graph and needs graph mode, but "
@@ -344,6 +373,14 @@ def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: 
         raise ConfigError(
             f"residual=DAR(...) needs each block of {report.stack} traced alone to find its residual adds: "
             f"{report.residual or 'the blocks were not analysed'}"
+        )
+    plain = [b.qualname for b in report.blocks if without_residual(model, b)]
+    if plain:
+        more = f" (and {len(plain) - 1} more blocks)" if len(plain) > 1 else ""
+        raise ConfigError(
+            f"residual=DAR(...) replaces residual adds, and {plain[0]}{more} has none: its output is not its input "
+            "plus a sublayer's output, so there is no history for DAR to aggregate over; DAR applies to residual "
+            "networks (DiT, ViT, LLM blocks)"
         )
     timestep = None
     if config.query == "static_t":

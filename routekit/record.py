@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import InputError
-from .state import training_mode
+from .state import fresh, training_mode
 from .trace import CallSpec, Trace, container_members, describe, flatten, preserved_state, user_location
 
 
@@ -61,7 +61,7 @@ def record(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Trace, list[Ima
     def before(name):
         def hook(module, a, kw):
             if not active:
-                calls.append(_Call(name, a, kw))
+                calls.append(_Call(name, *fresh((a, kw))))  # objects (a cache) as the block got them
             active.append(name)
 
         return hook
@@ -191,6 +191,47 @@ def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slo
 
 
 def image_input(args: tuple, kwargs: dict, batch: int) -> torch.Tensor | None:
-    """The call's image (or video): its one floating (batch, C, H, W) or (batch, C, T, H, W) input, if it has one."""
+    """The call's image (or video): its one floating (batch, C, H, W) or (batch, C, T, H, W) input, else its first
+    argument where that is a floating (batch, ...) tensor (audio latents (B, C, L), packed latents (B, N, C))."""
     found = [t for t in _tensors(args, kwargs) if t.is_floating_point() and t.dim() in (4, 5) and t.shape[0] == batch]
-    return found[0] if len(found) == 1 else None
+    if len(found) == 1:
+        return found[0]
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    plain = isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() >= 3
+    return first if not found and plain and first.shape[0] == batch else None
+
+
+def token_offset(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, source: str,
+                 index: int | None) -> int | None:
+    """Where the stream entering `block` holds the tokens `source` (a block called before it) handed on, as one
+    run of positions: their offset, where a slice of the stream equals that output exactly (output `index` of a
+    tuple); None where none does. The stream joins them with others (the text of a joint stack)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    class _Stop(Exception):
+        pass
+
+    def capture(mod, a, kw):
+        seen["stream"] = a[slot] if isinstance(slot, int) else kw[slot]
+        raise _Stop
+
+    def output(mod, a, out):
+        seen["source"] = out if index is None else out[index]
+
+    handles = [model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True),
+               model.get_submodule(source).register_forward_hook(output)]
+    try:
+        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
+            torch.manual_seed(0)
+            model(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    stream, part = seen.get("stream"), seen.get("source")
+    if not isinstance(stream, torch.Tensor) or not isinstance(part, torch.Tensor) or stream.dim() != part.dim() \
+            or stream.shape[0] != part.shape[0] or part.shape[1] > stream.shape[1]:
+        return None
+    length = part.shape[1]
+    return next((o for o in range(stream.shape[1] - length + 1) if torch.equal(stream[:, o:o + length], part)), None)

@@ -7,6 +7,7 @@ plan's fields without importing its module.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 
@@ -30,22 +31,29 @@ def format_plan(plan: Any) -> str:
         f"  token stream: {r.stream} = (batch {batch}, tokens {tokens}, channels {channels}), "
         f"block input {r.stream_slot!r}" + (f", output [{r.stream_out_index}]" if r.stream_out_index is not None else ""),
         f"  token grid  : {grid}",
-        "",
-        f"  {'#':>3}  {'block':<24} {'class':<18} {'side inputs':<44} notes",
     ]
+    if r.unknown_special:
+        lines.append(f"  special tokens: unknown ({r.unknown_special}): a route needs keep=[...]")
+    first = _sides(r.blocks[0])
+    if first:
+        lines.append("  side inputs : " + ("(every block)" if all(_sides(b) == first for b in r.blocks) else
+                                           "(block 0; blocks that differ say so)"))
+        lines += [f"    {_cut(str(slot), 24):<24} {kind:<10} {text}" for slot, kind, text in first]
+    lines += ["", f"  {'#':>3}  {'block':<28} {'class':<24} notes"]
     routed = plan.route_at()
     for b in r.blocks:
-        sides = ", ".join(f"{s.slot}: {s.kind} {s.describe()}" for s in b.side_inputs) or "-"
         notes = []
         if b.index in routed:
             notes.append(f"route {routed[b.index]}")
+        if _sides(b) != first:
+            notes.append("side inputs " + ", ".join(f"{slot}: {kind}" for slot, kind, _ in _sides(b)))
         if b.escapes:
             notes.append(f"output also used by {b.escapes[0].split(' → ')[1]}")
         if b.aux_escapes:
             notes.append(f"per-token side output {b.aux_escapes[0]}")
         if b.adds is not None:
             notes.append(f"{len(b.adds)} residual adds" if b.adds else "residual adds hidden: one DAR source")
-        lines.append(f"  {b.index:>3}  {b.qualname:<24} {b.cls:<18} {sides:<44} {'; '.join(notes)}")
+        lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 60)}")
     lines.append("")
     if r.fallback:
         lines.append(f"  boundary mode: routes sit at block calls, because the owner forward is not traceable: {r.fallback}")
@@ -71,9 +79,30 @@ def format_plan(plan: Any) -> str:
         lines.append(f"  residual adds (what DAR rewrites): {total} in {r.depth} blocks, {r.residual} granularity")
     if plan.dar:
         lines.append(f"  DAR: {plan.dar.config!r}: {plan.dar.points} aggregation points")
-    lines.append(f"  leafed submodules: {r.leafed or 'none'}")
-    lines.append(f"  specialised to example shapes: {len(r.specialised) if r.specialised else 'nothing'}")
+    lines.append("  leafed submodules: " + (", ".join(f"{k} ({_cut(v, 60)})" for k, v in r.leafed.items())
+                                          if r.leafed else "none"))
+    if r.specialised:
+        lines.append(f"  specialised to the example's shapes ({len(r.specialised)}; another shape traces again):")
+        lines += [f"    {_cut(_short_paths(text), 112)}" for text in r.specialised[:8]]
+        if len(r.specialised) > 8:
+            lines.append(f"    ... and {len(r.specialised) - 8} more (plan.report.specialised)")
+    else:
+        lines.append("  specialised to the example's shapes: nothing")
     return "\n".join(lines)
+
+
+def _sides(block: Any) -> list[tuple]:
+    """A block's side inputs as the table shows them: (slot, kind, what it holds)."""
+    return [(s.slot, s.kind, s.describe()) for s in block.side_inputs]
+
+
+def _short_paths(text: str) -> str:
+    """`.../transformers/masking_utils.py:292` for a whole path: the file and its folder say where."""
+    return re.sub(r"/[^ :]*/([^/ :]+/[^/ :]+:[0-9]+)", r".../\1", text)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def draw_plan(plan: Any, path: str) -> str:

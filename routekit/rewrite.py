@@ -249,6 +249,17 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
         mix, state = (graph.call_function(operator.getitem, (part, point - 1 - first)) for part in (mixes, states))
         return graph.call_function(dar.merge, (sources[len(shared):], q, mix, state), options)
 
+    gate = None
+    if config.preserve:
+        with graph.inserting_before(first):
+            gate = graph.get_attr(f"{STATE}.dar.gate")
+
+    def blended(add: fx.Node, h: fx.Node) -> fx.Node:
+        """With `DAR(preserve=True)`, the aggregation blended into the add it replaces (`dar.blend`)."""
+        if gate is None:
+            return h
+        return graph.call_function(dar.blend, (add, h, graph.call_function(operator.getitem, (gate, point - 1))))
+
     for i, info in enumerate(report.blocks):
         call = by_name[info.node]
         if i in starts:
@@ -268,16 +279,17 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
                 if not _descends(branch, uncast(skip)):  # the skip may be a cast of the stream (`h.float()`)
                     skip, branch = branch, skip
                 with graph.inserting_before(add.next):
-                    h = aggregate(branch)
-                add.replace_all_uses_with(h)
-                graph.erase_node(add)
+                    h = blended(add, aggregate(branch))
+                add.replace_all_uses_with(h, delete_user_cb=lambda user, h=h: user is not h)
+                if not add.users:
+                    graph.erase_node(add)
         else:  # adds hidden inside the block: one source per block, v = output - input
             out = by_name[info.stream_out]
             stream_in = slot_value(call, report.stream_slot)
             with graph.inserting_before(out.next):
                 v = graph.call_function(operator.sub, (out, stream_in))
-                h = aggregate(v)
-            out.replace_all_uses_with(h, delete_user_cb=lambda user, v=v: user is not v)
+                h = blended(out, aggregate(v))
+            out.replace_all_uses_with(h, delete_user_cb=lambda user, v=v, h=h: user is not v and user is not h)
         if i in ends:
             _, scatter = route_nodes[ends[i]]
             with graph.inserting_before(scatter.next):

@@ -19,18 +19,45 @@ from .selectors import selector as selector_spec
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x (B, N, ...) → (B, K, ...): the tokens `index` (B, K) of each sample.
+    """x (B, N, ...) → (B, K, ...): the tokens `index` (B, K) of each sample, laid out in memory as `x` is.
 
     A side input shared by the batch as (1, N, ...) (a position table traced at batch 1, say) is
     gathered per sample: each sample gets the rows of its own kept tokens.
     """
     if x.shape[0] != index.shape[0] and x.shape[0] == 1:
         x = x.expand(index.shape[0], *x.shape[1:])
-    shape = (*index.shape, *x.shape[2:])
-    index = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(shape)
-    return x.gather(1, index)
+    return _gather(x, 1, index)
 
 
+def _gather(x: torch.Tensor, axis: int, index: torch.Tensor) -> torch.Tensor:
+    """x (B, ..., N at `axis`, ...) → the same with K at `axis`: each sample's positions `index` (B, K), in the
+    order of `x`'s strides. A block's kernels may take another path for another memory layout (oneDNN's
+    convolution rounds differently for a channels-last input on some CPUs; Dynamo recompiles for new strides):
+    the kept tokens reach the blocks laid out as the whole stream would, so a route changes which tokens the
+    blocks see and nothing else, and a route keeping every token reproduces the original bit for bit."""
+    order = _dense_order(x)
+    if order is None:
+        return _take(x, axis, index, 0)
+    inverse = sorted(range(x.dim()), key=order.__getitem__)
+    return _take(x.permute(order), order.index(axis), index, order.index(0)).permute(inverse)
+
+
+def _take(x: torch.Tensor, axis: int, index: torch.Tensor, batch: int) -> torch.Tensor:
+    """`x.gather` along `axis` with `index` (B, K) laid on x's axes `batch` (B) and `axis` (K)."""
+    shape = [1] * x.dim()
+    shape[batch], shape[axis] = index.shape
+    expanded = list(x.shape)
+    expanded[axis] = index.shape[1]
+    return x.gather(axis, (index if batch < axis else index.t()).reshape(shape).expand(expanded))
+
+
+def _dense_order(x: torch.Tensor) -> list[int] | None:
+    """The axis order in which a dense, non-contiguous `x` is contiguous (a transposed view, a channels-last
+    image): None for a contiguous tensor, or one that is not dense (an expanded table)."""
+    if x.is_contiguous():
+        return None
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    return order if x.permute(order).is_contiguous() else None
 class Gather(NamedTuple):
     """A tensor inside a block argument that carries the stream's tokens, at `path` (the keys and indices leading
     to it inside the argument's value; () for the argument itself). A NamedTuple of plain values, so a
@@ -109,17 +136,25 @@ def _gather_axis(x: torch.Tensor, index: torch.Tensor, axis: int, tokens: int, b
         x, axis = x.unsqueeze(0), axis + 1
     if x.shape[0] != index.shape[0]:  # shared by the batch as (1, ...): each sample gets its own rows
         x = x.expand(index.shape[0], *x.shape[1:])
-    shape = [index.shape[0]] + [1] * (x.dim() - 1)
-    shape[axis] = index.shape[1]
-    expanded = list(x.shape)
-    expanded[axis] = index.shape[1]
-    return x.gather(axis, index.reshape(shape).expand(expanded))
+    return _gather(x, axis, index)
 
 
 def scatter_tokens(full: torch.Tensor, index: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """`full` with the tokens `index` replaced by `kept`: routed tokens keep their route-start value."""
-    index = index.reshape(*index.shape, *([1] * (kept.dim() - 2))).expand(kept.shape)
-    return full.to(kept.dtype).scatter(1, index, kept)
+    """`full` with the tokens `index` replaced by `kept`: routed tokens keep their route-start value. Laid out in
+    memory as `full` is (see `_gather`): the blocks after the route see the stream as they would without it."""
+    full = full.to(kept.dtype)
+    order = _dense_order(full)
+    if order is not None:
+        inverse = sorted(range(full.dim()), key=order.__getitem__)
+        return _put(full.permute(order), order.index(1), index, kept.permute(order), order.index(0)).permute(inverse)
+    return _put(full, 1, index, kept, 0)
+
+
+def _put(full: torch.Tensor, axis: int, index: torch.Tensor, kept: torch.Tensor, batch: int) -> torch.Tensor:
+    """`full.scatter` along `axis` of `kept` at `index` (B, K) laid on the axes `batch` and `axis`."""
+    shape = [1] * full.dim()
+    shape[batch], shape[axis] = index.shape
+    return full.scatter(axis, (index if batch < axis else index.t()).reshape(shape).expand(kept.shape), kept)
 
 
 class RouteSelect(nn.Module):
@@ -151,7 +186,7 @@ class RouteSelect(nn.Module):
             if self.shared:
                 raise SelectorError("a force-keep mask picks tokens per sample, but this route shares one selection "
                                     "by the batch (a block reads a table without a batch axis): it cannot honour it")
-            index = with_forced(index, self.force, self.route.selector, self.generator)
+            index = with_forced(index, self.force, self.route.selector, self.generator, tokens)
         self.last_index, self.last_tokens = index, tokens
         return index
 
@@ -184,15 +219,15 @@ def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tup
     return torch.cat([fixed, positions], dim=1).sort(dim=1).values
 
 
-def with_forced(index: torch.Tensor, force: torch.Tensor, selector: str, generator) -> torch.Tensor:
+def with_forced(index: torch.Tensor, force: torch.Tensor, selector: str, generator, tokens: int) -> torch.Tensor:
     """`index` changed so that every sample keeps its `force`d tokens (bool (batch, tokens)): a forced token
     replaces one the selector picked, and where a sample has more forced tokens than the route keeps, every
     sample keeps that many (one count per batch, so the routed blocks see one shape). The count is read on
     the host: a route with a force mask waits for it."""
     batch, kept = index.shape
-    if force.dim() != 2 or force.shape[0] != batch or force.dtype != torch.bool:
-        raise SelectorError(f"a force-keep mask is a bool (batch, tokens) tensor, got {force.dtype} "
-                            f"{tuple(force.shape)} for a batch of {batch}")
+    if force.dim() != 2 or tuple(force.shape) != (batch, tokens) or force.dtype != torch.bool:
+        raise SelectorError(f"a force-keep mask is a bool (batch, tokens) tensor over the stream the route starts "
+                            f"on, here ({batch}, {tokens}); got {force.dtype} {tuple(force.shape)}")
     if selector_spec(selector).keeps_rows or selector_spec(selector).needs_grid:
         raise SelectorError(f"selector {selector!r} keeps whole lines of the grid; a force-keep mask picks single "
                             "tokens, so use it with a selector that does too (random, importance)")

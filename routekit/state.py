@@ -8,8 +8,10 @@ were, and routekit's own additions live on copies that share the model's paramet
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -25,8 +27,76 @@ def training_mode(model: nn.Module, mode: bool):
             m.training = flag
 
 
+def eager():
+    """Compiled regions (blocks under torch.compile) run eagerly for the while: routekit's own runs of a model
+    (traces, probes on made-up shapes, the dry run) need the values, not kernels; compiling for them would
+    spend minutes and fill Dynamo's caches (and its recompile limit) with shapes training never meets."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def unwrap_compiled(model: Any):
     """(the module inside a torch.compile wrapper, a function wrapping another module the same way)."""
     if isinstance(model, nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         return model._orig_mod, lambda inner: type(model)(inner, model.dynamo_ctx)
     return model, lambda inner: inner
+
+
+def fresh(value: Any) -> Any:
+    """A copy of call arguments for one more run of a model: tuples, lists, dicts and other objects are copied,
+    tensors among them shared (inputs a forward reads), tensors held inside other objects copied (state a run
+    updates: a generation cache that the first run filled would hand a second run its keys and values too)."""
+    inner: dict[int, Any] = {}
+    for obj in _objects(value):
+        for t in _tensors_in(obj):
+            inner.setdefault(id(t), t.detach().clone())
+    return _copy(value, inner)
+
+
+def _copy(value: Any, inner: dict[int, Any]) -> Any:
+    if isinstance(value, torch.Tensor) or _immutable(value):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_copy(v, inner) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, _copy(v, inner)) for k, v in value.items())
+    try:
+        return copy.deepcopy(value, dict(inner))
+    except Exception:  # an object that cannot be copied runs as it is
+        return value
+
+
+def _immutable(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                                               nn.Module, type)) or callable(value)
+
+
+def _objects(value: Any):
+    """The objects (not tensors, not plain containers) inside call arguments."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _objects(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _objects(v)
+    elif not isinstance(value, torch.Tensor) and not _immutable(value):
+        yield value
+
+
+def _tensors_in(obj: Any, depth: int = 0, seen: set | None = None):
+    """The tensors an object holds, through its attributes and containers (a few levels down)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 6:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1, seen)
+    elif hasattr(obj, "__dict__") and not _immutable(obj):
+        for v in vars(obj).values():
+            yield from _tensors_in(v, depth + 1, seen)

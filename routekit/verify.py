@@ -1,6 +1,6 @@
 """`verify`: prove that a routed model changes only what was asked, in eval and in training.
 
-Three checks, each of which raises `InferenceChanged` with what differs:
+Three checks; the first raises `InferenceChanged`, the training checks `TrainingChanged`, each with what differs:
 
 1. eval: the routed model in eval is the original model: the same traced graph, node for node, and
    bit-identical outputs under the same seed. A DAR model changes the model, so its eval is held to the
@@ -14,6 +14,12 @@ Three checks, each of which raises `InferenceChanged` with what differs:
 3. the kept tokens: at the first route's start, with its real rate, the route's first block gets the
    original stream gathered at the kept tokens, and computes what the original block computes on the
    original inputs cut to them (the stream gathered, every side input as the plan cuts it).
+
+Both sides run alike: each run gets its own copy of the call's arguments (a generation cache the first run
+filled would otherwise hand the next run its keys and values too), and where the model holds compiled
+regions (blocks under `torch.compile`) every run, routed or not, runs them eagerly: a routed program calls a
+compiled block at other shapes and strides, Dynamo compiles it again, and another kernel rounds otherwise, a
+difference that says nothing about the rewrite. The result says so (`compiled`).
 """
 
 from __future__ import annotations
@@ -31,12 +37,12 @@ from torch.func import functional_call
 
 from .analysis import parameter_names
 from .config import Route
-from .errors import InferenceChanged, InputError, TraceError
+from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
 from .model import RoutedModel, example_call, report_of, unwrap_compiled
 from .rewrite import STATE
 from .routing import gather_tokens, route_side
-from .state import training_mode
-from .trace import bind_arguments, flatten, preserved_state, shallow_copy, trace
+from .state import eager, fresh, training_mode
+from .trace import bind_arguments, flatten, preserved_state, trace
 
 
 def graph_lines(graph: fx.Graph) -> list[str]:
@@ -51,7 +57,8 @@ def graph_lines(graph: fx.Graph) -> list[str]:
 def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Tensor = (),
            example_kwargs: dict | None = None, *, seed: int = 0) -> dict:
     """Check `routed` against `model` on the example inputs (see the module docstring); returns what was
-    compared: {"mode", "nodes" (eval graph nodes compared, or None), "outputs", "train", "kept"}."""
+    compared: {"mode", "nodes" (eval graph nodes compared, or None), "outputs", "train", "kept", "compiled"
+    (the compiled regions run eagerly for the comparison, or None)}."""
     model, routed = unwrap_compiled(model)[0], unwrap_compiled(routed)[0]
     if type(seed) is not int:
         raise InputError(f"seed is an int, got {seed!r:.80}")
@@ -60,23 +67,38 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     plan = report_of(routed)
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    with preserved_state(model, tensors), preserved_state(routed, tensors):
+    compiled = compiled_regions(routed)
+    with preserved_state(model, tensors), preserved_state(routed, tensors), eager():
         nodes, outputs = _eval(model, routed, args, kwargs, seed)
         with torch.enable_grad():  # as training runs: a forward may branch on it (checkpointing its blocks)
             train = _train_at_rate_zero(routed, args, kwargs, seed) if plan.placed else None
             kept = _kept_tokens(routed, args, kwargs, seed) if plan.placed and plan.dar is None else 0
-    return {"mode": plan.report.mode, "nodes": nodes, "outputs": outputs, "train": train, "kept": kept}
+    note = (f"{', '.join(compiled[:3])}{' ...' if len(compiled) > 3 else ''} compiled: run eagerly on both sides"
+            if compiled else None)
+    return {"mode": plan.report.mode, "nodes": nodes, "outputs": outputs, "train": train, "kept": kept,
+            "compiled": note}
+
+
+def compiled_regions(model: nn.Module) -> list[str]:
+    """The modules of `model` that run under torch.compile: wrapped (`torch.compile(block)`, `block.compile()`)
+    or with a compiled forward (`@torch.compile` on the class's forward, as the official TREAD DiT block)."""
+    found = []
+    for name, module in model.named_modules():
+        forwards = (type(module).forward, module.__dict__.get("forward"))
+        if (type(module).__name__ == "OptimizedModule" or module.__dict__.get("_compiled_call_impl") is not None
+                or any(hasattr(f, "_torchdynamo_orig_callable") for f in forwards)):
+            found.append(name or type(module).__name__)
+    return found
 
 
 def _original(routed: nn.Module) -> nn.Module:
-    """The routed model as its original class: the original forward over the routed model's state now."""
-    view = shallow_copy(routed, cls=routed._routekit_base)
-    del view._modules[STATE]
-    return view
+    """The model the routed model was made from: the original forward over the state they share."""
+    return routed._routekit_model
 
 
 def _run(module: nn.Module, args: tuple, kwargs: dict, seed: int, what: str, error=InferenceChanged) -> Any:
     torch.manual_seed(seed)
+    args, kwargs = fresh((args, kwargs))
     try:
         return module(*args, **kwargs)
     except Exception as err:
@@ -137,14 +159,14 @@ def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int)
     with training_mode(routed, True):
         with _rate_zero(routed):
             try:
-                got = _run(routed, args, kwargs, seed, "the routed training graph at rate 0")
-            except InferenceChanged:
+                got = _run(routed, args, kwargs, seed, "the routed training graph at rate 0", TrainingChanged)
+            except TrainingChanged:
                 if not retraced:
                     raise
                 zero = dataclasses.replace(plan, placed=tuple(
                     dataclasses.replace(p, route=p.route.model_copy(update={"rate": 0.0})) for p in plan.placed))
                 got = _run(lambda *a, **k: executor.run_fresh(routed, a, k, plan=zero), args, kwargs, seed,
-                           "the routed training graph traced at rate 0")
+                           "the routed training graph traced at rate 0", TrainingChanged)
                 how = " (traced at rate 0: a block's code is specialised to the kept count)"
         if plan.dar is not None:
             reference = lambda *a, **k: executor.run_fresh(routed, a, k, routes=False)  # noqa: E731
@@ -152,9 +174,9 @@ def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int)
             reference = _original(routed)
         want = _run(reference, args, kwargs, seed, "the original forward in train mode", InputError)
     if plan.dar is not None:  # the same sums in another order (route boundaries split two-phase chunks)
-        _compare(want, got, "DAR without routes", "routed DAR at rate 0", close=True)
+        _compare(want, got, "DAR without routes", "routed DAR at rate 0", close=True, error=TrainingChanged)
         return f"rate 0{how} matches DAR without routes (to rounding)"
-    _compare(want, got, "original in train mode", "routed training graph at rate 0")
+    _compare(want, got, "original in train mode", "routed training graph at rate 0", error=TrainingChanged)
     return "rate 0 bit-identical"
 
 
@@ -169,7 +191,7 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
 
     def capture(key):
         def hook(module, a, kw):
-            seen.setdefault(key, (a, kw))
+            seen.setdefault(key, fresh((a, kw)))  # as the block got it: the run goes on to change a cache
             torch.manual_seed(seed + 1)  # the block's own random draws (dropout) are the same in every run
         return hook
 
@@ -182,7 +204,7 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
                 handles.append(module.register_forward_hook(lambda m, a, out: seen.setdefault("output", out),
                                                             prepend=True))
             try:
-                _run(root, args, kwargs, seed, f"the {key} model in train mode")
+                _run(root, args, kwargs, seed, f"the {key} model in train mode", TrainingChanged)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -198,7 +220,7 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
         routed_stream = bind_arguments(forward, *seen["routed"]).arguments[name(report.stream_slot)]
         _compare(values[name(report.stream_slot)], routed_stream,
                  f"{block.qualname}'s input {report.stream_slot!r} in the original, gathered",
-                 f"{block.qualname}'s input {report.stream_slot!r} in route 0")
+                 f"{block.qualname}'s input {report.stream_slot!r} in route 0", error=TrainingChanged)
         for side in block.side_inputs:
             key = name(side.slot)
             values[key] = route_side(values.get(key), stream, index, route.cuts(side), route.shared)
@@ -207,7 +229,7 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
     # close rather than equal: the route's graph may hand the block an equivalent input in another form (an
     # explicit causal mask where the eager forward passed None to the same attention)
     _compare(want, seen["output"], f"{block.qualname} on the original's inputs cut to the kept tokens",
-             f"{block.qualname} in route 0", close=True)
+             f"{block.qualname} in route 0", close=True, error=TrainingChanged)
     return 1
 
 
@@ -222,23 +244,24 @@ def _tolerance(a: torch.Tensor) -> tuple[float, float]:
     return max(1e-4, 4 * eps), max(1e-5, 4 * eps * scale)
 
 
-def _compare(expected, got, want_name: str, got_name: str, close: bool = False, depth: int = 0) -> None:
+def _compare(expected, got, want_name: str, got_name: str, close: bool = False, depth: int = 0,
+             error: type = InferenceChanged) -> None:
     want, have = flatten(expected), flatten(got)
     if want[1] != have[1]:
-        raise InferenceChanged(f"output structure differs: {want_name} {want[1]}, {got_name} {have[1]}")
+        raise error(f"output structure differs: {want_name} {want[1]}, {got_name} {have[1]}")
     for i, (a, b) in enumerate(zip(want[0], have[0])):
         if isinstance(a, torch.Tensor):
             if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
                 described = f"{b.dtype}{list(b.shape)}" if isinstance(b, torch.Tensor) else repr(b)
-                raise InferenceChanged(f"output {i}: {want_name} {a.dtype}{list(a.shape)}, {got_name} {described}")
+                raise error(f"output {i}: {want_name} {a.dtype}{list(a.shape)}, {got_name} {described}")
             same = torch.allclose(a, b, *_tolerance(a)) if close else torch.equal(a, b)
             if not same:
                 diff = (a.double() - b.double()).abs()
-                raise InferenceChanged(
+                raise error(
                     f"output {i} of {got_name} is not {'close to' if close else 'bit-identical to'} {want_name}'s: "
                     f"{int((diff > 0).sum())} of {diff.numel()} elements differ, max |Δ| = {diff.max().item():.3e}"
                 )
         elif type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") and depth < 4:
-            _compare(vars(a), vars(b), want_name, got_name, close, depth + 1)  # an object without equality (a cache)
+            _compare(vars(a), vars(b), want_name, got_name, close, depth + 1, error)  # an object without equality (a cache)
         elif a != b:
-            raise InferenceChanged(f"output {i}: {want_name} {a!r}, {got_name} {b!r}")
+            raise error(f"output {i}: {want_name} {a!r}, {got_name} {b!r}")

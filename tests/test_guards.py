@@ -75,7 +75,7 @@ def test_without_the_guard_the_stale_graph_is_what_verify_catches(monkeypatch):
     routed(x)
     monkeypatch.setattr(routekit.guards.Assumptions, "broken", lambda self, root: None)
     model.scale = routed.scale = 2.0
-    with pytest.raises(rk.InferenceChanged, match="rate 0"):
+    with pytest.raises(rk.TrainingChanged, match="rate 0"):
         rk.verify(model, routed, (x,))
 
 

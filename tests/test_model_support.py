@@ -12,8 +12,10 @@ cut as the plan cuts them); gradients reach every parameter they reached before;
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from zoo import ZOO, Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
 from routekit.routing import gather_tokens, route_side  # noqa: E402
+from routekit.state import fresh  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- model-support: built by tests/test_model_support.py -->", "<!-- model-support end -->"
@@ -56,8 +59,8 @@ def planned_flops(model: nn.Module, plan: rk.Plan, args: tuple, kwargs: dict) ->
     tokens (each block run alone on its own inputs, the stream and side inputs cut to the kept count)."""
     report, placed = plan.report, plan.placed[0]
     calls, handles = {}, []
-    for b in report.blocks[placed.start:placed.end + 1]:
-        hook = (lambda name: lambda m, a, kw: calls.setdefault(name, (a, kw)))(b.qualname)
+    for b in report.blocks[placed.start:placed.end + 1]:  # a copy of each call: the run goes on to fill a cache
+        hook = (lambda name: lambda m, a, kw: calls.setdefault(name, fresh((a, kw))))(b.qualname)  # noqa: B023
         handles.append(model.get_submodule(b.qualname).register_forward_pre_hook(hook, with_kwargs=True))
     with torch.no_grad():
         model(*args, **kwargs)
@@ -73,8 +76,8 @@ def planned_flops(model: nn.Module, plan: rk.Plan, args: tuple, kwargs: dict) ->
             values[report.stream_slot] = gather_tokens(stream, index).detach().requires_grad_()
             for side in b.side_inputs:
                 values[side.slot] = route_side(values[side.slot], stream, index, placed.cuts(side), placed.shared)
-            call_args = [values[i] for i in range(len(a))]
-            call_kwargs = {k: v for k, v in values.items() if isinstance(k, str)}
+            call_args, call_kwargs = fresh(([values[i] for i in range(len(a))],
+                                            {k: v for k, v in values.items() if isinstance(k, str)}))
             with FlopCounterMode(display=False) as counter:
                 loss_of(model.get_submodule(b.qualname)(*call_args, **call_kwargs)).backward()
             saved += counter.get_total_flops() * (1 if tokens == report.tokens else -1)
@@ -86,30 +89,50 @@ def check(name: str) -> dict:
     entry = ZOO[name]
     torch.manual_seed(0)
     model, args, kwargs = entry.build()
-    plan = rk.inspect(model, args, kwargs, **entry.options)
-    assert plan.mode == "graph", plan.fallback
+    with warnings.catch_warnings(record=True) as fell_back:
+        warnings.simplefilter("always", rk.FallbackWarning)
+        plan = rk.inspect(model, args, kwargs, **entry.options)
+    fell_back = [w for w in fell_back if issubclass(w.category, rk.FallbackWarning)]
+    assert plan.mode == entry.mode and bool(fell_back) == (entry.mode == "boundary"), plan.fallback
     assert plan.stack == entry.stack and plan.special == entry.special, plan
     route = rk.Route(**entry.route)
-    row = {"model": name, "tokens": plan.tokens}
-    for mode in ("graph", "boundary"):
+    row = {"model": name, "tokens": plan.tokens, "mode": plan.mode}
+    for mode in ("graph", "boundary") if entry.mode == "graph" else ("boundary",):
         routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, mode=mode, **entry.options)
         rk.verify(model, routed, args, kwargs)
-    placed = rk.report_of(routed).placed[0]
-    assert placed.keep == tuple(i % plan.tokens for i in entry.special)
+        placed = rk.report_of(routed).placed[0]
+        assert placed.keep == tuple(i % plan.tokens for i in entry.special), mode
+        routed.train()
+        torch.manual_seed(0)
+        routed(*args, **kwargs)
+        mask = rk.last_route_mask(routed)  # the tokens this forward routed: never one the owner added
+        assert mask.any() and not mask[:, list(placed.keep)].any(), mode
+    if "use_cache" in inspect.signature(type(model).forward).parameters:
+        # counted without a generation cache: a block run alone on a captured cache would attend over the keys
+        # the rest of the run put there (the cache's copies count no FLOPs either way)
+        kwargs = {**kwargs, "use_cache": False}
     model.train()
     original = step_flops(model, args, kwargs)
     before = reached(model)
-    routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, **entry.options).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rk.FallbackWarning)  # said above, for boundary-mode models
+        routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, **entry.options).train()
     measured = step_flops(routed, args, kwargs)
     assert reached(routed) == before, f"gradients stopped reaching {sorted(before - reached(routed))[:5]}"
     plan_ratio = planned_flops(model, rk.report_of(routed), args, kwargs) / original
     ratio = measured / original
     assert abs(ratio / plan_ratio - 1) < 0.05, \
         f"{name}: a routed step costs {ratio:.4f} of the original FLOPs, the plan {plan_ratio:.4f}"
-    dar = rk.apply(model, residual=rk.DAR(chunk=2), example_inputs=args, example_kwargs=kwargs,
-                   **entry.options).train()
-    loss_of(dar(*args, **kwargs)).backward()
-    assert dar.routekit.dar.query.grad is not None and torch.isfinite(dar.routekit.dar.query.grad).all()
+    if entry.mode == "graph":
+        dar = rk.apply(model, residual=rk.DAR(chunk=2), example_inputs=args, example_kwargs=kwargs,
+                       **entry.options).train()
+        loss_of(dar(*args, **kwargs)).backward()
+        assert dar.routekit.dar.query.grad is not None and torch.isfinite(dar.routekit.dar.query.grad).all()
+        row["dar"] = f"{rk.report_of(dar).dar.points} points"
+    else:
+        with pytest.raises(rk.ConfigError, match="needs graph mode"):
+            rk.apply(model, residual=rk.DAR(), example_inputs=args, example_kwargs=kwargs, **entry.options)
+        row["dar"] = "needs graph mode"
     notes = []
     if placed.keep:
         notes.append(f"keeps tokens {list(placed.keep)} (found)")
@@ -117,11 +140,10 @@ def check(name: str) -> dict:
         notes.append("one selection per batch (a table without a batch axis)")
     if placed.shrink:
         notes.append("grid sizes passed to the blocks shrink")
-    if plan.report.residual != "sublayer":
+    if plan.report.residual not in ("sublayer", None):
         notes.append(f"DAR at {plan.report.residual} granularity")
     row.update(stack=plan.stack, grid="×".join(map(str, plan.grid)) if plan.grid else "–", route=str(route_text(route)),
-               flops=f"{ratio:.3f} / {plan_ratio:.3f}", dar=f"{rk.report_of(dar).dar.points} points",
-               notes="; ".join(notes) or "–")
+               flops=f"{ratio:.3f} / {plan_ratio:.3f}", notes="; ".join(notes) or "–")
     return row
 
 
@@ -133,7 +155,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | stack (tokens, grid) | mode | route | verify | train FLOPs: measured / plan | DAR | notes |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | `{r['stack']}` ({r['tokens']}, {r['grid']}) | graph | {r['route']} | "
+        lines.append(f"| {r['model']} | `{r['stack']}` ({r['tokens']}, {r['grid']}) | {r['mode']} | {r['route']} | "
                      f"eval, train, kept tokens | {r['flops']} | {r['dar']} | {r['notes']} |")
     return "\n".join(lines)
 
@@ -167,12 +189,15 @@ def test_the_model_in_bf16_trains_with_its_route_and_dar(name: str) -> None:
     to_bf16 = lambda v: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
     model, args, kwargs = model.to(torch.bfloat16), pytree.tree_map(to_bf16, args), pytree.tree_map(to_bf16, kwargs)
     torch.set_num_threads(1)
-    routed = rk.apply(model, rk.Route(**entry.route), residual=rk.DAR(chunk=3), example_inputs=args,
-                      example_kwargs=kwargs, **entry.options).train()
+    dar = rk.DAR(chunk=3) if entry.mode == "graph" else None  # DAR needs graph mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rk.FallbackWarning)
+        routed = rk.apply(model, rk.Route(**entry.route), residual=dar, example_inputs=args, example_kwargs=kwargs,
+                          **entry.options).train()
     loss = loss_of(routed(*args, **kwargs))
     loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(routed.routekit.dar.query.grad).all()
-    assert "matches DAR without routes" in rk.verify(model, routed, args, kwargs)["train"]
+    assert torch.isfinite(loss) and (dar is None or torch.isfinite(routed.routekit.dar.query.grad).all())
+    assert ("matches DAR without routes" if dar else "bit-identical") in rk.verify(model, routed, args, kwargs)["train"]
 
 
 def test_the_readme_table_is_what_this_run_measured() -> None:

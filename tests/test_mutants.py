@@ -834,10 +834,12 @@ def test_at_rate_zero_a_force_keep_mask_changes_nothing_whatever_the_selector():
     assert not rk.last_route_mask(routed).any()
 
 
-def test_a_force_keep_mask_must_be_bool():
+def test_a_force_keep_mask_must_be_bool_and_cover_the_stream():
     index = torch.tensor([[0, 1], [1, 2]])
     with pytest.raises(SelectorError, match="bool"):
-        with_forced(index, torch.ones(2, 4), "random", None)
+        with_forced(index, torch.ones(2, 4), "random", None, 4)
+    with pytest.raises(SelectorError, match=r"here \(2, 4\); got torch.bool \(2, 5\)"):
+        with_forced(index, torch.ones(2, 5, dtype=torch.bool), "random", None, 4)
 
 
 # ==== selectors ====================================================================================================

@@ -1,5 +1,5 @@
 """`verify` can fail: every way a routed model can differ from what was asked is a test that must see
-InferenceChanged; and it works on DAR models.
+InferenceChanged (eval) or TrainingChanged (the training forward); and it works on DAR models.
 
 Also: apply, inspect and verify leave the user's model bit-identical (parameters, buffers, RNG state,
 module modes, hooks), in graph and in boundary mode.
@@ -82,9 +82,10 @@ def test_verify_passes_and_checks_eval_train_and_the_kept_tokens(mode):
 
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
-def test_an_eval_that_differs_is_caught(mode):
+def test_an_eval_that_differs_is_caught(mode, monkeypatch):
     model, routed, args = routed_owner(mode)
-    routed.scale = 2.0  # the routed model's own attribute: its eval now differs from the model's
+    forward = type(routed).forward
+    monkeypatch.setattr(type(routed), "forward", lambda self, *a: forward(self, *a) * (1 if self.training else 2))
     with pytest.raises(rk.InferenceChanged, match="graph differs|not bit-identical"):
         rk.verify(model, routed, args)
 
@@ -103,7 +104,7 @@ def test_a_training_graph_that_differs_from_the_original_forward_is_caught(monke
 
     monkeypatch.setattr(routekit.rewrite, "place_routes", dropping_a_block)
     model, routed, args = routed_owner()
-    with pytest.raises(rk.InferenceChanged, match="rate 0"):
+    with pytest.raises(rk.TrainingChanged, match="rate 0"):
         rk.verify(model, routed, args)
 
 
@@ -117,7 +118,7 @@ def test_a_route_that_gathers_the_wrong_tokens_is_caught(monkeypatch):
 
     monkeypatch.setattr(routekit.rewrite, "gather_tokens", other_samples)
     model, routed, args = routed_owner()
-    with pytest.raises(rk.InferenceChanged, match="input 'x'|input 0"):
+    with pytest.raises(rk.TrainingChanged, match="input 'x'|input 0"):
         rk.verify(model, routed, args)
 
 
@@ -176,7 +177,7 @@ def test_a_bf16_dar_model_with_a_route_left_routing_at_rate_0_fails_verify(monke
         routed.routekit.dar.query.normal_(generator=torch.Generator().manual_seed(3))
     assert rk.verify(model, routed, args)["train"] == "rate 0 matches DAR without routes (to rounding)"
     monkeypatch.setattr(importlib.import_module("routekit.verify"), "_rate_zero", lambda r: contextlib.nullcontext())
-    with pytest.raises(rk.InferenceChanged, match="not close to DAR without routes"):
+    with pytest.raises(rk.TrainingChanged, match="not close to DAR without routes"):
         rk.verify(model, routed, args)
 
 

@@ -106,12 +106,72 @@ def diffusers_lumina2():
     return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
 
 
+def diffusers_chroma():
+    model = package("diffusers").ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=6, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=24, axes_dims_rope=(4, 6, 6), approximator_num_channels=8, approximator_hidden_dim=32,
+        approximator_layers=1)
+    args, kwargs = flux_inputs(2, 4, 4, 5)
+    del kwargs["pooled_projections"]
+    return model, args, kwargs
+
+
+def diffusers_auraflow():
+    model = package("diffusers").AuraFlowTransformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2, num_single_dit_layers=6, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=32, out_channels=4, pos_embed_max_size=64)
+    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)), "timestep": torch.tensor([3.0, 7.0])}
+    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+
+
+def diffusers_stable_audio():
+    diffusers = package("diffusers")
+    model = diffusers.StableAudioDiTModel(
+        sample_size=16, in_channels=4, num_layers=6, attention_head_dim=16, num_attention_heads=2,
+        num_key_value_attention_heads=1, out_channels=4, cross_attention_dim=32, time_proj_dim=16,
+        global_states_input_dim=24, cross_attention_input_dim=24)
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+    # as its pipeline calls it: the rotary table covers the global (duration) token the model prepends, then audio
+    rotary = get_1d_rotary_pos_embed(8, 16 + 1, use_real=True, repeat_interleave_real=False)
+    kwargs = {"timestep": torch.tensor([3.0, 7.0]), "encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
+              "global_hidden_states": torch.randn(2, 1, 24, generator=_g(2)), "rotary_embedding": rotary}
+    return model, (torch.randn(2, 4, 16, generator=_g()),), kwargs
+
+
 def transformers_llama():
     t = package("transformers")
     config = t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                           use_cache=False)  # as it trains: no generation cache
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     return t.LlamaModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+
+
+def transformers_gpt2():
+    t = package("transformers")
+    config = t.GPT2Config(vocab_size=64, n_embd=32, n_layer=6, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
+    return t.GPT2Model(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+
+
+def transformers_gpt_neox():
+    t = package("transformers")
+    config = t.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=64)
+    return t.GPTNeoXModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+
+
+def transformers_gemma3():
+    t = package("transformers")
+    config = t.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                                sliding_window=8)
+    return t.Gemma3TextModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+
+
+def transformers_rwkv():
+    t = package("transformers")
+    config = t.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=6, attention_hidden_size=32,
+                          intermediate_size=64, context_length=32)
+    return t.RwkvModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
 
 
 def transformers_vit():
@@ -140,6 +200,51 @@ def timm_vit():
     return model, (torch.randn(2, 3, 64, 64, generator=_g()),), {}
 
 
+class UViT(nn.Module):
+    """U-ViT (Bao et al., 2023), small: the time and the class become tokens in front of the image's, and long
+    skips join each in-block's output to the out-block of the same depth."""
+
+    def __init__(self, dim: int = 32, depth: int = 4, patch: int = 2, channels: int = 4, classes: int = 10):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(channels, dim, patch, patch)
+        self.time_embed = nn.Sequential(nn.Linear(1, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.label_embed = nn.Embedding(classes, dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, 2 + 16, dim))
+        block = lambda: nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True)  # noqa: E731
+        self.in_blocks = nn.ModuleList(block() for _ in range(depth))
+        self.mid_block = block()
+        self.out_blocks = nn.ModuleList(UViTOut(dim, block()) for _ in range(depth))
+        self.out = nn.Linear(dim, patch * patch * channels)
+
+    def forward(self, x, t, y):
+        tokens = self.patch_embed(x).flatten(2).transpose(1, 2)
+        time = self.time_embed(t[:, None, None].to(tokens.dtype))
+        label = self.label_embed(y)[:, None]
+        x = torch.cat([time, label, tokens], dim=1) + self.pos_embed
+        skips = []
+        for block in self.in_blocks:
+            x = block(x)
+            skips.append(x)
+        x = self.mid_block(x)
+        for block in self.out_blocks:
+            x = block(x, skips.pop())
+        return self.out(x[:, 2:])
+
+
+class UViTOut(nn.Module):
+    def __init__(self, dim: int, block: nn.Module):
+        super().__init__()
+        self.skip = nn.Linear(2 * dim, dim)
+        self.block = block
+
+    def forward(self, x, skip):
+        return self.block(self.skip(torch.cat([x, skip], dim=-1)))
+
+
+def uvit():
+    return UViT(), (torch.randn(2, 4, 8, 8, generator=_g()), torch.rand(2, generator=_g(1)), torch.tensor([1, 4])), {}
+
+
 @dataclass(frozen=True)
 class Entry:
     """A model of the zoo and how it is routed: `route` for `rk.apply`, the stack it must find, whether its
@@ -150,6 +255,7 @@ class Entry:
     route: dict = field(default_factory=lambda: {"start": 1, "end": 4})
     special: tuple[int, ...] = ()
     options: dict = field(default_factory=dict)
+    mode: str = "graph"  # how apply places the routes by itself: "boundary" where the forward does not trace
 
 
 ZOO: dict[str, Entry] = {
@@ -162,9 +268,20 @@ ZOO: dict[str, Entry] = {
     "diffusers Wan": Entry(diffusers_wan, "blocks"),
     "diffusers Sana": Entry(diffusers_sana, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
     "diffusers Lumina2": Entry(diffusers_lumina2, "layers", special=tuple(range(5))),  # the caption's tokens
+    "diffusers Chroma (single-stream stack)": Entry(diffusers_chroma, "single_transformer_blocks",
+                                                    special=tuple(range(5))),  # the text the owner joins in front
+    "diffusers AuraFlow": Entry(diffusers_auraflow, "single_transformer_blocks",
+                                special=tuple(range(13))),  # its 8 register tokens, then the 5 text tokens
+    "diffusers StableAudio": Entry(diffusers_stable_audio, "transformer_blocks", special=(0,)),  # the global token
     "transformers Llama": Entry(transformers_llama, "layers"),
+    "transformers GPT-2": Entry(transformers_gpt2, "h"),
+    "transformers GPT-NeoX": Entry(transformers_gpt_neox, "layers"),
+    "transformers Gemma3": Entry(transformers_gemma3, "layers"),
+    "transformers RWKV": Entry(transformers_rwkv, "blocks", mode="boundary"),  # its forward rescales on mode flips
     "transformers ViT": Entry(transformers_vit, "layers", special=(0,)),
     "transformers Dinov2 (registers)": Entry(transformers_dinov2_registers, "encoder.layer", special=tuple(range(5))),
     "transformers Mamba": Entry(transformers_mamba, "layers"),
     "timm ViT": Entry(timm_vit, "blocks", special=(0,)),
+    "U-ViT (out-blocks)": Entry(uvit, "out_blocks", route={"start": 1, "end": 2}, special=(0, 1),
+                                options={"stack": "out_blocks"}),
 }
