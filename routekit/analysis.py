@@ -280,7 +280,8 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
             special = _recorded_special(model, call, chains, chosen, at, batch, tokens)
     unknown = None
     if special is None:  # what the graph or the recording does not show, measured: conclusive only if it finds some
-        special = _measured(model, call, blocks[0].qualname, slot, batch, tokens) if call is not None else None
+        at = _measure_point(chains, chosen, batch, tokens)
+        special = _measured(model, call, *at, batch, tokens) if call is not None else None
         if not special:
             special, unknown = (), (
                 "the stream joins tokens of several sources along the token axis, and routekit could not tell "
@@ -705,6 +706,10 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
         feeding = [a for a in source.all_input_nodes if carries(a, count)]
         batched = [a for a in feeding if a.meta["rk"].shape[0] == batch] or feeding
         if not batched:
+            parts = [a.meta["rk"].shape[1] for a in source.all_input_nodes if isinstance(a.meta.get("rk"), TensorMeta)
+                     and len(a.meta["rk"].shape) >= 3 and a.meta["rk"].shape[0] == batch]
+            if len(parts) > 1 and sum(parts) == count:  # sequences joined inside a call the graph does not open
+                return None
             return (image is not None and (image is node or image.name in nx.ancestors(g, node.name)),) * count
         made = [origin(a, count) for a in batched]
         if any(m is None for m in made):

@@ -8,6 +8,11 @@ module modes, hooks), in graph and in boundary mode.
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from torch import nn
 
 import routekit as rk
 import routekit.rewrite
+import routekit.routing
 from backbones import dit
 from routekit.routing import gather_tokens
 
@@ -256,3 +262,111 @@ def test_a_dar_apply_leaves_the_model_bit_identical():
     want = twin(*args)
     torch.manual_seed(5)
     assert torch.equal(model(*args), want)
+
+
+# --- like with like: caches, compiled blocks, the CPU's kernels ------------------------------------------------
+
+def _llama(**config):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=2, **config)
+    return transformers.LlamaModel(config), (torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0)),)
+
+
+def test_a_transformers_lm_with_its_cache_on_verifies_and_a_wrong_gather_in_it_is_still_caught(monkeypatch):
+    """The default config fills a DynamicCache as it runs: each of verify's runs gets its own copy (the kept-token
+    check once handed the block the cache its first run had filled, and called a correct model changed)."""
+    model, args = _llama()
+    assert model.config.use_cache
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args)
+    assert rk.verify(model, routed, args)["kept"] == 1
+    monkeypatch.setattr(routekit.rewrite, "gather_tokens", lambda x, index: gather_tokens(x, index.roll(1, dims=0)))
+    with pytest.raises(rk.TrainingChanged, match="input"):
+        rk.verify(model, rk.apply(model, rk.Route(start=1, end=2), example_inputs=args), args)
+
+
+@pytest.mark.slow
+def test_blocks_under_torch_compile_verify_by_running_eagerly_on_both_sides_and_train_compiled():
+    """A DiT whose blocks are compiled one by one (as the official TREAD code ships it): verify runs the compiled
+    blocks eagerly on both sides and says so (the routed program calls them at other shapes, where Dynamo compiles
+    kernels that round otherwise); a planted change is still caught; a routed step runs through inductor."""
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10, compile_blocks=True)
+    args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args)
+    checked = rk.verify(model, routed, args)
+    assert checked["train"] == "rate 0 bit-identical" and "blocks.0" in checked["compiled"]
+    routed.train()
+    loss = routed(*args).square().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    torch._dynamo.reset()
+
+
+class DecoratedBlock(nn.Module):
+    """A block whose class compiles its forward (`@torch.compile` on the method, as CompVis/tread's DiT block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    @torch.compile(backend="eager")
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def test_a_forward_compiled_on_its_class_is_a_compiled_region(monkeypatch):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(DecoratedBlock() for _ in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 6, DIM)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
+    assert rk.verify(model, routed, (x,))["compiled"].startswith("blocks.0, blocks.1, blocks.2 ...")
+    original = routekit.rewrite.place_routes
+
+    def dropping_a_block(graph, plan, routes):  # the planted change: block 3 left out of the training graph
+        placed = original(graph, plan, routes)
+        call = next(n for n in graph.nodes if n.op == "call_module" and n.target == "blocks.3")
+        call.replace_all_uses_with(call.args[0])
+        graph.erase_node(call)
+        return placed
+
+    monkeypatch.setattr(routekit.rewrite, "place_routes", dropping_a_block)
+    with pytest.raises(rk.TrainingChanged, match="rate 0"):
+        rk.verify(model, rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,)), (x,))
+    torch._dynamo.reset()
+
+
+def test_rate_0_is_bit_identical_whatever_kernels_the_cpu_picks():
+    """oneDNN rounds a convolution of a channels-last input otherwise than of a contiguous one on AVX2 CPUs (AMD
+    EPYC's path; ONEDNN_MAX_CPU_ISA=AVX2 takes it on any x86 CPU): a route hands its blocks the stream laid out as
+    the original does, so a route keeping every token is bit-identical on either path."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("oneDNN's ISA switch is x86's")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    test = "tests/test_positions.py::test_grid_sizes_handed_to_blocks_as_numbers_follow_the_kept_grid"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_a_route_lays_the_kept_tokens_out_as_the_stream_is():
+    stream = torch.randn(2, 5, 12).transpose(1, 2)  # (2, 12, 5), stored as (2, 5, 12): a patch embedding's view
+    index = torch.tensor([[0, 3, 7], [1, 2, 11]])
+    kept = gather_tokens(stream, index)
+    assert kept.stride() == (15, 1, 3) and torch.equal(kept, torch.stack([s[i] for s, i in zip(stream, index)]))
+    back = routekit.routing.scatter_tokens(stream, index, kept * 2)
+    assert back.stride() == stream.stride()
+    want = stream.clone()
+    for b in range(2):
+        want[b, index[b]] *= 2
+    assert torch.equal(back, want)
