@@ -872,3 +872,70 @@ def test_two_phase_chunks_are_those_no_route_boundary_crosses():
     assert two_phase_chunks(sizes, [], rk.DAR(chunk=3))[54] == 2  # a short last chunk of two points
     assert two_phase_chunks(sizes, [], rk.DAR(chunk=4, query="dynamic")) == {}
     assert two_phase_chunks(sizes, [], rk.DAR(chunk=1)) == {}
+
+
+# --- DAR and the model it came from ---------------------------------------------------------------------------
+
+def _pretrained_dit():
+    """A DiT off its adaLN-Zero init (a trained model's branches are not gated to zero)."""
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model, dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("config", [{}, {"chunk": 2}, {"query": "static_t", "chunk": 3}, {"query": "dynamic"}])
+def test_dar_preserve_starts_from_the_pretrained_model_bit_for_bit_and_learns_its_gates(config):
+    """The paper's zero-init queries start at the uniform average, not at the residual sum a pretrained model was
+    trained with: its output changes at step 0. DAR(preserve=True) blends each aggregation into its add by a gate
+    that starts at 0, so at step 0 the model computes exactly what it did; the gates get gradients."""
+    model, args = _pretrained_dit()
+    plain = rk.apply(model, residual=rk.DAR(**config), example_inputs=args).eval()
+    kept = rk.apply(model, residual=rk.DAR(preserve=True, **config), example_inputs=args)
+    with torch.no_grad():
+        want = model.eval()(*args)
+        assert not torch.equal(plain(*args), want)  # what preserve is for (pre-norm blocks hide most of it)
+        assert torch.equal(kept.eval()(*args), want)
+    model.train()
+    torch.manual_seed(5)
+    want = model(*args)
+    kept.train()
+    torch.manual_seed(5)
+    got = kept(*args)
+    assert torch.equal(got, want)
+    got.square().mean().backward()
+    assert kept.routekit.dar.gate.grad.abs().sum() > 0
+
+
+def test_strip_of_a_dar_model_refuses_unless_told_to_drop_dar():
+    model, args = _pretrained_dit()
+    routed = rk.apply(model, routes=rk.Route(start=1, end=2), residual=rk.DAR(), example_inputs=args)
+    with pytest.raises(rk.ConfigError, match=r"has DAR .*drop_dar=True"):
+        rk.strip(routed)
+    assert rk.strip(routed, drop_dar=True) is model
+    assert rk.strip(rk.apply(model, routes=rk.Route(start=1, end=2), example_inputs=args)) is model  # routes only
+
+
+def test_dar_on_blocks_with_no_residual_add_is_refused_by_name():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(self.norm(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Plain() for _ in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    with pytest.raises(rk.ConfigError, match=r"blocks\.0 \(and 3 more blocks\) has none: its output is not its input"):
+        rk.apply(Net(), residual=rk.DAR(), example_inputs=(torch.randn(2, 6, 8),))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -365,3 +367,84 @@ def test_any_malformed_grid_raises_only_routekit_errors(grid) -> None:
         apply(LINEAR, routes=rk.Route(start=0, end=1, selector="row"), grid=grid)
     except rk.RoutekitError:
         pass
+
+
+# --- what a new user meets first ------------------------------------------------------------------------------
+
+def test_a_rope_lm_whose_token_count_equals_its_head_dim_routes():
+    """Llama with head_dim 16 on 16 tokens: its RoPE table (1, 16, 16) has two axes as long as the stream, and the
+    block itself tells which holds the tokens (it was cut along both and failed to apply)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model, ids = transformers.LlamaModel(config), torch.randint(0, 64, (2, 16))
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(ids,))
+    table = rk.report_of(routed).blocks[1].side_inputs
+    assert [g.axes for s in table if s.slot == "position_embeddings" for g in s.tokens] == [(1,), (1,)]
+    rk.verify(model, routed, (ids,))
+
+
+def test_a_force_keep_mask_of_another_token_count_is_named():
+    routed = apply(routes=[rk.Route(start=1, end=2)]).train()
+    with pytest.raises(rk.SelectorError, match=r"over the stream the route starts on, here \(2, 12\); got torch\.bool "
+                                               r"\(2, 5\)"), rk.force_keep(routed, torch.ones(2, 5, dtype=torch.bool)):
+        routed(*example_inputs(LINEAR))
+
+
+def test_the_command_line_runs_as_a_module_and_answers_bad_input_without_a_traceback():
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "routekit", *argv], capture_output=True, text=True)
+
+    assert cli("--help").returncode == 0
+    for argv, said in ((("inspect", "no_such_module:Model"), "cannot import 'no_such_module'"),
+                       (("inspect", "backbones.dit:DiT_S_2", "--routes", "2:8:abc"), "rate a number in [0, 1)"),
+                       (("inspect", "backbones.dit:DiT_S_2", "--grid", "16by16"), "H,W or T,H,W"),
+                       (("inspect", "backbones.dit:DiT_S_2", "--dar", "fancy"), "static, static_t, dynamic")):
+        done = cli(*argv)
+        assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_blocks_in_stages_and_adds_between_blocks_are_named_as_such():
+    class Stages(nn.Module):  # two stages of blocks with a token merge between them, as Swin's patch merging
+        def __init__(self):
+            super().__init__()
+            self.stage1 = nn.ModuleList(nn.Sequential(nn.Linear(8, 8)) for _ in range(3))
+            self.stage2 = nn.ModuleList(nn.Sequential(nn.Linear(8, 8)) for _ in range(2))
+
+        def forward(self, x):
+            for block in self.stage1:
+                x = block(x)
+            x = x[:, ::2]
+            for block in self.stage2:
+                x = block(x)
+            return x
+
+    with pytest.raises(rk.ConfigError, match=r"block 4 is outside the stack.*other chains of blocks: \{'stage2': 2\}.*"
+                                             r"one chain per stage.*stack='\.\.\.'"):
+        rk.apply(Stages(), rk.Route(start=2, end=4), example_inputs=(torch.randn(2, 8, 8),))
+
+    class AddsOutside(nn.Module):  # x = x + block(x) in the owner: no block's output is the next one's input
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    with pytest.raises(rk.AnalysisError, match=r"blocks\.0's output reaches blocks\.1 only through add.*residual add "
+                                               r"inside the block"):
+        rk.apply(AddsOutside(), "default", example_inputs=(torch.randn(2, 8, 8),))
+
+
+def test_inspect_of_a_transformers_lm_fits_a_terminal_and_lists_its_specialisations():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    text = str(rk.inspect(transformers.LlamaModel(config), (torch.randint(0, 64, (2, 12)),),
+                          routes=rk.Route(start=1, end=2)))
+    assert max(map(len, text.splitlines())) <= 120, max(text.splitlines(), key=len)
+    assert text.count("constant   DynamicCache") == 1 and "side inputs : (every block)" in text
+    assert "specialised to the example's shapes (" in text and "masking_utils.py:" in text

@@ -254,3 +254,71 @@ def test_dtype_and_device_moves_move_the_whole_model():
     assert model.offset.dtype == torch.float64 and model.embed.weight.dtype == torch.float64
     routed.train()
     assert routed(x.double()).dtype == torch.float64
+
+
+# --- one state: the routed model and the model it was made from ---------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_an_attribute_set_on_either_after_apply_is_the_others_too(mode):
+    """As a torch.compile or peft wrapper reads the model it wraps: a flag set on the model after apply (a scale, a
+    dropout probability, diffusers' gradient_checkpointing) reaches the routed model's training forward, and one
+    set on the routed model is the model's."""
+    model, routed, x = routed_owner(mode=mode)
+    routed.train()
+    model.scale = 5.0
+    assert routed.scale == 5.0 and at_rate_zero_matches_the_original(routed, x)
+    torch.manual_seed(0)
+    changed = routed(x)
+    model.scale = 1.5
+    torch.manual_seed(0)
+    assert not torch.equal(changed, routed(x))  # the routed forward read 5.0, not its own 1.5
+    routed.scale = 3.0
+    assert model.scale == 3.0 and "scale" not in vars(routed)
+    model.train(False)
+    assert not routed.training  # the mode too: one model
+    assert rk.strip(routed) is model
+
+
+def test_gradient_checkpointing_enabled_on_the_original_after_apply_recomputes_the_routed_blocks():
+    """diffusers' `enable_gradient_checkpointing()` called on the model after apply: the routed model's next step
+    checkpoints every block (each runs again in backward), and its losses stay the model's at rate 0."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, num_layers=4,
+                                            sample_size=8, patch_size=2, num_embeds_ada_norm=10, norm_num_groups=1)
+    args, kwargs = (torch.randn(2, 4, 8, 8),), {"timestep": torch.tensor([3, 7]), "class_labels": torch.tensor([1, 4])}
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args, example_kwargs=kwargs).train()
+    calls = []
+    model.transformer_blocks[1].register_forward_pre_hook(lambda *_: calls.append(1))  # recomputing stops early
+
+    def step():
+        calls.clear()
+        routed(*args, **kwargs).sample.square().mean().backward()
+        return len(calls)
+
+    assert step() == 1
+    model.enable_gradient_checkpointing()
+    step()  # traces again (the flag the forward branches on changed): the trace runs the block once more
+    assert step() == 2  # forward, and again in backward
+    rk.verify(model, routed, args, kwargs)
+
+
+def test_a_forward_that_sets_attributes_when_the_mode_flips_is_found_at_apply():
+    """transformers' RwkvModel rescales its weights and sets `layers_are_rescaled` when the mode flips: apply finds
+    it from the forward's code (in whatever mode the model is), routes in boundary mode and says why; training,
+    sampling and training again then run, and mode='graph' is refused at apply, not at the first step."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, attention_hidden_size=32,
+                                     intermediate_size=64, context_length=32, rescale_every=2)
+    model, ids = transformers.RwkvModel(config).eval(), torch.randint(0, 64, (2, 12))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(rk.FallbackWarning, match=r"_rescale_layers sets self\.layers_are_rescaled"):
+        routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(ids,))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # apply ran nothing that rescales
+    for training in (True, False, True, False):
+        routed.train(training)
+        routed(ids)
+    rk.verify(model, routed, (ids,))
+    with pytest.raises(rk.TraceError, match="layers_are_rescaled"):
+        rk.apply(model, rk.Route(start=1, end=2), example_inputs=(ids,), mode="graph")
