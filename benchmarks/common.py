@@ -83,6 +83,19 @@ def device_or_exit(quick: bool) -> str:
     return "cpu"
 
 
+def scan_kernel(backbone: str, device: str) -> str | None:
+    """Which token-mixing implementation a scan backbone's train step runs on this device (said in every result)."""
+    if backbone == "mamba":
+        from backbones import mamba
+        name = mamba.ssd_impl(device == "cuda")
+        return {"kernel": "mamba-ssm Triton SSD (mamba_chunk_scan_combined)",
+                "chunked": "pure-PyTorch chunked SSD (backbones/ops/ssd.py)"}.get(name, name)
+    if backbone == "rwkv":
+        from backbones import rwkv
+        return f"WKV '{rwkv.wkv_impl(device == 'cuda')}' (backbones/ops/wkv.py)"
+    return None
+
+
 def time_ms(step: Callable[[], object], steps: int, warmup: int, cuda: bool) -> dict[str, float]:
     """Median and fastest milliseconds of ``steps`` calls of ``step``, after ``warmup`` untimed ones.
 

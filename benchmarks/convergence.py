@@ -1,332 +1,795 @@
-"""Convergence per wall-clock second, seeded: vanilla vs TREAD vs DAR vs DAR+TREAD DiT on MNIST-5k.
+"""Convergence per training second, seeded, across backbones: does routing's speed-up survive training?
 
-Each run trains a shipped recipe (one method, one seed) for the same budget of training seconds
-(evaluation, sampling and the first step, which holds torch.compile's compilation, are not counted) and
-is scored on its EMA weights every ``--eval-every-s`` training seconds: Fréchet distance in the features of
-a small MNIST classifier (lower is better) and that classifier's accuracy on class-conditional samples.
-Each run writes its own result.json in its run folder; the report merges every run made under the same
-settings: per method the mean and spread across seeds of the final FD and of the training seconds to
-reach vanilla's final FD (the mean over vanilla's seeds), and curves with a band across seeds.
+The study is a fixed plan of runs. DiT-B/2 on MNIST-5k with vanilla, TREAD, DAR and DAR + TREAD, three seeds,
+420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 300 s
+each. One run (backbone, method, seed) is one process that fits one lent H200 for at most 9 minutes, its start,
+first step (torch.compile's compilation) and evaluations included, so any session can advance the study with
+its spare device time. Every run trains a shipped recipe (recipes/configs/<backbone>_<method>.yaml) for the same
+budget of training seconds (evaluation and the first step are not counted) with the same data order per seed,
+and is scored on its EMA weights every budget / evals training seconds: Fréchet distance in the features of a
+small MNIST classifier (lower is better) and that classifier's accuracy on class-conditional samples.
 
-    python -m benchmarks.convergence --parallel 8 --budget-s 420     # 8 GPUs: 4 methods x 2 seeds at once,
-                                                                     # one run per GPU, then the report
-    python -m benchmarks.convergence --parallel 2 --methods vanilla,tread --seeds 0   # a subset; results merge
-    python -m benchmarks.convergence --report                         # merge the runs made so far
-    python -m benchmarks.convergence --quick --parallel 2             # CPU smoke run in seconds (tiny model)
+    python -m benchmarks.convergence --list                 # the plan: each run, its budget, whether it exists
+    python -m benchmarks.convergence --next                 # train the first missing run, then the report
+    python -m benchmarks.convergence --run dit_b2/tread/0   # a named run (two GPUs: one process each, with
+                                                            # CUDA_VISIBLE_DEVICES=0 and =1), then the report
+    python -m benchmarks.convergence --report               # merge the results that exist; name what is missing
+    python -m benchmarks.convergence --quick --next         # the same plan shrunk: tiny models, synthetic data,
+                                                            # half a second of training each, on a CPU
 
-``--parallel N`` starts one process per run with CUDA_VISIBLE_DEVICES set to one of N GPUs, at most N at a
-time. Writes benchmarks/results/convergence.{json,md,png} (``--quick``: runs/convergence_quick/).
+A run writes benchmarks/results/convergence/<backbone>/<method>_seed<seed>.json (commit it as soon as it exists:
+the report merges results made in different sessions) and the report benchmarks/results/convergence.{md,json,png}.
+Its training folder (logs, no checkpoints) goes under runs/convergence/. ``--quick`` keeps everything under
+runs/convergence_quick/.
+
+What a result's fingerprint holds, and why. Runs made on different commits merge only where what they
+measure is the same, so every result carries a fingerprint, and the report (and a new run, before it trains)
+refuses runs of one backbone that disagree in any part of it, naming the files and the part:
+
+- ``recipe`` and ``method``: hashes of the resolved TrainConfig (its dump, less the seed and the cache folder):
+  ``recipe`` of all but routes and dar, the same for every run of a backbone (what vanilla and TREAD share),
+  ``method`` of routes and dar, the same for every seed of a method; the message names the differing fields;
+- ``code``: a hash of each file the training numerics come from: recipes/*.py (the training loop, objective,
+  data order, sampler and metrics) and the backbone's module with the backbones/ modules it imports;
+- ``schedule``: the budget of training seconds and the evaluation interval;
+- ``device`` and ``token_mixer``: seconds are only comparable on one GPU model, and a scan backbone's speed
+  depends on which scan implementation ran (mamba-ssm's Triton kernel or the PyTorch fallback);
+- ``evaluator``: a hash of the feature classifier's weights. Training it again on another machine does not give
+  bit-identical weights, so the first run of a plan pins its classifier next to the results
+  (``classifier_<dataset>.pt``, committed with them) and every later run scores with that file.
+
+routekit itself (routekit/**/*.py) is not in the fingerprint: it changes almost daily in ways that leave a
+route's numerics alone (messages, verify, sharding, docs), and each change would otherwise strand every run
+made before it; the route's numerics are held to a reference by the test suite instead. Each result records
+routekit's commit and a hash of its source (``routekit``), and the report lists the runs that were made on
+different routekit sources, so a reader can see it. torch's version is recorded and reported the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import ast
+import dataclasses
+import hashlib
+import importlib
 import json
+import math
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+STARTED = time.perf_counter()  # the wall-clock guard counts from here: before torch's import, seconds long
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, RESULTS, TINY, figure, machine, write  # noqa: E402
-from recipes.config import TrainConfig, load_config, with_overrides  # noqa: E402
+from benchmarks.common import REPO, RESULTS, TINY, figure, machine, scan_kernel, write  # noqa: E402
+from recipes.config import TrainConfig, differences, load_config, parse_config, with_overrides  # noqa: E402
 
-METHODS = ["vanilla", "tread", "dar", "dar_tread"]
-QUICK = {  # a model and schedule that finish in seconds on a laptop CPU
-    "model.overrides": {**TINY["dit"], "class_dropout": 0.1},
-    "data.name": "synthetic", "batch": 16, "eval.samples": 50, "sampler.steps": 4, "ema.decay": 0.9,
+METHODS = ("vanilla", "tread", "dar", "dar_tread")
+LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DAR + TREAD"}
+WALL_S = 540.0  # a lent machine kills a command at 600 s: a minute's margin for installing wheels and copying files
+REPORT_S = 10.0  # wall seconds kept after the final evaluation for the result and the report
+
+
+@dataclass(frozen=True)
+class Group:
+    """One backbone's part of the study: every method and seed of it trains the same budget with the same
+    evaluations. ``startup_s`` (process start to the end of the first step: imports, data, model, compilation)
+    and ``eval_s`` (one evaluation) are wall seconds on an H200 (see FULL_GROUPS); they give each run's planned
+    wall time, which must stay under WALL_S."""
+
+    name: str  # the result folder, and the recipes' prefix: recipes/configs/<name>_<method>.yaml
+    title: str
+    methods: tuple[str, ...]
+    seeds: tuple[int, ...]
+    budget_s: float  # training seconds per run
+    evals: int  # evaluations per run, every budget_s / evals training seconds; the last at the end
+    startup_s: float
+    eval_s: float
+
+    @property
+    def backbone(self) -> str:
+        return self.name.split("_")[0]
+
+    @property
+    def eval_every_s(self) -> float:
+        return self.budget_s / self.evals
+
+    @property
+    def planned_wall_s(self) -> float:
+        return self.startup_s + self.budget_s + self.evals * self.eval_s
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (backbone, method, seed): one process, one result file."""
+
+    group: Group
+    method: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        """How --run names it: ``dit_b2/tread/0``."""
+        return f"{self.group.name}/{self.method}/{self.seed}"
+
+    @property
+    def file(self) -> Path:
+        """Its result, relative to the results folder: ``dit_b2/tread_seed0.json``."""
+        return Path(self.group.name) / f"{self.method}_seed{self.seed}.json"
+
+
+@dataclass(frozen=True)
+class Study:
+    """A plan of runs and where its files go. Runs go in a fixed order (seed, then backbone, then method), so
+    any session's ``--next`` takes the same next run, and one seed of everything comes first."""
+
+    name: str  # the report's file name
+    groups: tuple[Group, ...]
+    overrides: dict[str, Any]  # on every recipe of the study, after the benchmark's own
+    quick: bool
+    results: Path  # result files and the pinned classifier
+    out: Path  # the report
+    runs_dir: Path  # training folders
+
+    def runs(self) -> list[Run]:
+        seeds = sorted({seed for group in self.groups for seed in group.seeds})
+        return [Run(group, method, seed) for seed in seeds for group in self.groups if seed in group.seeds
+                for method in group.methods]
+
+    def find(self, name: str) -> Run:
+        """The run ``--run`` names, or SystemExit listing the valid names."""
+        for run in self.runs():
+            if run.name == name:
+                return run
+        raise SystemExit(f"--run {name!r} is not in the plan; valid names (backbone/method/seed): "
+                         + ", ".join(run.name for run in self.runs()))
+
+
+# startup_s and eval_s are estimates, not yet measured with this code: from the H200 step times in
+# benchmarks/results/throughput_*.md (an evaluation is 35 eager forward calls on 250 images, doubled by guidance:
+# about two thirds of a batch-256 train step's FLOPs each) and the first compiled DiT-B/2 step (30-60 s; DAR's may
+# be longer, and then the guard shortens the run and the report compares at the second every run reached). Each
+# result holds its real wall time, first step and evaluation seconds: correct these from the first runs.
+FULL_GROUPS = (
+    Group("dit_b2", "DiT-B/2", METHODS, (0, 1, 2), budget_s=420.0, evals=7, startup_s=90.0, eval_s=3.0),
+    Group("rwkv_b2", "Diffusion-RWKV B/2", ("vanilla", "tread"), (0, 1), budget_s=360.0, evals=6,
+          startup_s=20.0, eval_s=11.0),
+    Group("mamba_b2", "DiM (Mamba-2) B/2", ("vanilla", "tread"), (0, 1), budget_s=360.0, evals=6,
+          startup_s=60.0, eval_s=14.0),
+)
+# On every recipe of the study: a loss record (and a budget and deadline check) every 10 steps, not 50, as a scan
+# backbone's step takes up to 0.6 s and checks 30 s apart would overshoot the budget and the evaluation times by
+# as much; and 250 samples per evaluation, not 500, which halves its cost, so that the first compilation, 420 s
+# of training and seven evaluations fit 9 minutes (the same samples, labels and noise for every method).
+FULL_OVERRIDES: dict[str, Any] = {"log_every": 10, "eval.samples": 250}
+# --quick: the same plan with models and a schedule that finish in a second on a laptop CPU
+QUICK_OVERRIDES: dict[str, Any] = {
+    "data.name": "synthetic", "batch": 16, "eval.samples": 50, "sampler.steps": 2, "ema.decay": 0.9,
     "optimiser.lr": 1e-3, "optimiser.warmup_steps": 0, "bf16": False, "compile": False, "log_every": 5,
 }
-
-# A small DiT on real MNIST-5k that a 2-core CPU trains ~1000 steps in a few minutes (no GPU at hand).
-CPU = {
-    "model.overrides": {"depth": 8, "hidden": 128, "heads": 4, "patch": 4, "class_dropout": 0.1},
-    "batch": 64, "eval.samples": 200, "sampler.steps": 8, "ema.decay": 0.995, "optimiser.lr": 5e-4,
-    "optimiser.warmup_steps": 50, "bf16": False, "compile": False, "log_every": 20,
-}
-SETTINGS = ("size", "budget_s", "eval_every_s", "quick", "cpu_preset", "compile")
+QUICK_GROUP = {"budget_s": 0.5, "evals": 2, "startup_s": 2.0, "eval_s": 0.2}
 
 
-def method_config(method: str, seed: int, settings: dict) -> TrainConfig:
-    """The shipped recipe for method with this seed, every periodic side job off (the benchmark schedules evals)."""
-    size = settings["size"].replace("/", "").lower()
-    config = load_config(REPO / "recipes" / "configs" / f"dit_{size}_{method}.yaml")
+def study(quick: bool, results: Path | None = None, out: Path | None = None, runs_dir: Path | None = None) -> Study:
+    """The plan (``quick``: shrunk to seconds on a CPU), with its folders (defaults as the module says)."""
+    if quick:
+        base = REPO / "runs" / "convergence_quick"
+        groups = tuple(dataclasses.replace(group, **QUICK_GROUP) for group in FULL_GROUPS)
+        return Study("convergence", groups, QUICK_OVERRIDES, True, results or base / "results", out or base,
+                     runs_dir or base / "runs")
+    return Study("convergence", FULL_GROUPS, FULL_OVERRIDES, False, results or RESULTS / "convergence",
+                 out or RESULTS, runs_dir or REPO / "runs" / "convergence")
+
+
+def run_config(run: Run, plan: Study) -> TrainConfig:
+    """The shipped recipe for the run's method with its seed; the benchmark schedules the evaluations, so every
+    periodic side job is off, and the step count is out of reach (the budget ends training)."""
+    config = load_config(REPO / "recipes" / "configs" / f"{run.group.name}_{run.method}.yaml")
     overrides: dict[str, Any] = {"steps": 10_000_000, "eval.every": 0, "sample.every": 0, "checkpoint.every": 0,
-                                 "checkpoint.final": False, "seed": seed,
-                                 **(QUICK if settings["quick"] else CPU if settings["cpu_preset"] else {})}
-    if settings["compile"] is not None:
-        overrides["compile"] = settings["compile"]
+                                 "checkpoint.final": False, "seed": run.seed, **plan.overrides}
+    if plan.quick:  # tiny widths at the size's depth, so the recipes' routes fit
+        depth = importlib.import_module(f"backbones.{config.model.backbone}").SIZES[config.model.size]["depth"]
+        overrides["model.overrides"] = {**config.model.overrides, **TINY[config.model.backbone], "depth": depth}
+        overrides["data.cache_dir"] = str(plan.runs_dir / "cache")
     return with_overrides(config, overrides)
 
 
-def run_folder(runs: Path, method: str, seed: int) -> Path:
-    return runs / f"{method}_seed{seed}"
+# ---------------------------------------------------------------- fingerprint
 
 
-def run_one(method: str, seed: int, settings: dict, runs: Path) -> dict:
-    """Train one method and seed for the budget; writes and returns its result (or why it was skipped)."""
-    import shutil
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
-    import routekit as rk
+
+METHOD_FIELDS = ("routes", "dar")  # what a method changes in a recipe
+UNCOMPARED = ("seed", "data.cache_dir")  # what differs between seeds, or says only where files live
+
+
+def recipe_digests(config: TrainConfig) -> dict[str, str]:
+    """Hashes of the resolved recipe: ``recipe``, all but the method's fields (the same for every run of a
+    backbone), and ``method``, the method's fields (the same for every seed of a method)."""
+    data = config.model_dump(mode="json")
+    del data["seed"], data["data"]["cache_dir"]
+    method = {key: data.pop(key) for key in METHOD_FIELDS}
+    return {"recipe": _sha(json.dumps(data, sort_keys=True).encode()),
+            "method": _sha(json.dumps(method, sort_keys=True).encode())}
+
+
+def _imported_files(path: Path, package: str) -> set[Path]:
+    """The modules of ``package`` (a top-level folder of the repo) that the file at path imports, relative or
+    absolute, with the __init__.py of each package on their way."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = path.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+            elif (node.module or "").split(".")[0] == package:
+                base = REPO
+            else:
+                continue
+            stem = base.joinpath(*(node.module or "").split(".")) if node.module else base
+            found |= {stem / alias.name for alias in node.names} | {stem}
+        elif isinstance(node, ast.Import):
+            found |= {REPO.joinpath(*alias.name.split(".")) for alias in node.names
+                      if alias.name.split(".")[0] == package}
+    files = set()
+    for stem in found:
+        for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
+            if candidate.is_file():
+                files.add(candidate)
+    for file in list(files):  # the package __init__ files that run before the module
+        folder = file.parent
+        while folder != REPO:
+            if (folder / "__init__.py").is_file():
+                files.add(folder / "__init__.py")
+            folder = folder.parent
+    return files
+
+
+def source_files(backbone: str) -> list[Path]:
+    """The files a run's numerics come from: recipes/*.py, and backbones/<backbone>.py with every backbones/
+    module it imports, transitively (RWKV and Mamba build on dit.py and ops/)."""
+    todo = [REPO / "backbones" / f"{backbone}.py", REPO / "backbones" / "__init__.py"]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo += sorted(_imported_files(path, "backbones") - seen)
+    return sorted(REPO.glob("recipes/*.py")) + sorted(seen)
+
+
+def code_digests(backbone: str) -> dict[str, str]:
+    return {str(path.relative_to(REPO)): _sha(path.read_bytes()) for path in source_files(backbone)}
+
+
+def routekit_digest() -> str:
+    """A hash of routekit's Python source: recorded beside each result, never compared (see the module doc)."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "routekit").rglob("*.py")):
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(run: Run, config: TrainConfig, device: str, token_mixer: str | None, evaluator: str) -> dict:
+    """What must agree between runs that one report compares (the module doc says why each part)."""
+    return {**recipe_digests(config), "code": code_digests(run.group.backbone),
+            "schedule": {"budget_s": run.group.budget_s, "eval_every_s": run.group.eval_every_s},
+            "device": device, "token_mixer": token_mixer or "-", "evaluator": evaluator}
+
+
+GROUP_PARTS = {  # the same for every run of a backbone, as are the recipe and the code; what to do when they differ
+    "schedule": "make every run of a backbone with one plan (FULL_GROUPS)",
+    "device": "make every run on one GPU model: seconds on another are not comparable",
+    "token_mixer": "make every run with the same scan implementation (install mamba-ssm where the others had it)",
+    "evaluator": "score every run with the pinned classifier_<dataset>.pt: commit it with the first result, "
+                 "and keep it in the results folder that travels to the GPU machine",
+}
+
+
+def _sides(results: list[dict], key: Callable[[dict], Any]) -> dict[str, list[str]]:
+    """The results' files grouped by the JSON of key(result)."""
+    sides: dict[str, list[str]] = {}
+    for result in results:
+        sides.setdefault(json.dumps(key(result), sort_keys=True), []).append(result["file"])
+    return sides
+
+
+def _describe(part: str, sides: dict[str, list[str]]) -> str:
+    shown = " vs ".join(f"{', '.join(files)} ({value})" for value, files in sides.items())
+    return f"{part} differs: {shown}"
+
+
+def _recipe_conflict(runs: list[dict], part: str, what: str) -> str | None:
+    """The line for runs that disagree on a recipe part, naming the fields of the first two sides that differ."""
+    sides = _sides(runs, lambda r: r["fingerprint"][part])
+    if len(sides) < 2:
+        return None
+    first, other = (next(r for r in runs if r["file"] == files[0]) for files in list(sides.values())[:2])
+    fields = differences(parse_config(first["config"]), parse_config(other["config"]))
+    wanted = [k for k in fields if not k.startswith(UNCOMPARED)
+              and (k.split(".")[0] in METHOD_FIELDS) == (part == "method")]
+    named = ", ".join(f"{k}: {fields[k][0]!r} vs {fields[k][1]!r}" for k in wanted)
+    return _describe(what, sides) + (f" [{named}]" if named else "")
+
+
+def conflicts(results: list[dict]) -> list[str]:
+    """One line per fingerprint part on which runs of one backbone disagree, naming the files on each side, and
+    for a recipe the fields. Empty when they may be merged."""
+    lines = []
+    for group in dict.fromkeys(r["group"] for r in results):
+        runs = [r for r in results if r["group"] == group]
+        line = _recipe_conflict(runs, "recipe", "recipe (all but routes and dar)")
+        if line:
+            lines.append(f"{group}: {line}")
+        for part, fix in GROUP_PARTS.items():
+            sides = _sides(runs, lambda r, part=part: r["fingerprint"][part])
+            if len(sides) > 1:
+                lines.append(f"{group}: " + _describe(part, sides) + f" ({fix})")
+        for path in sorted({p for r in runs for p in r["fingerprint"]["code"]}):
+            sides = _sides(runs, lambda r, path=path: r["fingerprint"]["code"].get(path, "absent"))
+            if len(sides) > 1:
+                lines.append(f"{group}: " + _describe(f"code {path}", sides))
+        for method in dict.fromkeys(r["method"] for r in runs):
+            line = _recipe_conflict([r for r in runs if r["method"] == method], "method", f"{method}'s routes and dar")
+            if line:
+                lines.append(f"{group}: {line}")
+    return lines
+
+
+def refuse_if_different(results: list[dict], what: str) -> None:
+    """SystemExit naming every disagreement (``conflicts``), or nothing."""
+    found = conflicts(results)
+    if found:
+        raise SystemExit(
+            f"refusing to {what}: runs of one backbone must agree on their recipe, training code, schedule, "
+            "device, token mixer and evaluator, and these do not:\n" + "\n".join(f"  - {line}" for line in found)
+            + "\nKeep the runs that match the code you mean to report (git rm the others, then run them again "
+            "with --next), or restore the code they were made with.")
+
+
+# ---------------------------------------------------------------- one run
+
+
+def _copy(source: Path, target: Path, replace: bool = True) -> bool:
+    """Copy atomically (a process beside this one never reads half a file); with ``replace=False`` only where
+    target does not exist yet. Returns whether it copied."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(source, partial)
+    try:
+        if replace:
+            partial.replace(target)
+            return True
+        try:
+            os.link(partial, target)  # fails where another process got there first
+            return True
+        except FileExistsError:
+            return False
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def pin_classifier(plan: Study, config: TrainConfig, device: str) -> tuple[str, float]:
+    """Make every run of the plan score with one feature classifier: the plan's pinned file when it exists
+    (copied over the cache's), else the one trained here, which is pinned, unless a run beside this one pinned
+    its own first. Returns its hash and test accuracy."""
+    from recipes.data import load_dataset
+    from recipes.metrics import classifier_path, load_classifier
+
+    dataset = load_dataset(config.data.name, config.data.limit, config.data.cache_dir)
+    cached = classifier_path(dataset, config.data.cache_dir)
+    pinned = plan.results / f"classifier_{dataset.name}.pt"
+    if not pinned.exists():
+        load_classifier(dataset, device, config.data.cache_dir)  # trains and caches it if need be
+        if _copy(cached, pinned, replace=False):
+            print(f"pinned the feature classifier in {pinned}: commit it with the results", file=sys.stderr)
+    _copy(pinned, cached)
+    _, accuracy = load_classifier(dataset, device, config.data.cache_dir)
+    return _sha(pinned.read_bytes()), accuracy
+
+
+def load_results(plan: Study) -> list[dict]:
+    """The plan's results that exist, in plan order, each with its file name (relative to the results folder)."""
+    found = []
+    for run in plan.runs():
+        path = plan.results / run.file
+        if path.exists():
+            found.append({**json.loads(path.read_text()), "file": str(run.file)})
+    return found
+
+
+def run_one(run: Run, plan: Study, wall_s: float) -> dict:
+    """Train one run within wall_s seconds of the process's start and write its result; returns it.
+
+    Refuses, before any training, a run whose fingerprint disagrees with the results of its backbone that
+    exist. A run that nears the wall-clock limit stops training early (``out_of_time``), still evaluates and
+    still writes its result: a process killed at the limit would leave nothing."""
     from recipes.train import train
 
-    folder = run_folder(runs, method, seed)
-    shutil.rmtree(folder, ignore_errors=True)  # a fresh run folder each time
+    config = run_config(run, plan)
+    cuda = torch.cuda.is_available()
     info = machine()
-    result: dict[str, Any] = {"method": method, "seed": seed, "settings": settings,
-                              "run": {key: info[key] for key in ("commit", "command", "device", "date")}}
-    config = method_config(method, seed, settings)
-    try:
-        stats = train(config, folder, budget_s=settings["budget_s"], eval_every_s=settings["eval_every_s"])
-    except rk.ConfigError as error:  # e.g. a routekit without DAR: report it, run the others
-        print(f"[{method} seed {seed}] skipped: {error}", file=sys.stderr)
-        result["skipped"] = str(error)
-    else:
-        seconds = stats["train_seconds"]
-        result.update(steps=stats["step"], train_seconds=seconds, first_step_seconds=stats["first_step_seconds"],
-                      steps_per_s=(stats["step"] - 1) / seconds, parameters=stats["parameters"],
-                      evals=stats["evals"], config=config.model_dump(mode="json"))
-    finally:
-        gc.collect()
-        torch._dynamo.reset()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "result.json").write_text(json.dumps(result, indent=1))
+    evaluator, classifier_accuracy = pin_classifier(plan, config, "cuda" if cuda else "cpu")
+    mixer = scan_kernel(run.group.backbone, "cuda" if cuda else "cpu")
+    result: dict[str, Any] = {
+        "run": run.name, "group": run.group.name, "method": run.method, "seed": run.seed, "quick": plan.quick,
+        "budget_s": run.group.budget_s, "eval_every_s": run.group.eval_every_s, "wall_limit_s": wall_s,
+        "machine": info, "routekit": {"commit": info["commit"], "source": routekit_digest()},
+        "fingerprint": fingerprint(run, config, info["device"], mixer, evaluator)}
+    existing = [r for r in load_results(plan) if r["group"] == run.group.name and r["file"] != str(run.file)]
+    refuse_if_different([*existing, {**result, "config": config.model_dump(mode="json"), "file": "(this run)"}],
+                        f"start {run.name}")
+    folder = plan.runs_dir / run.group.name / f"{run.method}_seed{run.seed}"
+    shutil.rmtree(folder, ignore_errors=True)  # a fresh training folder each time
+    print(f"[{run.name}] {run.group.budget_s:g} training seconds, an evaluation every {run.group.eval_every_s:g} s; "
+          f"planned wall {run.group.planned_wall_s:.0f} s, stopped early past {wall_s:g} s", file=sys.stderr)
+    stats = train(config, folder, budget_s=run.group.budget_s, eval_every_s=run.group.eval_every_s,
+                  deadline=STARTED + wall_s - REPORT_S, progress=False)
+    log = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    seconds = stats["train_seconds"]
+    result.update(
+        steps=stats["step"], train_seconds=seconds, first_step_seconds=stats["first_step_seconds"],
+        steps_per_s=(stats["step"] - 1) / seconds, wall_seconds=time.perf_counter() - STARTED,
+        out_of_time=stats["out_of_time"], parameters=stats["parameters"],
+        classifier_test_accuracy=classifier_accuracy, evals=stats["evals"],
+        log=[{k: r[k] for k in ("step", "loss", "train_seconds")} for r in log],
+        config=config.model_dump(mode="json"))
+    path = plan.results / run.file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"[{run.name}] wrote {path}" + (" (out of time: training stopped early)" if stats["out_of_time"] else ""),
+          file=sys.stderr)
     return result
 
 
-def launch_parallel(runs_wanted: list[tuple[str, int]], slots: int, args: argparse.Namespace, runs: Path) -> None:
-    """One process per run, each on its own GPU (CUDA_VISIBLE_DEVICES), at most `slots` at a time."""
-    free, running = list(range(slots)), []
-    pending = list(runs_wanted)
-    while pending or running:
-        while pending and free:
-            method, seed = pending.pop(0)
-            slot = free.pop(0)
-            folder = run_folder(runs, method, seed)
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            command = [sys.executable, "-m", "benchmarks.convergence", "--runs-only", "--methods", method,
-                       "--seeds", str(seed), *forwarded(args)]
-            log = open(runs / f"{method}_seed{seed}.log", "w")  # noqa: SIM115 - closed when the process ends
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot) if torch.cuda.is_available() else ""}
-            print(f"[slot {slot}] {method} seed {seed}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-            running.append((subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
-                            slot, log, method, seed))
-        time.sleep(0.2)
-        for item in [r for r in running if r[0].poll() is not None]:
-            process, slot, log, method, seed = item
-            log.close()
-            running.remove(item)
-            free.append(slot)
-            if process.returncode:
-                print(f"[slot {slot}] {method} seed {seed} failed ({process.returncode}); its log: "
-                      f"{runs / f'{method}_seed{seed}.log'}", file=sys.stderr)
+# ---------------------------------------------------------------- report
 
 
-def forwarded(args: argparse.Namespace) -> list[str]:
-    """The settings flags a child run needs to reproduce this command's settings."""
-    flags = ["--size", args.size, "--budget-s", str(args.budget_s), "--eval-every-s", str(args.eval_every_s),
-             "--runs", str(args.runs)]
-    if args.compile is not None:
-        flags.append("--compile" if args.compile else "--no-compile")
-    return flags + [f for f, on in (("--quick", args.quick), ("--cpu-preset", args.cpu_preset)) if on]
-
-
-def collect(runs: Path, settings: dict) -> list[dict]:
-    """Every run result in `runs` made under `settings`, in METHODS then seed order."""
-    found = []
-    for path in runs.glob("*/result.json"):
-        result = json.loads(path.read_text())
-        if all(result["settings"].get(k) == settings[k] for k in SETTINGS):
-            found.append(result)
-    return sorted(found, key=lambda r: (METHODS.index(r["method"]), r["seed"]))
-
-
-def time_to_reach(result: dict, target: float) -> dict | None:
-    """The first evaluation at or below target FD."""
-    return next((e for e in result.get("evals", []) if e["fd"] <= target), None)
-
-
-def spread(values: list[float]) -> dict | None:
+def spread(values: Iterable[float]) -> dict | None:
+    """Mean, min, max and count; None for no values."""
+    values = list(values)
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)} \
         if values else None
 
 
-def summarise(results: list[dict]) -> dict:
-    """Per method: seeds, throughput, final FD/accuracy and the seconds to reach vanilla's final FD, across seeds."""
-    done = [r for r in results if r.get("evals")]
-    vanilla = [r["evals"][-1]["fd"] for r in done if r["method"] == "vanilla"]
-    target = statistics.fmean(vanilla) if vanilla else None
+def at(result: dict, x_key: str, x: float, y_key: str) -> float:
+    """The run's y at x, linear between evaluations (FD in log space: it falls by factors)."""
+    xs = [e[x_key] for e in result["evals"]]
+    ys = [e[y_key] for e in result["evals"]]
+    if y_key == "fd":
+        return math.exp(float(np.interp(x, xs, np.log(ys))))
+    return float(np.interp(x, xs, ys))
+
+
+def seconds_to_reach(result: dict, target: float) -> float | None:
+    """The training seconds at which the run's FD first reaches target, interpolated (log FD) between the
+    evaluation before and the first at or below it; None when no evaluation reaches it."""
+    evals = result["evals"]
+    for i, e in enumerate(evals):
+        if e["fd"] <= target:
+            if i == 0:
+                return e["train_seconds"]
+            before = evals[i - 1]
+            share = (math.log(before["fd"]) - math.log(target)) / (math.log(before["fd"]) - math.log(e["fd"]))
+            return before["train_seconds"] + share * (e["train_seconds"] - before["train_seconds"])
+    return None
+
+
+def summarise_group(group: Group, results: list[dict]) -> dict:
+    """Per method: throughput, FD and accuracy at the training second every run of the group reached, the
+    seconds to reach vanilla's FD there, and FD at equal steps against vanilla's run of the same seed."""
+    results = [r for r in results if r["group"] == group.name]
+    when = min(r["evals"][-1]["train_seconds"] for r in results)
+    vanilla = {r["seed"]: r for r in results if r["method"] == "vanilla"}
+    target = statistics.fmean(at(r, "train_seconds", when, "fd") for r in vanilla.values()) if vanilla else None
     methods = {}
-    for method in METHODS:
-        runs = [r for r in done if r["method"] == method]
+    for method in group.methods:
+        runs = [r for r in results if r["method"] == method]
         if not runs:
             continue
-        hits = [time_to_reach(r, target) if target is not None else None for r in runs]
+        reach = [seconds_to_reach(r, target) for r in runs] if target is not None else []
+        pairs = [(r, vanilla[r["seed"]]) for r in runs if r["seed"] in vanilla]
+        steps = [min(r["evals"][-1]["step"], v["evals"][-1]["step"]) for r, v in pairs]
+        fd_at_step = [at(r, "step", s, "fd") for (r, _), s in zip(pairs, steps)]
+        vanilla_at_step = [at(v, "step", s, "fd") for (_, v), s in zip(pairs, steps)]
         methods[method] = {
-            "seeds": [r["seed"] for r in runs], "steps": spread([r["steps"] for r in runs]),
-            "steps_per_s": spread([r["steps_per_s"] for r in runs]),
-            "first_step_seconds": spread([r["first_step_seconds"] for r in runs]),
-            "final_fd": spread([r["evals"][-1]["fd"] for r in runs]),
-            "final_accuracy": spread([r["evals"][-1]["accuracy"] for r in runs]),
-            "seconds_to_target": spread([h["train_seconds"] for h in hits if h]),
-            "reached": sum(h is not None for h in hits)}
-    return {"target_fd": target, "methods": methods,
-            "skipped": {f"{r['method']} seed {r['seed']}": r["skipped"] for r in results if "skipped" in r}}
+            "seeds": [r["seed"] for r in runs], "files": [r["file"] for r in runs],
+            "steps": spread(r["steps"] for r in runs), "steps_per_s": spread(r["steps_per_s"] for r in runs),
+            "first_step_seconds": spread(r["first_step_seconds"] for r in runs),
+            "wall_seconds": spread(r["wall_seconds"] for r in runs),
+            "out_of_time": [r["file"] for r in runs if r["out_of_time"]],
+            "fd": spread(at(r, "train_seconds", when, "fd") for r in runs),
+            "accuracy": spread(at(r, "train_seconds", when, "accuracy") for r in runs),
+            "seconds_to_target": spread(s for s in reach if s is not None),
+            "reached": sum(s is not None for s in reach),
+            "lower_fd_than_vanilla": sum(at(r, "train_seconds", when, "fd") < at(v, "train_seconds", when, "fd")
+                                         for r, v in pairs),
+            "pairs": len(pairs),
+            "equal_steps": {"step": spread(steps), "fd": spread(fd_at_step), "vanilla_fd": spread(vanilla_at_step),
+                            "ratio": spread(a / b for a, b in zip(fd_at_step, vanilla_at_step)),
+                            "lower": sum(a < b for a, b in zip(fd_at_step, vanilla_at_step))} if pairs else None}
+    return {"title": group.title, "seconds": when, "target_fd": target, "methods": methods}
 
 
-def subject(settings: dict) -> str:
-    if settings["quick"]:
-        return "a tiny DiT on synthetic data (--quick)"
-    if settings["cpu_preset"]:
-        return "a small DiT (depth 8, width 128, patch 4: 64 tokens) on MNIST-5k, 2-core CPU (--cpu-preset)"
-    return f"DiT-{settings['size']} on MNIST-5k"
+def _num(value: float) -> str:
+    """Three significant figures, for FDs from 0.5 to 1500."""
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
-def _fmt(s: dict | None, form: str = ".3f") -> str:
+def _fmt(s: dict | None, form: Callable[[float], str] = _num) -> str:
     if s is None:
         return "-"
-    return f"{s['mean']:{form}}" if s["n"] == 1 else f"{s['mean']:{form}} ({s['min']:{form}}–{s['max']:{form}})"
+    return form(s["mean"]) if s["n"] == 1 else f"{form(s['mean'])} ({form(s['min'])}–{form(s['max'])})"
 
 
-def markdown(report: dict) -> str:
-    summary, settings = report["summary"], report["settings"]
-    target = summary["target_fd"]
-    lines = [
-        f"- feature classifier test accuracy: {report.get('classifier_test_accuracy', float('nan')):.3f}",
-        "- training seconds exclude evaluation and the first step (compilation); FD: Fréchet distance in the "
-        "classifier's 128-d features to the held-out test split (lower is better); accuracy: the classifier "
-        "agrees with the sampled class; EMA weights, guidance and ODE steps as in each recipe.",
-        f"- every run: {settings['budget_s']:g} training seconds, an evaluation every {settings['eval_every_s']:g} s; "
-        "values are the mean across seeds with (min–max) when there are several.",
-        "",
-        "| method | seeds | steps | steps/s | first step (s) | final FD | final accuracy "
-        "| seconds to vanilla's final FD | reached | speed-up |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    base = summary["methods"].get("vanilla", {}).get("seconds_to_target")
-    for method, m in summary["methods"].items():
+def _secs(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def _seeds(wins: bool, lower: int, pairs: int) -> str:
+    """How many seeds agree with a verdict taken on the means; "not settled" unless all do."""
+    agree = lower if wins else pairs - lower
+    return f"{'lower' if wins else 'higher'} in {agree} of {pairs} seeds" + (
+        "" if agree == pairs else ": not settled by these seeds")
+
+
+def findings(summary: dict) -> list[str]:
+    """Each method against vanilla on each backbone, in words: where it wins and where it loses, per training
+    second and per step. Computed from the summary, nothing written by hand."""
+    lines = []
+    for group in summary["groups"].values():
+        base = group["methods"].get("vanilla")
+        when = group["seconds"]
+        for method, m in group["methods"].items():
+            if method == "vanilla":
+                continue
+            label = f"{LABELS[method]} on {group['title']}"
+            if base is None:
+                lines.append(f"{label}: no vanilla run yet, nothing to compare with.")
+                continue
+            wins = m["fd"]["mean"] < base["fd"]["mean"]
+            text = (f"{label} {'wins' if wins else 'loses'} per training second: FD {_fmt(m['fd'])} vs vanilla "
+                    f"{_fmt(base['fd'])} at {_secs(when)} s, {_seeds(wins, m['lower_fd_than_vanilla'], m['pairs'])}")
+            if m["reached"]:
+                text += (f"; it reaches vanilla's FD in {_fmt(m['seconds_to_target'], _secs)} s, "
+                         f"{when / m['seconds_to_target']['mean']:.2f}× as fast as vanilla ({m['reached']} of "
+                         f"{len(m['seeds'])} seeds reach it)")
+            else:
+                text += f"; no seed of it reaches vanilla's FD within {_secs(when)} s ({len(m['seeds'])} run)"
+            text += f". Accuracy {_fmt(m['accuracy'])} vs vanilla {_fmt(base['accuracy'])}."
+            steps = m["equal_steps"]
+            if steps:
+                per_step = steps["ratio"]["mean"] < 1
+                text += (f" Per step it {'wins' if per_step else 'loses'}: FD {_fmt(steps['fd'])} vs vanilla "
+                         f"{_fmt(steps['vanilla_fd'])} at equal steps (step {_fmt(steps['step'], _secs)}), "
+                         f"ratio {_fmt(steps['ratio'], _ratio)}, {_seeds(per_step, steps['lower'], m['pairs'])}.")
+            lines.append(text)
+    return lines
+
+
+def headline(summary: dict, plan: Study) -> str:
+    """The sentence the README quotes: TREAD against vanilla on each backbone that has both, with seed counts."""
+    parts = []
+    for group in summary["groups"].values():
+        tread, base = group["methods"].get("tread"), group["methods"].get("vanilla")
+        if not (tread and base):
+            continue
+        n, when = len(tread["seeds"]), group["seconds"]
+        seeds = f"{n} seed{'s' if n > 1 else ''} of TREAD, {len(base['seeds'])} of vanilla"
+        if tread["reached"]:
+            reached = "all reach it" if tread["reached"] == n else f"{tread['reached']} of {n} reach it"
+            parts.append(f"on {group['title']}, TREAD reaches the FD vanilla has after {_secs(when)} training seconds "
+                         f"({_num(base['fd']['mean'])}) in {_fmt(tread['seconds_to_target'], _secs)} s, "
+                         f"{when / tread['seconds_to_target']['mean']:.2f}× as fast ({seeds}; {reached})")
+        else:
+            parts.append(f"on {group['title']}, TREAD does not reach vanilla's FD within {_secs(when)} training "
+                         f"seconds: FD {_fmt(tread['fd'])} vs {_fmt(base['fd'])} ({seeds})")
+    if not parts:
+        return "No headline yet: no backbone has both a vanilla and a TREAD run."
+    where = "--quick: tiny models on synthetic data, no evidence" if plan.quick else "MNIST-5k, one H200 per run"
+    return f"Convergence per training second ({where}): " + "; ".join(parts) + "."
+
+
+def plan_table(plan: Study, done: dict[str, dict]) -> list[str]:
+    missing = [run for run in plan.runs() if str(run.file) not in done]
+    lines = ["| # | run | training s | evaluations | planned wall s | status |", "|---:|---|---:|---|---:|---|"]
+    for number, run in enumerate(plan.runs(), 1):
+        result = done.get(str(run.file))
+        if result:
+            status = (f"done: `{run.file}`, {result['wall_seconds']:.0f} s wall, commit {result['machine']['commit']}"
+                      + (", out of time" if result["out_of_time"] else ""))
+        else:
+            status = "**next**" if missing and run == missing[0] else "missing"
+        lines.append(f"| {number} | {run.name} | {run.group.budget_s:g} | {run.group.evals} (every "
+                     f"{run.group.eval_every_s:g} s) | {run.group.planned_wall_s:.0f} | {status} |")
+    return lines
+
+
+def group_table(group: dict) -> list[str]:
+    when = group["seconds"]
+    lines = [f"| method | seeds | steps | steps/s | first step (s) | wall (s) | FD at {_secs(when)} s | accuracy at "
+             f"{_secs(when)} s | s to vanilla's FD | reached | speed-up | FD at equal steps / vanilla's |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for method, m in group["methods"].items():
         hit = m["seconds_to_target"]
-        speedup = f"{base['mean'] / hit['mean']:.2f}x" if hit and base and hit["mean"] else "-"
-        lines.append(f"| {method} | {', '.join(map(str, m['seeds']))} | {_fmt(m['steps'], '.0f')} | "
-                     f"{_fmt(m['steps_per_s'], '.2f')} | {_fmt(m['first_step_seconds'], '.1f')} | "
-                     f"{_fmt(m['final_fd'])} | {_fmt(m['final_accuracy'])} | {_fmt(hit, '.0f')} | "
-                     f"{m['reached']}/{len(m['seeds'])} | {speedup} |")
-    for run, why in summary["skipped"].items():
-        lines.append(f"| {run} | skipped: {why.splitlines()[0]} |" + " |" * 8)
-    if target is not None:
-        lines += ["", f"Vanilla's final FD (mean over its seeds) is {target:.3f}; a run reaches it at its first "
-                      "evaluation at or below it; the speed-up is vanilla's mean time to reach it divided by the "
-                      "method's (over the seeds that reached it)."]
-    lines += ["", "Each run:", ""]
-    lines += [f"- {r['method']} seed {r['seed']}: `{r['run']['command']}` at `{r['run']['commit']}` on "
-              f"{r['run']['device']}" for r in report["runs"]]
+        speedup = f"{when / hit['mean']:.2f}×" if hit and hit["mean"] else "-"
+        ratio = _fmt(m["equal_steps"]["ratio"], _ratio) if m["equal_steps"] else "-"
+        lines.append(f"| {LABELS[method]} | {', '.join(map(str, m['seeds']))} | {_fmt(m['steps'], _secs)} | "
+                     f"{_fmt(m['steps_per_s'], lambda v: f'{v:.2f}')} | {_fmt(m['first_step_seconds'], _secs)} | "
+                     f"{_fmt(m['wall_seconds'], _secs)} | {_fmt(m['fd'])} | {_fmt(m['accuracy'])} | "
+                     f"{_fmt(hit, _secs)} | {m['reached']}/{len(m['seeds'])} | {speedup} | {ratio} |")
+    return lines
+
+
+def notes(results: list[dict]) -> list[str]:
+    """What differs between merged runs without refusing them: routekit's source, torch's version."""
+    found = []
+    for what, key in (("routekit source", lambda r: r["routekit"]["source"]),
+                      ("torch version", lambda r: r["machine"]["torch"])):
+        sides = _sides(results, key)
+        if len(sides) > 1:
+            found.append(f"- The runs were made on different {what}s (recorded, not refused; see the module doc): "
+                         + "; ".join(f"{json.loads(value)}: {', '.join(files)}" for value, files in sides.items()))
+    late = [r["file"] for r in results if r["out_of_time"]]
+    if late:
+        found.append(f"- Stopped early by the wall-clock guard (fewer training seconds than planned): {', '.join(late)}")
+    return found
+
+
+def markdown(data: dict, plan: Study) -> str:
+    summary, results = data["summary"], data["runs"]
+    lines = [f"**{data['headline']}**", "",
+             f"**{data['done']} of {data['planned']} planned runs exist.** "
+             + (f"Missing, in the order `--next` runs them: {', '.join(data['missing'])}." if data["missing"]
+                else "None is missing."), ""]
+    if data["findings"]:
+        lines += ["## Findings", "", *(f"- {line}" for line in data["findings"]), ""]
+    for name, group in summary["groups"].items():
+        spec = next(g for g in plan.groups if g.name == name)
+        lines += [f"## {group['title']}", "",
+                  f"{spec.budget_s:g} training seconds per run, {spec.evals} evaluations (every {spec.eval_every_s:g} s). "
+                  f"FD and accuracy are read at {_secs(group['seconds'])} s, the training second every run below reached"
+                  + (f"; vanilla's FD there (its mean over seeds) is {_num(group['target_fd'])}." if group["target_fd"]
+                     else "."), "", *group_table(group), ""]
+    lines += ["## How it is measured", "",
+              "- Training seconds exclude evaluation and the first step (compilation); every curve is also drawn "
+              "against steps. FD: Fréchet distance in the feature classifier's 128-d features to the held-out test "
+              "split (lower is better); accuracy: the classifier agrees with the sampled class; EMA weights, guidance "
+              "and ODE steps as in each recipe; the same classifier (pinned), labels and sampling noise for every run.",
+              "- Values are the mean across seeds with (min–max) when there are several. A run's value at a training "
+              "second or step is interpolated between its evaluations (FD in log space). Seconds to vanilla's FD: "
+              "where the run's FD first reaches vanilla's mean FD at the common second; speed-up: that second "
+              "divided by it. FD at equal steps / vanilla's: against vanilla's run of the same seed (same data order), "
+              "at the fewer of the two runs' steps.", ""]
+    extra = notes(results)
+    if extra:
+        lines += ["## Notes", "", *extra, ""]
+    lines += ["## Plan", "", *plan_table(plan, {r["file"]: r for r in results}), ""]
+    if results:
+        lines += ["## Runs", ""]
+        lines += [f"- `{r['file']}`: `{r['machine']['command']}` at `{r['machine']['commit']}` on {r['machine']['device']}"
+                  f", torch {r['machine']['torch']}, {r['machine']['date']}" for r in results]
     return "\n".join(lines) + "\n"
 
 
 def _band(runs: list[dict], x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Each run's curve interpolated on a common x grid (where all runs have evaluations): x, mean, min, max."""
-    curves = [([e[x_key] for e in r["evals"]], [e[y_key] for e in r["evals"]]) for r in runs]
-    lo, hi = max(xs[0] for xs, _ in curves), min(xs[-1] for xs, _ in curves)
+    lo = max(r["evals"][0][x_key] for r in runs)
+    hi = min(r["evals"][-1][x_key] for r in runs)
     grid = np.linspace(lo, hi, 50) if hi > lo else np.array([lo])
-    ys = np.array([np.interp(grid, xs, vals) for xs, vals in curves])
+    ys = np.array([[at(r, x_key, x, y_key) for x in grid] for r in runs])
     return grid, ys.mean(0), ys.min(0), ys.max(0)
 
 
-def plot(report: dict, path: Path) -> None:
-    with figure(path, 2, 2, figsize=(11, 8), sharey="row") as (fig, axes):
-        for method in METHODS:
-            runs = [r for r in report["runs"] if r["method"] == method and r.get("evals")]
-            if not runs:
-                continue
-            for col, x_key in enumerate(("train_seconds", "step")):
-                for row, y_key in enumerate(("fd", "accuracy")):
+def plot(data: dict, path: Path) -> None:
+    """Per backbone (a row): FD and accuracy against training seconds and against steps, a band across seeds."""
+    groups = list(data["summary"]["groups"])
+    columns = [("train_seconds", "fd"), ("step", "fd"), ("train_seconds", "accuracy"), ("step", "accuracy")]
+    with figure(path, len(groups), 4, figsize=(18, 4 * len(groups)), squeeze=False) as (fig, axes):
+        for row, name in enumerate(groups):
+            for method in METHODS:
+                runs = [r for r in data["runs"] if r["group"] == name and r["method"] == method]
+                if not runs:
+                    continue
+                for col, (x_key, y_key) in enumerate(columns):
                     grid, mean, low, high = _band(runs, x_key, y_key)
                     line = axes[row, col].plot(grid, mean, marker="o" if len(grid) == 1 else None,
-                                               label=f"{method} ({len(runs)} seeds)")[0]
+                                               label=f"{LABELS[method]} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")[0]
                     axes[row, col].fill_between(grid, low, high, color=line.get_color(), alpha=0.2)
-        for col, label in enumerate(("training seconds", "steps")):
-            axes[1, col].set_xlabel(label)
-        axes[0, 0].set_ylabel("FD (classifier features), log")
-        axes[0, 0].set_yscale("log")
-        axes[1, 0].set_ylabel("classifier accuracy on samples")
-        axes[0, 0].legend()
-        fig.suptitle(f"{subject(report['settings'])}: EMA sample quality, mean and range across seeds")
+            title, when = data["summary"]["groups"][name]["title"], data["summary"]["groups"][name]["seconds"]
+            for col, (x_key, y_key) in enumerate(columns):
+                axis = axes[row, col]
+                if x_key == "train_seconds":  # where the report reads every run
+                    axis.axvline(when, color="gray", linestyle=":", linewidth=1)
+                axis.set_xlabel("training seconds" if x_key == "train_seconds" else "steps")
+                axis.set_ylabel(f"{title}: " + ("FD (log)" if y_key == "fd" else "accuracy on samples"))
+                if y_key == "fd":
+                    axis.set_yscale("log")
+            axes[row, 0].legend()
+        fig.suptitle("EMA sample quality, mean and range across seeds")
 
 
-def report(settings: dict, runs: Path, out: Path, classifier_accuracy: float | None) -> None:
-    results = collect(runs, settings)
+def report(plan: Study) -> dict:
+    """Merge the plan's results that exist into NAME.{md,json,png} (no picture without results), or refuse
+    results that disagree (``conflicts``). Returns the report's data."""
+    results = load_results(plan)
+    refuse_if_different(results, "merge these results")
+    planned = plan.runs()
+    done = {r["file"] for r in results}
+    groups = {g.name: summarise_group(g, results) for g in plan.groups if any(r["group"] == g.name for r in results)}
+    summary = {"groups": groups}
+    data = {"planned": len(planned), "done": len(results),
+            "missing": [run.name for run in planned if str(run.file) not in done],
+            "headline": headline(summary, plan), "findings": findings(summary), "summary": summary, "runs": results,
+            "plan": [{"run": run.name, "file": str(run.file), "budget_s": run.group.budget_s,
+                      "eval_every_s": run.group.eval_every_s, "planned_wall_s": run.group.planned_wall_s}
+                     for run in planned]}
+    title = "Convergence per training second: TREAD and DAR against vanilla, seeded, across backbones" + (
+        " (--quick)" if plan.quick else "")
     if not results:
-        raise SystemExit(f"no run results under {runs} made with these settings ({settings})")
-    data = {"settings": settings, "classifier_test_accuracy": classifier_accuracy, "runs": results,
-            "summary": summarise(results)}
-    title = f"Convergence: {subject(settings)}, {settings['budget_s']:g} s of training per run"
-    write("convergence", machine(), data, title, markdown(data), out, lambda path: plot(data, path))
-    print((out / "convergence.md").read_text())
+        (plan.out / f"{plan.name}.png").unlink(missing_ok=True)  # no stale picture beside a report without runs
+    write(plan.name, machine(), data, title, markdown(data, plan), plan.out,
+          (lambda path: plot(data, path)) if results else None)
+    return data
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="B/2", choices=["S/2", "B/2"])
-    parser.add_argument("--budget-s", type=float, default=420.0, help="training seconds per run")
-    parser.add_argument("--eval-every-s", type=float, help="training seconds between evaluations (budget / 10)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--parallel", type=int, metavar="N",
-                        help="one process per run on its own GPU, N at a time (default: the runs one after another)")
-    parser.add_argument("--report", action="store_true", help="only merge the runs made so far into the report")
-    parser.add_argument("--runs-only", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="override the recipes' compile flag")
-    parser.add_argument("--quick", action="store_true", help="tiny model on synthetic data, seconds on CPU")
-    parser.add_argument("--cpu-preset", action="store_true",
-                        help="a small DiT (depth 8, width 128, patch 4: 64 tokens) on MNIST-5k for a CPU-only comparison")
-    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results)")
-    parser.add_argument("--runs", type=Path, help="run folders (default runs/convergence, --quick: runs/convergence_quick)")
-    args = parser.parse_args()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        parser.error(f"unknown methods {sorted(unknown)}; valid: {', '.join(METHODS)}")
-    if args.quick and args.budget_s == parser.get_default("budget_s"):
-        args.budget_s = 2.0
-    args.eval_every_s = args.eval_every_s or args.budget_s / 10
-    out = args.out or (REPO / "runs" / "convergence_quick" if args.quick else RESULTS)
-    runs = args.runs = args.runs or REPO / "runs" / ("convergence_quick" if args.quick else "convergence")
-    settings = {"size": args.size, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
-                "quick": args.quick, "cpu_preset": args.cpu_preset, "compile": args.compile}
-    wanted = [(m, s) for m in methods for s in args.seeds]
-    if args.runs_only:
-        for method, seed in wanted:
-            run_one(method, seed, settings, runs)
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--list", action="store_true", help="print the plan with each run's status")
+    action.add_argument("--next", action="store_true", help="train the first missing run of the plan, then report")
+    action.add_argument("--run", metavar="BACKBONE/METHOD/SEED", help="train this run (e.g. dit_b2/tread/0), then report")
+    action.add_argument("--report", action="store_true", help="merge the results that exist; say what is missing")
+    parser.add_argument("--quick", action="store_true",
+                        help="the plan shrunk to tiny models on synthetic data: seconds on a CPU")
+    parser.add_argument("--wall-s", type=float, default=WALL_S,
+                        help=f"wall seconds a run may take from the process's start (default {WALL_S:g}); training "
+                        "stops early to leave room for the final evaluation and the files")
+    parser.add_argument("--results", type=Path, help="result files (default benchmarks/results/convergence)")
+    parser.add_argument("--out", type=Path, help="the report's folder (default benchmarks/results)")
+    parser.add_argument("--runs", type=Path, help="training folders (default runs/convergence)")
+    args = parser.parse_args(argv)
+    plan = study(args.quick, args.results, args.out, args.runs)
+    if args.list:
+        done = {r["file"]: r for r in load_results(plan)}
+        print("\n".join(plan_table(plan, done)))
+        print(f"\n{len(done)} of {len(plan.runs())} planned runs exist.")
         return
-    from recipes.data import load_dataset
-    from recipes.metrics import load_classifier
-
-    first = method_config(methods[0], args.seeds[0], settings)
-    dataset = load_dataset(first.data.name, first.data.limit, first.data.cache_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _, accuracy = load_classifier(dataset, device, first.data.cache_dir)  # trained and cached once, before any run
-    if not args.report:
-        if args.parallel:
-            launch_parallel(wanted, args.parallel, args, runs)
+    if args.next or args.run:
+        if args.run:
+            run = plan.find(args.run)
+            if (plan.results / run.file).exists():
+                raise SystemExit(f"{plan.results / run.file} exists; to make {run.name} again, delete that file "
+                                 "first (git rm it if it is committed)")
         else:
-            for method, seed in wanted:
-                print(f"[{method} seed {seed}] {args.budget_s:g} s of training, evaluations every "
-                      f"{args.eval_every_s:g} s", file=sys.stderr)
-                run_one(method, seed, settings, runs)
-    report(settings, runs, out, accuracy)
+            done = {r["file"] for r in load_results(plan)}
+            run = next((r for r in plan.runs() if str(r.file) not in done), None)
+            if run is None:
+                print(f"all {len(plan.runs())} planned runs exist", file=sys.stderr)
+        if run is not None:
+            run_one(run, plan, args.wall_s)
+    data = report(plan)
+    print(f"{data['headline']}\n{data['done']} of {data['planned']} planned runs exist"
+          + (f"; next: {data['missing'][0]}" if data["missing"] else ""))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import routekit as rk
-from benchmarks.common import RESULTS, TINY, device_or_exit, figure, machine, time_ms, write  # noqa: E402
+from benchmarks.common import RESULTS, TINY, device_or_exit, figure, machine, scan_kernel, time_ms, write  # noqa: E402
 
 
 class HandRoutedDiT(nn.Module):
@@ -57,19 +57,6 @@ class HandRoutedDiT(nn.Module):
             if i == self.end:
                 x = skipped.to(x.dtype).scatter(1, index, x)
         return m.unpatchify(m.final_layer(x, c))
-
-
-def scan_kernel(backbone: str, device: str) -> str | None:
-    """Which token-mixing implementation a scan backbone's train step runs on this device (said in every result)."""
-    if backbone == "mamba":
-        from backbones import mamba
-        name = mamba.ssd_impl(device == "cuda")
-        return {"kernel": "mamba-ssm Triton SSD (mamba_chunk_scan_combined)",
-                "chunked": "pure-PyTorch chunked SSD (backbones/ops/ssd.py)"}.get(name, name)
-    if backbone == "rwkv":
-        from backbones import rwkv
-        return f"WKV '{rwkv.wkv_impl(device == 'cuda')}' (backbones/ops/wkv.py)"
-    return None
 
 
 # DAR rows: (query, with the default TREAD route?), all with chunk size 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -92,17 +93,23 @@ def features(net: Classifier, images: torch.Tensor, batch: int = 500) -> torch.T
     return torch.cat([net.features(chunk.float()).double() for chunk in chunks])
 
 
+def classifier_path(dataset: Dataset, cache: str | os.PathLike | None = None) -> Path:
+    """Where ``load_classifier`` keeps the feature network for dataset. A study that merges runs made on
+    different machines puts one file here on each, so that every run's FD is measured in the same features
+    (a classifier trained again on a GPU is not bit-identical)."""
+    return cache_dir(cache) / f"classifier_{dataset.name}_{_fingerprint(dataset, EPOCHS[dataset.name])}.pt"
+
+
 def load_classifier(dataset: Dataset, device: torch.device | str,
                     cache: str | os.PathLike | None = None) -> tuple[Classifier, float]:
     """The feature network for dataset and its test accuracy: from the cache, else trained and cached."""
-    epochs = EPOCHS[dataset.name]
-    path = cache_dir(cache) / f"classifier_{dataset.name}_{_fingerprint(dataset, epochs)}.pt"
+    path = classifier_path(dataset, cache)
     net = Classifier(dataset.shape[0], dataset.num_classes)
     if path.exists():
         stored = torch.load(path, map_location="cpu", weights_only=True)
         net.load_state_dict(stored["state_dict"])
         return net.to(device).eval().requires_grad_(False), float(stored["test_accuracy"])
-    net = train_classifier(dataset, device, epochs)
+    net = train_classifier(dataset, device, EPOCHS[dataset.name])
     test_accuracy = accuracy(net, dataset.test.images.to(device), dataset.test.labels.to(device))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -384,6 +384,7 @@ class Trainer:
         self.clock = _Clock(prior_seconds, self.device)
         self.evaluator: Evaluator | None = None
         self.evals: list[dict[str, Any]] = []
+        self.longest_pause = 0.0  # wall seconds of the longest evaluation, grid or checkpoint so far
         self.evaluated_at: int | None = None
         self.last_checkpoint: Path | None = None
 
@@ -480,11 +481,12 @@ class Trainer:
         self.evaluated_at = self.step  # on every rank: end-of-run decisions must agree
         if not self.main:
             return
-        seconds = self.clock.seconds()
+        seconds, begin = self.clock.seconds(), time.perf_counter()
         if self.evaluator is None:
             self.evaluator = Evaluator(self.dataset, self.device, self.config.data.cache_dir)
         labels = torch.arange(self.config.eval.samples, device=self.device) % self.dataset.num_classes
         record = {"step": self.step, "train_seconds": round(seconds, 3), **self.evaluator(self.generate(labels), labels)}
+        record["eval_seconds"] = round(time.perf_counter() - begin, 3)  # wall time, the first one with the classifier
         self.evals.append(record)
         with (self.out / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps(record) + "\n")
@@ -527,7 +529,9 @@ class Trainer:
             self.ema_shards.gather(self.net)
         action()
         self.acc.wait_for_everyone()
-        self.clock.paused += self.clock.sync() - begin
+        paused = self.clock.sync() - begin
+        self.clock.paused += paused
+        self.longest_pause = max(self.longest_pause, paused)
 
     def _agreed(self, flag: bool) -> bool:
         """The main process's decision on every rank (time-based decisions could differ between ranks)."""
@@ -537,9 +541,14 @@ class Trainer:
         return bool(_accelerate().utils.broadcast(flag, from_process=0).item())
 
     def run(self, max_steps: int | None = None, budget_s: float | None = None,
-            eval_every_s: float | None = None) -> dict[str, Any]:
+            eval_every_s: float | None = None, deadline: float | None = None) -> dict[str, Any]:
         """Train to ``config.steps``, or for ``max_steps`` more steps, or until ``budget_s`` training seconds.
-        ``eval_every_s`` adds evaluations every so many training seconds (checked at log steps)."""
+        ``eval_every_s`` adds evaluations every so many training seconds (checked at log steps).
+
+        ``deadline``, a ``time.perf_counter()`` reading, is for machines that kill a process at a wall-clock
+        limit: training ends early, at a log step, once the wall time left would not hold one more log interval
+        and the evaluations still to come, each as long as the longest pause so far (``_late``), so the run
+        still ends with its final evaluation and returns. ``out_of_time`` in the result says it did."""
         config, acc = self.config, self.acc
         first = self.step
         last = config.steps if max_steps is None else min(config.steps, first + max_steps)
@@ -550,7 +559,7 @@ class Trainer:
                    dynamic_ncols=True, desc=self.out.name)
         self.net.train()
         self.clock.begin()
-        stopped = None
+        stopped, out_of_time, since = None, False, time.perf_counter()
         with _StopSignals() as signals:
             while self.step < last:
                 pending.append(self.train_step())
@@ -572,11 +581,17 @@ class Trainer:
                     self._log(record)
                     if stopped:
                         break
-                    if next_eval_s is not None and self._agreed(seconds >= next_eval_s):
+                    due = next_eval_s is not None and seconds >= next_eval_s
+                    ending = budget_s is not None and seconds >= budget_s
+                    if deadline is not None and not ending and self._agreed(self._late(deadline, since, due)):
+                        out_of_time = True
+                        break
+                    if next_eval_s is not None and self._agreed(due):
                         self._paused(self.evaluate)
                         next_eval_s += eval_every_s * (1 + (seconds - next_eval_s) // eval_every_s)
-                    if budget_s is not None and self._agreed(seconds >= budget_s):
+                    if budget_s is not None and self._agreed(ending):
                         break
+                    since = time.perf_counter()
                 for every, action in ((config.eval.every, self.evaluate), (config.sample.every, self.sample_grid),
                                       (config.checkpoint.every, self.checkpoint)):
                     if every and self.step % every == 0:
@@ -587,10 +602,17 @@ class Trainer:
         else:
             self._finish(eval_every_s is not None)
         return {"step": self.step, "start_step": first, "losses": losses, "stopped": stopped and stopped.name,
+                "out_of_time": out_of_time,
                 "loss": losses[-1] if losses else None,
                 "train_seconds": self.clock.seconds(), "first_step_seconds": self.clock.first_step,
                 "evals": self.evals, "checkpoint": self.last_checkpoint and str(self.last_checkpoint),
                 "parameters": sum(p.numel() for p in self.ema.parameters()), "out_dir": str(self.out)}
+
+    def _late(self, deadline: float, since: float, due: bool) -> bool:
+        """Whether the wall time left before deadline would not hold one more log interval (as long as the last
+        one, which began at ``since``) and the evaluations still to come: the final one, and the one due now."""
+        now = time.perf_counter()
+        return now + (now - since) + self.longest_pause * (2 if due else 1) >= deadline
 
     def _stop_signal(self, received: signal.Signals | None, at_log: bool) -> signal.Signals | None:
         """The signal to stop for, the same on every rank. One process stops right after the step the
@@ -627,12 +649,13 @@ class Trainer:
 
 
 def train(config: TrainConfig, out_dir: str | Path, *, max_steps: int | None = None,
-          budget_s: float | None = None, eval_every_s: float | None = None, progress: bool = True) -> dict[str, Any]:
+          budget_s: float | None = None, eval_every_s: float | None = None, deadline: float | None = None,
+          progress: bool = True) -> dict[str, Any]:
     """Start the recipe in out_dir (see ``Trainer.run`` for the stopping rules); returns final stats:
-    step, this call's per-step losses, training seconds, evaluations, the last checkpoint, and the name of
-    the signal that stopped it early (``stopped``, else None)."""
+    step, this call's per-step losses, training seconds, evaluations, the last checkpoint, the name of
+    the signal that stopped it early (``stopped``, else None) and whether the deadline did (``out_of_time``)."""
     trainer = Trainer(config, out_dir, progress=progress)
-    return trainer.run(max_steps=max_steps, budget_s=budget_s, eval_every_s=eval_every_s)
+    return trainer.run(max_steps=max_steps, budget_s=budget_s, eval_every_s=eval_every_s, deadline=deadline)
 
 
 def resume(checkpoint: str | Path, out_dir: str | Path | None = None, *, overrides: dict[str, Any] | None = None,

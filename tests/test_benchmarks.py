@@ -3,6 +3,7 @@ writes JSON + markdown (+ PNG) that name the machine, the commit and the exact c
 reports is what its inputs hold. No test here asserts a speed."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, summarise
+from benchmarks import common, convergence, summarise
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,23 +144,115 @@ def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
     assert row["gpus"] == 1 and row["global_batch"] == 2 and row["steps"] == 6 and row["images_per_s"] > 0
 
 
-def test_convergence_quick_runs_seeds_side_by_side_and_merges_separate_commands(tmp_path):
-    """Two seeds of a method run at once (--parallel), another method by a later command; the report merges
-    every run made under the same settings, says which command ran each, and summarises across seeds."""
-    common_args = ("--quick", "--budget-s", "0.5", "--eval-every-s", "0.25", "--out", str(tmp_path), "--runs",
-                   str(tmp_path / "runs"))
-    run_benchmark("convergence.py", "--methods", "tread", "--seeds", "0", "1", "--parallel", "2", *common_args)
-    run_benchmark("convergence.py", "--methods", "vanilla", "--seeds", "0", *common_args)
-    data = labelled(tmp_path, "convergence", "python benchmarks/convergence.py --methods vanilla --seeds 0 --quick")
-    assert [(r["method"], r["seed"]) for r in data["runs"]] == [("vanilla", 0), ("tread", 0), ("tread", 1)]
-    assert all(r["steps"] > 0 and r["evals"] for r in data["runs"])
-    assert "--runs-only --methods tread --seeds 1" in data["runs"][2]["run"]["command"]
-    summary = data["summary"]
-    assert summary["target_fd"] == data["runs"][0]["evals"][-1]["fd"]  # vanilla's one seed
-    tread = summary["methods"]["tread"]
-    assert tread["seeds"] == [0, 1] and tread["final_fd"]["n"] == 2
-    assert tread["final_fd"]["min"] <= tread["final_fd"]["mean"] <= tread["final_fd"]["max"]
-    assert "| tread | 0, 1 |" in (tmp_path / "convergence.md").read_text()
+# ---------------------------------------------------------------- convergence
+
+
+def convergence_main(monkeypatch, *args: str) -> None:
+    """``python benchmarks/convergence.py ARGS`` in this process (a run takes a second, a new interpreter ten)."""
+    monkeypatch.setenv("RK_COMMIT", "abc1234")
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / "convergence.py"), *args])
+    convergence.main(list(args))
+
+
+@pytest.mark.usefixtures("one_thread")  # tiny models train in process: see conftest
+def test_convergence_next_runs_the_plan_in_order_and_the_report_says_what_is_missing(tmp_path, monkeypatch):
+    """--next takes the first missing run of the fixed plan (one seed of everything first), --run a named one;
+    each writes its own result file (curves, fingerprint, machine, commit, command), pins the feature classifier
+    for the runs to come, and regenerates the report, which merges them and lists what is missing."""
+    folders = ("--quick", "--results", str(tmp_path / "results"), "--out", str(tmp_path), "--runs", str(tmp_path / "runs"))
+    convergence_main(monkeypatch, "--next", *folders)
+    assert json.loads((tmp_path / "convergence.json").read_text())["missing"][0] == "dit_b2/tread/0"
+    convergence_main(monkeypatch, "--run", "dit_b2/tread/1", *folders)
+    data = labelled(tmp_path, "convergence", "python benchmarks/convergence.py --run dit_b2/tread/1 --quick")
+    assert (data["done"], data["planned"]) == (2, 20)
+    assert data["missing"][:2] == ["dit_b2/tread/0", "dit_b2/dar/0"] and "dit_b2/tread/1" not in data["missing"]
+    results = tmp_path / "results"
+    assert sorted(str(p.relative_to(results)) for p in results.rglob("*.json")) == [
+        "dit_b2/tread_seed1.json", "dit_b2/vanilla_seed0.json"]
+    assert (results / "classifier_synthetic.pt").exists()
+    vanilla = json.loads((results / "dit_b2" / "vanilla_seed0.json").read_text())
+    assert vanilla["machine"]["commit"] == "abc1234" and "--next" in vanilla["machine"]["command"]
+    assert vanilla["evals"][-1]["step"] == vanilla["steps"] and not vanilla["out_of_time"]
+    assert {"fd", "accuracy", "train_seconds", "step"} <= set(vanilla["evals"][0]) and vanilla["log"]
+    code = vanilla["fingerprint"]["code"]
+    assert {"recipes/train.py", "recipes/metrics.py", "backbones/dit.py"} <= set(code) and "backbones/rwkv.py" not in code
+    assert {"backbones/rwkv.py", "backbones/dit.py", "backbones/ops/wkv.py", "backbones/ops/grid.py",
+            "backbones/ops/__init__.py"} <= set(convergence.code_digests("rwkv"))
+    text = (tmp_path / "convergence.md").read_text()
+    assert "**2 of 20 planned runs exist.**" in text and "dit_b2/dar/0" in text and "TREAD on DiT-B/2" in text
+    with pytest.raises(SystemExit, match="tread_seed1.json exists"):
+        convergence_main(monkeypatch, "--run", "dit_b2/tread/1", *folders)
+
+
+def fake_result(plan, name: str, points: list[tuple[int, float, float]], **fingerprint) -> None:
+    """Write a result for the named run of plan as run_one would, with evaluations (step, seconds, FD)."""
+    run = plan.find(name)
+    config = convergence.run_config(run, plan)
+    steps, seconds = points[-1][0], points[-1][1]
+    result = {
+        "run": name, "group": run.group.name, "method": run.method, "seed": run.seed, "out_of_time": False,
+        "machine": {"commit": "abc1234", "command": "python x.py", "device": "CPU", "torch": "2", "date": "2026"},
+        "routekit": {"commit": "abc1234", "source": fingerprint.pop("routekit", "r1")},
+        "fingerprint": {**convergence.fingerprint(run, config, "CPU", None, "e1"), **fingerprint},
+        "config": config.model_dump(mode="json"), "steps": steps, "train_seconds": seconds, "steps_per_s": steps / seconds,
+        "first_step_seconds": 0.1, "wall_seconds": 2.0,
+        "evals": [{"step": step, "train_seconds": t, "fd": fd, "accuracy": 0.5} for step, t, fd in points]}
+    path = plan.results / run.file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+
+
+def test_convergence_report_says_in_numbers_where_each_method_wins_and_loses(tmp_path):
+    """The findings are computed: TREAD reaches vanilla's FD sooner (interpolated in log FD) but is worse at equal
+    steps; DAR loses per training second; a run on another routekit source is merged and named."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    fake_result(plan, "dit_b2/vanilla/0", [(10, 0.25, 100.0), (20, 0.5, 10.0)])
+    fake_result(plan, "dit_b2/tread/0", [(15, 0.25, 50.0), (30, 0.5, 5.0)], routekit="r2")
+    fake_result(plan, "dit_b2/dar/0", [(8, 0.25, 200.0), (16, 0.5, 20.0)])
+    data = convergence.report(plan)
+    group = data["summary"]["groups"]["dit_b2"]
+    assert group["seconds"] == 0.5 and group["target_fd"] == pytest.approx(10.0)
+    tread = group["methods"]["tread"]
+    reached = 0.25 + 0.25 * math.log(5) / math.log(10)  # 50 -> 5 in log FD passes 10 at this share
+    assert tread["seconds_to_target"]["mean"] == pytest.approx(reached)
+    assert tread["equal_steps"]["ratio"]["mean"] == pytest.approx(50 * 10 ** (-1 / 3) / 10)  # at step 20
+    text = (tmp_path / "convergence.md").read_text()
+    assert f"{0.5 / reached:.2f}× as fast" in text and "Per step it loses" in text
+    assert "DAR on DiT-B/2 loses per training second: FD 20 vs vanilla 10" in text
+    assert "different routekit sources" in text and "r2: dit_b2/tread_seed0.json" in text
+    assert "3 of 20 planned runs exist" in text and (tmp_path / "convergence.png").exists()
+
+
+def test_convergence_refuses_to_merge_runs_whose_recipe_or_training_code_differ(tmp_path):
+    """Runs of one backbone made with another recipe or other training code are refused by the report, which names
+    the files on each side and the part that differs (for a recipe, the fields); other backbones do not matter."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    fake_result(plan, "dit_b2/vanilla/0", [(10, 0.5, 10.0)])
+    fake_result(plan, "rwkv_b2/vanilla/0", [(10, 0.5, 10.0)], evaluator="e2")  # another backbone: no conflict
+    convergence.report(plan)
+    run = plan.find("dit_b2/tread/0")
+    config = convergence.with_overrides(convergence.run_config(run, plan), {"batch": 32})
+    code = {**convergence.code_digests("dit"), "recipes/train.py": "0000"}
+    fake_result(plan, "dit_b2/tread/0", [(10, 0.5, 5.0)], code=code, **convergence.recipe_digests(config))
+    stored = json.loads((plan.results / run.file).read_text())
+    (plan.results / run.file).write_text(json.dumps({**stored, "config": config.model_dump(mode="json")}))
+    with pytest.raises(SystemExit) as refused:
+        convergence.report(plan)
+    message = str(refused.value)
+    assert message.startswith("refusing to merge")
+    assert "dit_b2: code recipes/train.py differs: dit_b2/vanilla_seed0.json (" in message
+    assert "vs dit_b2/tread_seed0.json (\"0000\")" in message
+    assert "dit_b2: recipe (all but routes and dar) differs" in message and "[batch: 16 vs 32]" in message
+    assert "rwkv_b2" not in message
+
+
+def test_convergence_report_without_runs_names_every_planned_run_as_missing(tmp_path):
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    (tmp_path / "convergence.png").write_text("a stale picture")
+    data = convergence.report(plan)
+    assert (data["done"], len(data["missing"])) == (0, 20) and not (tmp_path / "convergence.png").exists()
+    text = (tmp_path / "convergence.md").read_text()
+    assert "**0 of 20 planned runs exist.**" in text and "No headline yet" in text and "| 1 | dit_b2/vanilla/0 |" in text
 
 
 def test_fsdp_check_quick_runs_the_reference_and_the_second_run_through_accelerate(tmp_path):

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ import yaml
 
 import routekit as rk
 from recipes import data, metrics, sampling
+from recipes import train as train_module
 from recipes.config import (
     RESUMABLE,
     ConfigError,
@@ -551,6 +553,31 @@ def test_a_signal_stops_after_the_current_step_with_a_checkpoint(tmp_path, monke
     assert [r["step"] for r in _records(tmp_path / "run" / "train.jsonl")] == [3]  # the partial chunk is logged
     monkeypatch.setattr(Trainer, "train_step", step)
     assert resume(tmp_path / "run", progress=False)["step"] == 6
+
+
+def test_a_deadline_stops_training_in_time_for_the_final_evaluation(tmp_path, monkeypatch):
+    """On a clock the test drives (a step takes 0.1 s, an evaluation 1 s): training stops at the last log step
+    that leaves room for the evaluations still to come, and the run, final evaluation included, ends by the
+    deadline, where a lent machine would kill it."""
+    now = [0.0]
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    step, evaluate = Trainer.train_step, Trainer.evaluate
+
+    def timed(method, seconds):
+        def call(self):
+            result = method(self)
+            now[0] += seconds
+            return result
+        return call
+
+    monkeypatch.setattr(Trainer, "train_step", timed(step, 0.1))
+    monkeypatch.setattr(Trainer, "evaluate", timed(evaluate, 1.0))
+    config = tiny("dit_s2_vanilla", tmp_path, steps=1000, log_every=2, **{"eval.samples": 10, "sampler.steps": 1})
+    stats = train(config, tmp_path / "run", budget_s=60.0, eval_every_s=1.0, deadline=10.05, progress=False)
+    # step 50: 9.0 s of wall time (0.1 s first step, 4.9 s of training, 4 evaluations) + 0.2 s for two more steps
+    # + 1 s for the final evaluation would pass 10.05 s: it stops there, evaluates and ends at 10.0 s
+    assert stats["out_of_time"] and stats["step"] == 50 and now[0] == pytest.approx(10.0)
+    assert [e["step"] for e in stats["evals"]] == [12, 22, 32, 42, 50]
 
 
 def test_sigterm_mid_run_checkpoints_and_resumes_bit_identically(tmp_path):
