@@ -75,8 +75,35 @@ class SideInput:
 
 
 @dataclass(frozen=True)
+class Stack:
+    """One container of blocks the stream passes through. A model may chain several: Flux runs its double-stream
+    blocks on the image tokens, then its single-stream blocks, where the owner (or the block) joins the text in
+    front. Routes count blocks over the whole chain, and carry their kept tokens across the joins."""
+
+    name: str
+    first: int  # the chain index of its first block
+    depth: int
+    stream_slot: Slot
+    stream_out_index: int | None
+    stream: TensorMeta
+    grid: tuple[int, ...] | None
+    grid_node: str | None  # the node (graph mode) or module (boundary mode) the grid was read off
+    special: tuple[int, ...]  # tokens not made from the image (text, register, class tokens): routes keep them
+    unknown_special: str | None = None  # why the special tokens could not be told (a route must be given `keep`)
+    joined_at: int | None = None  # where the previous stack's tokens sit in this one's stream (None: the first)
+
+    @property
+    def tokens(self) -> int:
+        return self.stream.shape[1]
+
+    @property
+    def blocks(self) -> range:
+        return range(self.first, self.first + self.depth)
+
+
+@dataclass(frozen=True)
 class BlockInfo:
-    """One block of the stack, as its call appears in the graph."""
+    """One block of the chain, as its call appears in the graph."""
 
     index: int
     qualname: str
@@ -89,36 +116,41 @@ class BlockInfo:
     adds: tuple[str, ...] | None = None  # residual adds in `body` (None: not looked for; (): hidden)
     body: Trace | None = None  # the block traced alone at the stream's token count, when adds were looked for
     checkpointed: bool = False  # the owner runs it under torch.utils.checkpoint
+    stack: int = 0  # which stack of the chain it belongs to
 
 
 @dataclass(frozen=True)
 class GraphReport:
-    """What routekit found in a model. `inspect` prints it (with a plan) and draws it."""
+    """What routekit found in a model. `inspect` prints it (with a plan) and draws it. Its stream, grid and
+    special tokens are the first stack's; `stacks` has each stack's own."""
 
     model: str
     mode: Literal["graph", "boundary"]
-    stack: str
+    stacks: tuple[Stack, ...]
     blocks: tuple[BlockInfo, ...]
-    stream_slot: Slot
-    stream_out_index: int | None
-    stream: TensorMeta
-    grid: tuple[int, int] | None
-    grid_node: str | None  # the node (graph mode) or module (boundary mode) the grid was read off
-    special: tuple[int, ...]  # tokens not made from the image (text, register, class tokens): routes keep them
     candidates: dict[str, int]
     leafed: dict[str, str]
     specialised: tuple[str, ...]
+    requested: str | None = None  # the stack= the analysis was asked for (None: the chain it found)
     fallback: str | None = None  # why the owner forward was not traced (boundary mode)
     residual: str | None = None  # "sublayer", "block" or "mixed" granularity of the adds, or why unknown
-    unknown_special: str | None = None  # why the special tokens could not be told (a route must be given `keep`)
+
+    @property
+    def stack(self) -> str:
+        """The stack's name, or the chain's: "transformer_blocks → single_transformer_blocks"."""
+        return " → ".join(s.name for s in self.stacks)
 
     @property
     def depth(self) -> int:
         return len(self.blocks)
 
-    @property
-    def tokens(self) -> int:
-        return self.stream.shape[1]
+    def stack_of(self, block: int) -> Stack:
+        return self.stacks[self.blocks[block].stack]
+
+    def __getattr__(self, name: str):  # stream_slot, stream, tokens, grid, special, ...: the first stack's
+        if name.startswith("__") or name == "stacks":
+            raise AttributeError(name)
+        return getattr(self.stacks[0], name)
 
     def block_listing(self) -> str:
         return ", ".join(f"{b.index}: {b.qualname}" for b in self.blocks)
@@ -241,21 +273,54 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
             residual: bool = False) -> GraphReport:
     """The report of `tr` (a trace, or with `images` a recording); AnalysisError says what is missing.
 
+    The blocks are those of the chain of stacks the stream passes through (`_chain`), or of `stack` alone.
     `call`: the example call, to measure what the graph does not show (special tokens of a recording).
     `residual`: also trace each block alone and find its residual adds.
     """
     chosen, chains = _stack(tr, model, stack)
-    nodes, (slot, out_index) = chains[chosen]
-    candidates = {k: len(v[0]) for k, v in chains.items()}
-    first_in = slot_value(nodes[0], slot)
-    stream = first_in.meta["rk"] if isinstance(first_in, fx.Node) else None
-    if not isinstance(stream, TensorMeta) or len(stream.shape) != 3:
-        raise AnalysisError(
-            f"the stream into {nodes[0].target} is {stream!r}; routekit routes a (batch, tokens, channels) "
-            "stream between blocks"
-        )
-    batch, tokens, channels = stream.shape
+    names = [chosen] if stack is not None else _chain(tr.graph, chains, chosen, graph_mode=images is None)
     by_name = {n.name: n for n in tr.graph.nodes}
+    stacks: list[Stack] = []
+    blocks: list[BlockInfo] = []
+    for k, name in enumerate(names):
+        nodes, (slot, out_index) = chains[name]
+        first_in = slot_value(nodes[0], slot)
+        stream = first_in.meta["rk"] if isinstance(first_in, fx.Node) else None
+        if not isinstance(stream, TensorMeta) or len(stream.shape) != 3:
+            raise AnalysisError(
+                f"the stream into {nodes[0].target} is {stream!r}; routekit routes a (batch, tokens, channels) "
+                "stream between blocks"
+            )
+        these = _blocks(model, nodes, slot, out_index, stream, first=len(blocks), stack=k)
+        these = _with_escapes(these, by_name, stream.shape[1], _next_stream_in(chains, names, k))
+        if k == 0:
+            info = _first_stack(tr, model, chains, name, these, stream, images, call)
+        else:
+            info = _joined_stack(tr.graph, chains, names[k - 1], name, stacks[-1], stream, images is None)
+        stacks.append(Stack(name, len(blocks), len(these), slot, out_index, stream, **info))
+        blocks.extend(these)
+    decided: dict = {}
+    blocks = [_resolved(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream, _fewer(stacks[b.stack]),
+                        decided) for b in blocks]
+    granularity = None
+    if residual:
+        blocks, granularity = _with_residual_adds(model, blocks, stacks)
+    return GraphReport(
+        model=type(model).__name__, mode=mode, stacks=tuple(stacks), blocks=tuple(blocks), candidates=
+        {k: len(v[0]) for k, v in chains.items()}, leafed=dict(tr.leafed), specialised=tuple(tr.specialised),
+        requested=stack, fallback=fallback, residual=granularity,
+    )
+
+
+def _fewer(stack: Stack) -> int:
+    """A token count to probe blocks with: a whole grid row fewer (blocks that reshape to rows still run)."""
+    return stack.tokens - (stack.grid[-1] if stack.grid else 1)
+
+
+def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int | None, stream: TensorMeta,
+            first: int, stack: int) -> list[BlockInfo]:
+    """The blocks of one stack, numbered from `first` in the chain, their side inputs classified."""
+    batch, tokens, channels = stream.shape
     blocks = []
     for i, node in enumerate(nodes):
         out = node if out_index is None else next(
@@ -267,20 +332,29 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
                      and m.shape[1] != tokens}
         classified = [_side_input(s, a, parameter_names(module), batch, tokens, channels, sequences)
                       for s, a in arguments]
-        info = BlockInfo(i, node.target, type(module).__name__, node.name, out.name, tuple(c[0] for c in classified),
-                         checkpointed="checkpoint" in node.meta)
+        info = BlockInfo(first + i, node.target, type(module).__name__, node.name, out.name,
+                         tuple(c[0] for c in classified), checkpointed="checkpoint" in node.meta, stack=stack)
         blocks.append(_joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
-    blocks = _with_escapes(blocks, by_name, tokens)
+    return blocks
+
+
+def _first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: list[BlockInfo], stream: TensorMeta,
+                 images: list[Image] | None, call: tuple[tuple, dict] | None) -> dict:
+    """The first stack's grid and special tokens: read off the graph, or measured where it does not show them."""
+    nodes, (slot, _) = chains[name]
+    batch, tokens, _ = stream.shape
+    first_in = slot_value(nodes[0], slot)
+    grid = grid_node = None
     if images is None:
         special = _graph_special(tr.graph, first_in, batch, tokens, chains)
     else:
-        at = _measure_point(chains, chosen, batch, tokens)
+        at = _measure_point(chains, name, batch, tokens)
         grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], at, batch, tokens, call)
         if not special and grid is None and call is not None:
-            special = _recorded_special(model, call, chains, chosen, at, batch, tokens)
+            special = _recorded_special(model, call, chains, name, at, batch, tokens)
     unknown = None
     if special is None:  # what the graph or the recording does not show, measured: conclusive only if it finds some
-        at = _measure_point(chains, chosen, batch, tokens)
+        at = _measure_point(chains, name, batch, tokens)
         special = _measured(model, call, *at, batch, tokens) if call is not None else None
         if not special:
             special, unknown = (), (
@@ -291,18 +365,91 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         grid, grid_node = _graph_grid(tr.graph, model, first_in, batch, tokens - len(special))
     if grid is None and special and call is not None:  # the image patchified by reshaping, joined with others
         grid = _grid_from_image(call, batch, tokens - len(special))
-    fewer = tokens - (grid[-1] if grid else 1)  # a whole grid row fewer: blocks that reshape to rows still run
-    decided: dict = {}
-    blocks = [_resolved(model, b, slot, stream, fewer, decided) for b in blocks]
-    granularity = None
-    if residual:
-        blocks, granularity = _with_residual_adds(model, blocks, slot, stream, out_index)
-    return GraphReport(
-        model=type(model).__name__, mode=mode, stack=chosen, blocks=tuple(blocks), stream_slot=slot,
-        stream_out_index=out_index, stream=stream, grid=grid, grid_node=grid_node, special=special,
-        candidates=candidates, leafed=dict(tr.leafed), specialised=tuple(tr.specialised), fallback=fallback,
-        residual=granularity, unknown_special=unknown,
-    )
+    return {"grid": grid, "grid_node": grid_node, "special": special, "unknown_special": unknown}
+
+
+def _joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous: Stack, stream: TensorMeta,
+                  graph_mode: bool) -> dict:
+    """A later stack's grid and special tokens: the previous stack's tokens sit at `joined_at` in its stream, in
+    order; every other token was joined in by the owner (text in front of Flux's single-stream blocks) and is
+    special, as are the previous stack's own special tokens."""
+    offset = _join_offset(graph, chains, before, name, graph_mode)
+    tokens = stream.shape[1]
+    special = [True] * tokens
+    made = [p % previous.tokens not in {q % previous.tokens for q in previous.special} for p in range(previous.tokens)]
+    for p, from_image in enumerate(made):
+        special[offset + p] = not from_image
+    return {"grid": previous.grid, "grid_node": previous.grid_node, "special": _positions(special),
+            "unknown_special": previous.unknown_special, "joined_at": offset}
+
+
+def _chain(graph: fx.Graph, chains: dict, chosen: str, graph_mode: bool) -> list[str]:
+    """The stacks the stream passes through in order, around `chosen`: each next one's stream holds the previous
+    one's output tokens in order, joined with others or not (`_join_offset`)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    carrying = sorted((k for k in chains if _carries_stream(*chains[k])), key=lambda k: order[chains[k][0][0]])
+    if chosen not in carrying:
+        return [chosen]
+
+    def joined(a: str, b: str) -> bool:
+        if order[chains[a][0][-1]] >= order[chains[b][0][0]]:
+            return False
+        try:
+            _join_offset(graph, chains, a, b, graph_mode)
+        except AnalysisError:
+            return False
+        return True
+
+    names = [chosen]
+    while True:
+        before = [a for a in carrying if a not in names and joined(a, names[0])]
+        if not before:
+            break
+        names.insert(0, before[-1])
+    while True:
+        after = [b for b in carrying if b not in names and joined(names[-1], b)]
+        if not after:
+            break
+        names.append(after[0])
+    return names
+
+
+def _stream_out(chains: dict, name: str) -> fx.Node | None:
+    nodes, (_, out_index) = chains[name]
+    last = nodes[-1]
+    if out_index is None:
+        return last
+    return next((u for u in last.users if u.target is operator.getitem and u.args[1] == out_index), None)
+
+
+def _join_offset(graph: fx.Graph, chains: dict, before: str, after: str, graph_mode: bool) -> int:
+    """Where the tokens `before`'s last block hands on sit in the stream entering `after`: all of them, in order,
+    at one offset. A recording shows no owner code: there the stream must be that output itself (offset 0).
+    AnalysisError where the stacks are not joined so."""
+    out, stream = _stream_out(chains, before), slot_value(chains[after][0][0], chains[after][1][0])
+    meta, into = getattr(out, "meta", {}).get("rk"), getattr(stream, "meta", {}).get("rk")
+    if out is None or not isinstance(meta, TensorMeta) or not isinstance(into, TensorMeta) or len(meta.shape) != 3 \
+            or len(into.shape) != 3 or meta.shape[0] != into.shape[0] or meta.shape[2] != into.shape[2]:
+        raise AnalysisError(f"{after} does not take {before}'s tokens")
+    if stream is out:
+        return 0
+    if not graph_mode:
+        raise AnalysisError(f"a recording does not show how {after}'s stream is made from {before}'s")
+    made = _made_from_image(graph, stream, into.shape[0], into.shape[1], chains, source=out)
+    count = meta.shape[1]
+    starts = [i for i in range(into.shape[1] - count + 1) if made is not None and all(made[i:i + count])]
+    if not starts or sum(made) != count:
+        raise AnalysisError(f"{after}'s stream does not hold {before}'s {count} tokens in one run")
+    return starts[0]
+
+
+def _next_stream_in(chains: dict, names: list[str], k: int) -> tuple[fx.Node, fx.Node] | None:
+    """(the stream entering the stack after the k-th of the chain, that stack's first block): where the k-th's
+    last block's output goes."""
+    if k + 1 >= len(names):
+        return None
+    nodes, (slot, _) = chains[names[k + 1]]
+    return slot_value(nodes[0], slot), nodes[0]
 
 
 def _side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, channels: int,
@@ -547,22 +694,59 @@ def _carries_tokens(meta: Any, tokens: int) -> bool:
     return isinstance(meta, TensorMeta) and len(meta.shape) >= 2 and meta.shape[1] == tokens
 
 
-def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: int) -> list[BlockInfo]:
+def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: int,
+                  next_in: tuple[fx.Node, fx.Node] | None = None) -> list[BlockInfo]:
     """Record per-token values that leave a block other than along the chain.
 
     `escapes`: the stream output used by something besides the next block (a route may end at such
-    a block but not pass through it). `aux_escapes`: other per-token outputs of the block used
-    anywhere (no route may contain the block).
+    a block but not pass through it); the last block's output, where another stack follows (`next_in` is its
+    stream), may go only to the owner code that makes that stream. `aux_escapes`: other per-token outputs of
+    the block used anywhere (no route may contain the block).
     """
     result = []
+    joining = set()
+    if next_in is not None:
+        out = by_name[blocks[-1].stream_out]
+        joining = between(out, next_in[0]) | {next_in[1]}
     for i, block in enumerate(blocks):
         node, out = by_name[block.node], by_name[block.stream_out]
         nxt = by_name[blocks[i + 1].node] if i + 1 < len(blocks) else None
-        escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u is not nxt) if nxt is not None else ()
+        if nxt is not None:
+            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u is not nxt)
+        elif next_in is not None:
+            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u not in joining)
+        else:
+            escapes = ()
         aux = tuple(f"{a.name} → {u.name}" for a in node.users if a is not out and out is not node
                     and _carries_tokens(a.meta["rk"], tokens) for u in a.users)
         result.append(replace(block, escapes=escapes, aux_escapes=aux))
     return result
+
+
+def between(out: fx.Node, into: fx.Node) -> set[fx.Node]:
+    """The nodes on the owner's path from `out` to `into` (`into` included, unless it is `out`): the code that
+    joins two stacks."""
+    seen, stack = set(), [into] if into is not out else []
+    while stack:
+        node = stack.pop()
+        if node in seen or node is out:
+            continue
+        seen.add(node)
+        stack.extend(n for n in node.all_input_nodes if _reaches(out, n))
+    return seen
+
+
+def _reaches(out: fx.Node, node: fx.Node) -> bool:
+    """Whether `node` is `out` or computed from it."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is out:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
 
 
 def grid_of(meta: Any, batch: int) -> tuple[int, ...] | None:
@@ -613,8 +797,8 @@ def _positions(flags: list[bool]) -> tuple[int, ...]:
 _CATS = {torch.cat, torch.concat, torch.concatenate}
 
 
-def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int,
-                     chains: dict) -> tuple[bool, ...] | None:
+def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int, chains: dict,
+                     source: fx.Node | None = None) -> tuple[bool, ...] | None:
     """Per token of the stream entering the blocks: whether it was made from the image, the model's first tensor
     input (latents, pixels, token ids) that the stream comes from; None where a `cat` along the token axis does
     not show which of its parts holds which tokens.
@@ -623,12 +807,13 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
     tokens of its stream input, any other op those of its inputs that carry as many tokens (the batched ones
     before a table shared by the batch); a value none of whose inputs carry its tokens (a patch embedding's
     flatten) was made from the image if the image is among its ancestors. Only the tokens' origin counts: text
-    tokens that attended to the image in a joint block are still text.
+    tokens that attended to the image in a joint block are still text. With `source`, the origin asked about
+    is that node (an earlier stack's stream output) instead of the image.
     """
     inputs = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)]
     g = to_networkx(graph)
     ancestors = nx.ancestors(g, stream_in.name)
-    image = next((n for n in inputs if n.name in ancestors or n is stream_in), None)
+    image = None if source is not None else next((n for n in inputs if n.name in ancestors or n is stream_in), None)
     stream_of = {}  # a chain block's stream output node -> its stream input
     for nodes, (slot, out_index) in chains.values():
         for node in nodes:
@@ -682,6 +867,8 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
         return origin(value, count) if carries(value, count) else None
 
     def _made(node: fx.Node, count: int) -> tuple[bool, ...] | None:
+        if source is not None and node is source:
+            return (True,) * count
         if node.op == "placeholder":
             return (node is image,) * count
         if node.op == "get_attr":
@@ -702,11 +889,11 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
             made = _sliced(node, whole)
             if made is not None and len(made) == count:
                 return made
-        source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
-        feeding = [a for a in source.all_input_nodes if carries(a, count)]
+        call = node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
+        feeding = [a for a in call.all_input_nodes if carries(a, count)]
         batched = [a for a in feeding if a.meta["rk"].shape[0] == batch] or feeding
         if not batched:
-            parts = [a.meta["rk"].shape[1] for a in source.all_input_nodes if isinstance(a.meta.get("rk"), TensorMeta)
+            parts = [a.meta["rk"].shape[1] for a in call.all_input_nodes if isinstance(a.meta.get("rk"), TensorMeta)
                      and len(a.meta["rk"].shape) >= 3 and a.meta["rk"].shape[0] == batch]
             if len(parts) > 1 and sum(parts) == count:  # sequences joined inside a call the graph does not open
                 return None
@@ -922,14 +1109,15 @@ def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: T
     return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out)), start.name
 
 
-def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], slot: Slot, stream: TensorMeta,
-                        out_index: int | None) -> tuple[list[BlockInfo], str]:
+def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo],
+                        stacks: list[Stack]) -> tuple[list[BlockInfo], str]:
     """Each block traced alone with its residual adds, and the granularity: "sublayer" when every block's
     adds were found, "block" when none were (each block is one source, v = output - input), "mixed"
     otherwise; or why the blocks could not be traced. A block with hooks stays one call (its adds hidden), so
     its hooks run."""
     try:
-        traced = [trace_block(model, b, slot, stream, out_index, stream.shape[1])[:2] for b in blocks]
+        traced = [trace_block(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream,
+                              stacks[b.stack].stream_out_index, stacks[b.stack].tokens)[:2] for b in blocks]
     except RoutekitError as err:
         return blocks, f"unknown ({err})"
     traced = [(tr, () if hooked(model.get_submodule(b.qualname)) else adds) for b, (tr, adds) in zip(blocks, traced)]

@@ -37,8 +37,12 @@ class _Config(BaseModel):
 class Route(_Config):
     """A TREAD token route: blocks `start..end` (inclusive) see only the kept tokens.
 
-    Block indices count from 0; negative ones count from the end (-1 = the last block), resolved
-    against the model's stack when the route is planned.
+    Block indices count from 0 over the chain of block stacks the stream passes through (Flux: its
+    double-stream blocks, then its single-stream ones, as SimpleTuner counts them); negative ones count
+    from the end (-1 = the last block). A block can also be named by its stack and its index in it:
+    `Route(start="transformer_blocks.2", end="single_transformer_blocks.-2")`. Resolved against the
+    model's chain when the route is planned; a route crossing from one stack into the next carries its
+    kept tokens across (what the owner joins in between, text, is kept).
 
     `rate` is the fraction of tokens routed *around* the blocks (TREAD's best is 0.5). At block
     `start` the selector picks the kept tokens; after block `end` the routed tokens rejoin with
@@ -50,8 +54,8 @@ class Route(_Config):
     [] routes every token alike.
     """
 
-    start: int
-    end: int
+    start: int | str
+    end: int | str
     rate: float = 0.5
     selector: str = "random"
     keep: tuple[int, ...] | None = None
@@ -95,8 +99,18 @@ class Route(_Config):
             raise ValueError(f"keep lists a position twice: {positions}")
         return tuple(positions)
 
+    @field_validator("start", "end")
+    @classmethod
+    def _block_name(cls, v):
+        if isinstance(v, str) and not (v.count(".") and v.rpartition(".")[2].lstrip("-").isdigit()):
+            raise ValueError(f"a block is an index in the chain (2, -2) or named '<stack>.<index>' "
+                             f"('single_transformer_blocks.-2'); got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _ordered(self) -> Route:
+        if isinstance(self.start, str) or isinstance(self.end, str):
+            return self
         if (self.start < 0) == (self.end < 0) and self.start > self.end:
             raise ValueError(f"start ({self.start}) must be <= end ({self.end}); the route covers blocks start..end")
         return self

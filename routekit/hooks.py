@@ -75,7 +75,7 @@ class Hooks:
                     kwargs: dict):
         placed = self.plan.placed[route]
         for side in block.side_inputs:
-            cuts = placed.cuts(side)
+            cuts = placed.cuts(side, block.stack)
             if not cuts:
                 continue
             value = _get(args, kwargs, side.slot, block)
@@ -101,7 +101,7 @@ class _Before:
             return None
         if self.after is not None and self.after in module._forward_hooks:
             module._forward_hooks.move_to_end(self.after)
-        slot = hooks.plan.report.stream_slot
+        slot = hooks.plan.report.stack_of(self.block.index).stream_slot
         if self.first:
             hooks.gathered = {}
             stream = _get(args, kwargs, slot, self.block)
@@ -124,7 +124,8 @@ class _After:
         if not self.hooks.active or self.route not in self.hooks.pending:
             return None
         stream, index = self.hooks.pending.pop(self.route)
-        position = self.hooks.plan.report.stream_out_index
+        plan = self.hooks.plan
+        position = plan.report.stack_of(plan.placed[self.route].end).stream_out_index
         if position is None:
             return scatter_tokens(stream, index, output)
         items = list(output)

@@ -196,7 +196,7 @@ def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: boo
     original = routed._routekit_model
     with eager():
         tr = trace(original, args, kwargs)
-        report = analyse(tr, original, stack=plan.report.stack, residual=plan.dar is not None)
+        report = analyse(tr, original, stack=plan.report.requested, residual=plan.dar is not None)
     return build_program(tr, plan.with_report(report, original, tr.graph), original, routed.training, routes)
 
 

@@ -9,6 +9,7 @@ through, selectors against the grid and the blocks (whole rows), DAR's sources a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,25 +32,34 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """One route, resolved against the stack and the stream: its first and last block (non-negative), the
-    positions it always keeps, its kept count."""
+    """One route, resolved against the chain and the stream: its first and last block (non-negative), the
+    positions it always keeps, its kept count; per stack it crosses, the tokens its blocks see there (a later
+    stack's stream also holds the tokens the owner joined in, all kept)."""
 
     route: Route
     start: int
     end: int
-    keep: tuple[int, ...]  # sorted non-negative positions every selection contains
-    kept: int  # tokens the route's blocks see
+    keep: tuple[int, ...]  # sorted non-negative positions every selection contains (in the first stack's stream)
+    kept: int  # tokens the route's blocks see (in its first stack)
     shared: bool = False  # one selection for the whole batch: a block reads a table without a batch axis
     shrink: tuple[int, ...] = ()  # the grid axes whose sizes, handed to the blocks as numbers, shrink
+    stacks: tuple[int, ...] = (0,)  # the stacks the route runs through, in order
+    kept_in: tuple[int, ...] = ()  # tokens its blocks see in each of them
+    fixed_in: tuple[int, ...] = ()  # of those, the always-kept ones (its keep, and what each join adds)
 
     @property
     def blocks(self) -> range:
         return range(self.start, self.end + 1)
 
-    def cuts(self, side) -> tuple:
-        """What this route changes in a block's side input (an `analysis.SideInput`): its token-carrying tensors
-        (gathered) and the grid sizes the selector shrinks; () where it passes unchanged."""
-        return side.tokens + tuple(Shrink(path, len(self.keep)) for path, axis in side.grid if axis in self.shrink)
+    def kept_at(self, stack: int) -> int:
+        return self.kept_in[self.stacks.index(stack)] if self.kept_in else self.kept
+
+    def cuts(self, side, stack: int | None = None) -> tuple:
+        """What this route changes in a block's side input (an `analysis.SideInput`) in `stack` (its first by
+        default): its token-carrying tensors (gathered) and the grid sizes the selector shrinks; () where it
+        passes unchanged."""
+        fixed = self.fixed_in[self.stacks.index(stack)] if stack is not None and self.fixed_in else len(self.keep)
+        return side.tokens + tuple(Shrink(path, fixed) for path, axis in side.grid if axis in self.shrink)
 
 
 @dataclass(frozen=True)
@@ -97,10 +107,11 @@ class Plan:
 
     def block_flop_fraction(self) -> float:
         """Fraction of block compute left with the routes, counting compute as linear in tokens."""
-        tokens, kept = self.report.tokens, {}
+        report, kept = self.report, {}
         for r in self.placed:
-            kept.update(dict.fromkeys(r.blocks, r.kept))
-        return sum(kept.get(i, tokens) for i in range(self.report.depth)) / (tokens * self.report.depth)
+            kept.update({i: r.kept_at(report.blocks[i].stack) for i in r.blocks})
+        tokens = [report.stack_of(i).tokens for i in range(report.depth)]
+        return sum(kept.get(i, n) for i, n in enumerate(tokens)) / sum(tokens)
 
     def with_report(self, report: GraphReport, model: nn.Module, graph: fx.Graph | None = None) -> Plan:
         """The same request planned on another analysis of the model (another call signature or shape);
@@ -127,7 +138,7 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
     try:
         spans = resolve_blocks(routes, [b.qualname for b in report.blocks])
     except ConfigError as err:
-        others = {k: v for k, v in report.candidates.items() if k != report.stack}
+        others = {k: v for k, v in report.candidates.items() if k not in {s.name for s in report.stacks}}
         if not others or "outside the stack" not in str(err):
             raise
         raise ConfigError(
@@ -137,12 +148,21 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
         ) from None
     planned = []
     for k, (route, (start, end)) in enumerate(zip(routes, spans)):
-        keep = _checked_keep(k, route, report, grid)
-        kept = kept_tokens(route.selector, route.rate, keep, report.tokens, grid)
+        first = report.stack_of(start)
+        keep = _checked_keep(k, route, first, grid)
+        kept = kept_tokens(route.selector, route.rate, keep, first.tokens, grid)
+        stacks = tuple(range(report.blocks[start].stack, report.blocks[end].stack + 1))
+        kept_in, fixed_in = [kept], [len(keep)]
+        for t in stacks[1:]:  # what the owner joins in at each stack boundary is kept with the route's tokens
+            added = report.stacks[t].tokens - report.stacks[t - 1].tokens
+            kept_in.append(kept_in[-1] + added)
+            fixed_in.append(fixed_in[-1] + added)
+        placed = RoutePlan(route, start, end, keep, kept, stacks=stacks, kept_in=tuple(kept_in),
+                           fixed_in=tuple(fixed_in))
         shrink = _shrink(k, route, report.blocks[start:end + 1], grid, model)
-        _check_blocks_of(k, route, start, end, report, grid, model, kept, shrink)
-        shared = _shared(model, report, report.blocks[start:end + 1], kept, shrink)
-        planned.append(RoutePlan(route, start, end, keep, kept, shared, shrink))
+        placed = dataclasses.replace(placed, shrink=shrink)
+        _check_blocks_of(k, placed, report, grid, model)
+        planned.append(dataclasses.replace(placed, shared=_shared(model, report, placed)))
     dar = _dar_plan(residual, report, planned, graph, model) if residual is not None else None
     return Plan(report, tuple(planned), dar, grid, given)
 
@@ -166,13 +186,14 @@ def resolve_blocks(routes: list[Route], block_names: list[str]) -> list[tuple[in
     listing = ", ".join(f"{i}: {n}" for i, n in enumerate(block_names))
     spans = []
     for k, r in enumerate(routes):
-        bad = [i for i in (r.start, r.end) if not -depth <= i < depth]
+        ends = [_named_block(k, r, e, block_names) if isinstance(e, str) else e for e in (r.start, r.end)]
+        bad = [i for i in ends if not -depth <= i < depth]
         if bad:
             raise ConfigError(
                 f"route {k} ({r.start}→{r.end}): block {bad[0]} is outside the stack: valid block indices are "
                 f"0..{depth - 1}, or -{depth}..-1 counting from the end ({listing})"
             )
-        start, end = r.start % depth, r.end % depth
+        start, end = ends[0] % depth, ends[1] % depth
         if start > end:
             raise ConfigError(f"route {k} ({r.start}→{r.end}) starts at block {start}, after its end at block {end}; "
                               "the route covers blocks start..end")
@@ -186,6 +207,19 @@ def resolve_blocks(routes: list[Route], block_names: list[str]) -> list[tuple[in
                 f"a route after route {i} can start at block {a_end + 1} or later"
             )
     return spans
+
+
+def _named_block(k: int, route: Route, name: str, block_names: list[str]) -> int:
+    """The chain index of a block named by its stack and its index in it ("single_transformer_blocks.-2")."""
+    container, _, index = name.rpartition(".")
+    members = [i for i, n in enumerate(block_names) if n.rpartition(".")[0] == container]
+    stacks = sorted({n.rpartition(".")[0] for n in block_names})
+    if not members or not index.lstrip("-").isdigit() or not -len(members) <= int(index) < len(members):
+        raise ConfigError(
+            f"route {k} ({route.start}→{route.end}): {name!r} names no block of the chain; name one as "
+            f"'<stack>.<index>' with a stack of {stacks} and an index within it (negative ones count from its end)"
+        )
+    return members[int(index)]
 
 
 def resolve_keep(keep: tuple[int, ...] | None, tokens: int) -> tuple[int, ...]:
@@ -208,10 +242,10 @@ def suggestion(special: tuple[int, ...]) -> str:
     return f"keep={list(special)}"
 
 
-def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int, ...]:
+def _checked_keep(k: int, route: Route, report, grid) -> tuple[int, ...]:
     """The route's resolved keep: the positions given, or with `keep=None` the special tokens analysis found
     (class, register, text tokens: a route never sets them aside unless `keep=[]` says to); refuses keeps
-    that do not fit the stream."""
+    that do not fit the stream. `report`: the stack the route starts in (its stream, special tokens)."""
     tokens = report.tokens
     if route.keep is None and report.unknown_special:
         raise ConfigError(
@@ -234,9 +268,9 @@ def _checked_keep(k: int, route: Route, report: GraphReport, grid) -> tuple[int,
     return keep
 
 
-def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphReport, grid, model: nn.Module,
-                     kept: int, shrink: tuple[int, ...]) -> None:
+def _check_blocks_of(k: int, placed: RoutePlan, report: GraphReport, grid, model: nn.Module) -> None:
     """Refuse blocks the route cannot contain or pass through, and selectors its blocks cannot take."""
+    route, start, end, shrink = placed.route, placed.start, placed.end, placed.shrink
     blocks = report.blocks[start:end + 1]
     for block in blocks:
         hidden = [s for s in block.side_inputs if s.unordered]
@@ -263,9 +297,10 @@ def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphRe
             where = "".join(f"[{k!r}]" for k in side.collided[0])
             raise ConfigError(
                 f"route {k} cannot contain {block.qualname}: its input {side.slot!r}{where} ({side.describe()}) has "
-                f"a last axis as long as the stream's {report.tokens} tokens, and the block runs neither with that "
-                "axis cut nor with it kept when the stream is cut, so routekit cannot tell whether it holds tokens "
-                "or features; trace with example inputs of another token count (one no feature axis is as long as)"
+                f"a last axis as long as the stream's {report.stack_of(block.index).tokens} tokens, and the block "
+                "runs neither with that axis cut nor with it kept when the stream is cut, so routekit cannot tell "
+                "whether it holds tokens or features; trace with example inputs of another token count (one no "
+                "feature axis is as long as)"
             )
         if block.aux_escapes:
             raise ConfigError(
@@ -286,25 +321,28 @@ def _check_blocks_of(k: int, route: Route, start: int, end: int, report: GraphRe
         )
     spec = selector(route.selector)
     for block in blocks:
+        stack = report.stack_of(block.index)
+        kept = placed.kept_at(block.stack)
         if spec.kept_grid is not None:  # the kept tokens form a smaller grid: the block must run on it
-            if not block_runs(model, block, report.stream_slot, report.stream, kept, shrink):
+            if not block_runs(model, block, stack.stream_slot, stack.stream, kept, shrink):
                 raise ConfigError(
                     f"route {k}: {block.qualname} ({block.cls}) fails on the {kept} tokens selector "
                     f"{route.selector!r} keeps of the {'×'.join(map(str, grid))} grid; try another grid selector "
                     "('row', 'column', 'window', 'frame') or end the route before this block"
                 )
-        elif _needs_whole_rows(model, report, grid, block, shrink):
+        elif _needs_whole_rows(model, stack, grid, block, shrink):
             raise ConfigError(
                 f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
                 f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
             )
 
 
-def _needs_whole_rows(model: nn.Module, report: GraphReport, grid, block: BlockInfo, shrink: tuple[int, ...]) -> bool:
-    """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows."""
+def _needs_whole_rows(model: nn.Module, stack, grid, block: BlockInfo, shrink: tuple[int, ...]) -> bool:
+    """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows.
+    `stack`: the block's (its stream)."""
     if grid is None or grid[-1] == 1:
         return False
-    return not block_runs(model, block, report.stream_slot, report.stream, report.tokens - 1, shrink)
+    return not block_runs(model, block, stack.stream_slot, stack.stream, stack.tokens - 1, shrink)
 
 
 def _shrink(k: int, route: Route, blocks, grid, model: nn.Module) -> tuple[int, ...]:
@@ -327,14 +365,15 @@ def _shrink(k: int, route: Route, blocks, grid, model: nn.Module) -> tuple[int, 
     return tuple(axis - len(grid) for axis in range(len(grid)) if kept[axis] != grid[axis])
 
 
-def _shared(model: nn.Module, report: GraphReport, blocks, kept: int, shrink: tuple[int, ...]) -> bool:
+def _shared(model: nn.Module, report: GraphReport, placed: RoutePlan) -> bool:
     """Whether the route must select one set of tokens for the whole batch: where a block reads a table without
     a batch axis (a RoPE table (N, d)) and does not compute the same with it made one per sample (B, N', d):
     probed on random inputs at the kept count, each way."""
-    for block in blocks:
+    for block in report.blocks[placed.start:placed.end + 1]:
         if not any(not g.batched for s in block.side_inputs for g in s.tokens):
             continue
-        args = (model, block, report.stream_slot, report.stream, kept, shrink, True)
+        stack = report.stack_of(block.index)
+        args = (model, block, stack.stream_slot, stack.stream, placed.kept_at(block.stack), placed.shrink, True)
         one, per_sample = run_block(*args, shared=True), run_block(*args, shared=False)
         if one is None or per_sample is None:
             return per_sample is None
@@ -373,6 +412,13 @@ def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: 
         raise ConfigError(
             f"residual=DAR(...) needs each block of {report.stack} traced alone to find its residual adds: "
             f"{report.residual or 'the blocks were not analysed'}"
+        )
+    joined = [s for s in report.stacks[1:] if s.tokens != report.stacks[0].tokens]
+    if joined:
+        raise ConfigError(
+            f"residual=DAR(...) aggregates sublayer outputs of one shape, and the stream of {joined[0].name} also "
+            f"holds the {joined[0].tokens - report.stacks[0].tokens} tokens the model joins in before it; give DAR "
+            f"one stack: stack={report.stacks[0].name!r} or stack={joined[0].name!r}"
         )
     plain = [b.qualname for b in report.blocks if without_residual(model, b)]
     if plain:

@@ -13,31 +13,42 @@ from typing import Any
 
 def format_plan(plan: Any) -> str:
     r = plan.report
-    batch, tokens, channels = r.stream.shape
+    tokens = r.tokens
     grid = "none found"
     if plan.grid:
         source = "given" if plan.grid_given else f"read off {r.grid_node}" if r.grid_node else "measured off the image"
         grid = "×".join(map(str, plan.grid)) + f" ({source})"
-    others = {k: v for k, v in r.candidates.items() if k != r.stack}
+    others = {k: v for k, v in r.candidates.items() if k not in {s.name for s in r.stacks}}
     if plan.grid and not r.special and math.prod(plan.grid) < tokens:
         grid += (f"; plus {tokens - math.prod(plan.grid)} other token(s) at positions routekit could not "
                  "tell: name them in Route(keep=[...])")
-    if r.special:
-        grid += (f"; plus {len(r.special)} other token(s) at positions {list(r.special)} (class/register/text "
-                 "tokens): routes keep them")
     lines = [
         f"routekit report for {r.model}  [{r.mode} mode]",
         f"  block stack : {r.stack} ({r.depth} blocks)" + (f"; other chains: {others}" if others else ""),
-        f"  token stream: {r.stream} = (batch {batch}, tokens {tokens}, channels {channels}), "
-        f"block input {r.stream_slot!r}" + (f", output [{r.stream_out_index}]" if r.stream_out_index is not None else ""),
         f"  token grid  : {grid}",
     ]
-    if r.unknown_special:
-        lines.append(f"  special tokens: unknown ({r.unknown_special}): a route needs keep=[...]")
-    first = _sides(r.blocks[0])
-    if first:
-        lines.append("  side inputs : " + ("(every block)" if all(_sides(b) == first for b in r.blocks) else
-                                           "(block 0; blocks that differ say so)"))
+    for k, stack in enumerate(r.stacks):
+        _, n, channels = stack.stream.shape
+        out = f", output [{stack.stream_out_index}]" if stack.stream_out_index is not None else ""
+        if len(r.stacks) > 1:
+            lines.append(f"  stack {k}     : {stack.name} (blocks {stack.first}..{stack.first + stack.depth - 1})")
+        lines.append(f"  token stream: {stack.stream} (tokens {n}, channels {channels}), block input "
+                     f"{stack.stream_slot!r}{out}")
+        if stack.joined_at is not None:
+            lines.append(f"    joined    : stack {k - 1}'s tokens at {stack.joined_at}.."
+                         f"{stack.joined_at + r.stacks[k - 1].tokens - 1}, the owner's before or after them")
+        if stack.special:
+            lines.append(f"    special   : {len(stack.special)} tokens not made from the image (text, register, class) "
+                         f"at {_cut(str(list(stack.special)), 40)}: routes keep them")
+        if stack.unknown_special:
+            lines.append(f"    special tokens: unknown ({stack.unknown_special}): a route needs keep=[...]")
+    firsts = {k: _sides(r.blocks[stack.first]) for k, stack in enumerate(r.stacks)}
+    for k, first in firsts.items():
+        if not first:
+            continue
+        same = all(_sides(b) == first for b in r.blocks if b.stack == k)
+        which = f"stack {k}'s blocks" if len(r.stacks) > 1 else "every block"
+        lines.append(f"  side inputs : ({which}{'' if same else '; blocks that differ say so'})")
         lines += [f"    {_cut(str(slot), 24):<24} {kind:<10} {text}" for slot, kind, text in first]
     lines += ["", f"  {'#':>3}  {'block':<28} {'class':<24} notes"]
     routed = plan.route_at()
@@ -45,7 +56,7 @@ def format_plan(plan: Any) -> str:
         notes = []
         if b.index in routed:
             notes.append(f"route {routed[b.index]}")
-        if _sides(b) != first:
+        if _sides(b) != firsts[b.stack]:
             notes.append("side inputs " + ", ".join(f"{slot}: {kind}" for slot, kind, _ in _sides(b)))
         if b.escapes:
             notes.append(f"output also used by {b.escapes[0].split(' → ')[1]}")
@@ -53,19 +64,19 @@ def format_plan(plan: Any) -> str:
             notes.append(f"per-token side output {b.aux_escapes[0]}")
         if b.adds is not None:
             notes.append(f"{len(b.adds)} residual adds" if b.adds else "residual adds hidden: one DAR source")
-        lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 60)}")
+        lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 58)}")
     lines.append("")
     if r.fallback:
         lines.append(f"  boundary mode: routes sit at block calls, because the owner forward is not traceable: {r.fallback}")
     for k, rp in enumerate(plan.placed):
         route, kept = rp.route, rp.kept
-        share = len(rp.blocks) / r.depth
+        across = "" if len(rp.stacks) == 1 else f", then {', '.join(map(str, rp.kept_in[1:]))} with the joined"
         keep = f", always keeping {list(rp.keep)}" if rp.keep else ""
         if rp.keep and route.keep is None:
             keep += " (found: class/register/text tokens; keep=[] routes them too)"
         lines.append(
             f"  route {k}: blocks {rp.start}→{rp.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
-            f"{kept} of {tokens} tokens go through; {share:.0%} of the blocks see {kept / tokens:.0%} of the tokens"
+            f"{kept} of {r.stack_of(rp.start).tokens} tokens go through{across}"
         )
         if rp.shared:
             lines.append("           one selection for the batch: a block reads a table without a batch axis that it "

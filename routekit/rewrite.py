@@ -31,11 +31,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import dar
-from .analysis import BlockInfo, slot_value, trace_block, uncast
+from .analysis import BlockInfo, between, slot_value, trace_block, uncast
 from .errors import ConfigError
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
-from .routing import gather_tokens, route_side, scatter_tokens
+from .routing import gather_tokens, joined_index, route_side, scatter_tokens
 from .trace import Trace, bind_arguments, call_inputs
 
 _counter = itertools.count()
@@ -87,6 +87,11 @@ def keep_checkpoints(graph: fx.Graph) -> None:
 def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> dict[int, tuple[fx.Node, fx.Node]]:
     """Insert `routes` into `graph` in place; route k calls the module `routekit.routes.k`.
 
+    A route that crosses from one stack into the next goes on through the owner's code between them: that code
+    joins the kept tokens with what it adds (text in front), the next stack's index is the kept positions
+    moved past them (`joined_index`), and its full-size stream, where the routed tokens rejoin at the route's
+    end, is the same code run on the route's full stream (`_copy_join`).
+
     Returns, per route, its (index, scatter) nodes, where DAR hooks its history in.
     """
     report = plan.report
@@ -96,31 +101,53 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
     for k, route in enumerate(routes):
         blocks = report.blocks[route.start:route.end + 1]
         first = by_name[blocks[0].node]
-        stream_in = slot_value(first, report.stream_slot)
+        stream_in = slot_value(first, report.stack_of(route.start).stream_slot)
         with graph.inserting_before(first):
             args = (stream_in,) if grid_node is None else (stream_in, grid_node)
-            index = graph.call_module(f"{STATE}.routes.{k}", args)
+            index = selected = graph.call_module(f"{STATE}.routes.{k}", args)
             kept = graph.call_function(gather_tokens, (stream_in, index))
-        _set_slot(first, report.stream_slot, kept)
+        _set_slot(first, report.stack_of(route.start).stream_slot, kept)
+        full, stack = stream_in, blocks[0].stack
         routed: dict[str, fx.Node] = {}  # one call per side input and route, however many blocks read it
         for block in blocks:
             node = by_name[block.node]
+            if block.stack != stack:  # into the next stack, through the owner's code between them
+                before, this = report.stacks[stack], report.stacks[block.stack]
+                out = by_name[report.blocks[before.first + before.depth - 1].stream_out]
+                into = slot_value(node, this.stream_slot)
+                if into is not out:
+                    with graph.inserting_before(node):
+                        full = _copy_join(graph, out, into, full)
+                        index = graph.call_function(joined_index, (index, this.joined_at, before.tokens, this.tokens))
+                stack = block.stack
             for side in block.side_inputs:
-                cuts = route.cuts(side)
+                cuts = route.cuts(side, stack)
                 if not cuts:
                     continue
                 value = slot_value(node, side.slot)
-                key = repr(fx.node.map_arg(value, lambda n: n.name))
+                key = repr((stack, fx.node.map_arg(value, lambda n: n.name)))
                 if key not in routed:
                     with graph.inserting_before(node):
-                        routed[key] = graph.call_function(route_side, (value, stream_in, index, cuts, route.shared))
+                        routed[key] = graph.call_function(route_side, (value, full, index, cuts, route.shared))
                 _set_slot(node, side.slot, routed[key])
         out = by_name[blocks[-1].stream_out]
         with graph.inserting_after(out):
-            full = graph.call_function(scatter_tokens, (stream_in, index, out))
-        out.replace_all_uses_with(full, delete_user_cb=lambda user, full=full: user is not full)
-        placed[k] = (index, full)
+            scattered = graph.call_function(scatter_tokens, (full, index, out))
+        out.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
+        placed[k] = (selected, scattered)
     return placed
+
+
+def _copy_join(graph: fx.Graph, out: fx.Node, into: fx.Node, replacement: fx.Node) -> fx.Node:
+    """The owner's code that makes `into` (a stack's stream) from `out` (the previous stack's), copied with
+    `replacement` in place of `out`: the next stack's full-size stream at a route's start (its own tokens as the
+    route set them aside, what the owner joins in as it is now)."""
+    path = between(out, into)
+    env = {out: replacement}
+    for node in graph.nodes:
+        if node in path:
+            env[node] = graph.node_copy(node, lambda n: env.get(n, n))
+    return env[into]
 
 
 def _set_slot(node: fx.Node, slot, value: fx.Node) -> None:
@@ -285,7 +312,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
                     graph.erase_node(add)
         else:  # adds hidden inside the block: one source per block, v = output - input
             out = by_name[info.stream_out]
-            stream_in = slot_value(call, report.stream_slot)
+            stream_in = slot_value(call, report.stack_of(i).stream_slot)
             with graph.inserting_before(out.next):
                 v = graph.call_function(operator.sub, (out, stream_in))
                 h = blended(out, aggregate(v))
@@ -303,16 +330,16 @@ def _body(model: nn.Module, plan: Plan, info: BlockInfo, route: RoutePlan | None
     """The block's own trace as it runs: the analysis' one, unless `route` gives the block fewer tokens and
     that trace was specialised to its shapes; then the block is traced as the route hands it its inputs (the
     kept count, grid sizes shrunk, tables as the route cuts them)."""
-    report = plan.report
-    tokens = report.tokens if route is None else route.kept
-    if tokens == report.tokens or not info.body.specialised:
+    stack = plan.report.stack_of(info.index)
+    tokens = stack.tokens if route is None else route.kept_at(info.stack)
+    if tokens == stack.tokens or not info.body.specialised:
         return info.body, info.adds
-    body, adds, _ = trace_block(model, info, report.stream_slot, report.stream, report.stream_out_index, tokens,
+    body, adds, _ = trace_block(model, info, stack.stream_slot, stack.stream, stack.stream_out_index, tokens,
                                 route.shrink, route.shared)
     if len(adds) != len(info.adds):
         raise ConfigError(
             f"DAR: {info.qualname} has {len(adds)} residual adds on the route's {tokens} tokens but {len(info.adds)} "
-            f"on all {report.tokens}; its code branches on the token count, so DAR cannot be combined with this route"
+            f"on all {stack.tokens}; its code branches on the token count, so DAR cannot be combined with this route"
         )
     return body, adds
 

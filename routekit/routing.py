@@ -58,6 +58,16 @@ def _dense_order(x: torch.Tensor) -> list[int] | None:
         return None
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
     return order if x.permute(order).is_contiguous() else None
+def joined_index(index: torch.Tensor, offset: int, inner: int, tokens: int) -> torch.Tensor:
+    """A route's kept positions (B, K) of a stack's `inner` tokens, in the next stack's stream of `tokens`, where
+    the owner's code put those at `offset` and joined others around them (text in front): the others, all
+    kept, and the kept ones moved past those before them; sorted as `index` is."""
+    batch = index.shape[0]
+    before = torch.arange(offset, device=index.device).expand(batch, offset)
+    after = torch.arange(offset + inner, tokens, device=index.device).expand(batch, tokens - offset - inner)
+    return torch.cat([before, index + offset, after], dim=1)
+
+
 class Gather(NamedTuple):
     """A tensor inside a block argument that carries the stream's tokens, at `path` (the keys and indices leading
     to it inside the argument's value; () for the argument itself). A NamedTuple of plain values, so a

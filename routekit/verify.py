@@ -187,6 +187,7 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
     plan = report_of(routed)
     route, report = plan.placed[0], plan.report
     block = report.blocks[route.start]
+    report = report.stack_of(route.start)  # the stream the route starts on
     seen: dict[str, Any] = {}
 
     def capture(key):

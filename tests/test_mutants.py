@@ -563,7 +563,8 @@ def test_a_user_grid_may_be_a_video_grid():
 
 def test_a_grid_selector_takes_a_keep_of_exactly_the_tokens_outside_the_grid_where_analysis_found_none():
     model = built(Registers)
-    report = dataclasses.replace(rk.inspect(model, (image(),)).report, special=())
+    report = rk.inspect(model, (image(),)).report
+    report = dataclasses.replace(report, stacks=(dataclasses.replace(report.stacks[0], special=()),))
     plan = make_plan(report, [rk.Route(start=0, end=1, selector="row", keep=[0, 1])], None, model)
     assert plan.placed[0].keep == (0, 1)
 

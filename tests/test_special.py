@@ -111,15 +111,15 @@ def test_a_grid_given_for_the_image_tokens_of_a_joined_stream_is_taken():
         model, args, kwargs = ZOO["diffusers AuraFlow"].build()
     except Missing as err:
         pytest.skip(str(err))
-    routed = rk.apply(model, rk.Route(start=1, end=4, selector="row"), example_inputs=args, example_kwargs=kwargs,
-                      grid=(4, 4))
+    route = rk.Route(start="single_transformer_blocks.1", end="single_transformer_blocks.4", selector="row")
+    routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, grid=(4, 4))
     assert rk.report_of(routed).grid == (4, 4)
     routed.train()
     routed(*args, **kwargs)
     mask = rk.last_route_mask(routed)
     assert not mask[:, :13].any() and mask[:, 13:].view(2, 4, 4).all(2).sum(1).tolist() == [2, 2]  # whole rows
     with pytest.raises(rk.ConfigError, match="without its 13 special tokens, 16"):
-        rk.apply(model, rk.Route(start=1, end=4), example_inputs=args, example_kwargs=kwargs, grid=(5, 5))
+        rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, grid=(5, 5))
 
 
 class TextThenGrid(nn.Module):
