@@ -157,13 +157,28 @@ class GraphReport:
 
 
 def to_networkx(graph: fx.Graph) -> nx.DiGraph:
-    """Data-flow graph: an edge from every input node to the node that uses it."""
+    """Data-flow graph: an edge from every input node to the node that uses its value. A read of a tensor's
+    shape is no use of its values (`head_dim = key.shape[-1] // heads` does not make what it reshapes depend on
+    `key`): such a read has no edge from the tensor."""
     g = nx.DiGraph()
     for order, node in enumerate(graph.nodes):
         g.add_node(node.name, op=node.op, target=str(node.target), order=order)
+        shape_read = is_shape_read(node)
         for inp in node.all_input_nodes:
-            g.add_edge(inp.name, node.name)
+            if not (shape_read and inp is node.args[0]):
+                g.add_edge(inp.name, node.name)
     return g
+
+
+_SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})
+_SHAPE_METHODS = frozenset({"size", "dim", "numel", "ndimension", "get_device", "nelement"})
+
+
+def is_shape_read(node: fx.Node) -> bool:
+    """`x.shape`, `x.size()`, `x.dim()`, `x.numel()`, `x.dtype`...: a node reading what a tensor is, not its values."""
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return node.args[1] in _SHAPE_ATTRS
+    return node.op == "call_method" and node.target in _SHAPE_METHODS
 
 
 def slots(node: fx.Node):
@@ -278,7 +293,11 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     `residual`: also trace each block alone and find its residual adds.
     """
     chosen, chains = _stack(tr, model, stack)
-    names = [chosen] if stack is not None else _chain(tr.graph, chains, chosen, graph_mode=images is None)
+    measure = None  # a recording shows no owner code: where it joins two stacks is measured on the example call
+    if images is not None and call is not None:
+        measure = lambda a, b: token_offset(model, *call, chains[b][0][0].target, chains[b][1][0],  # noqa: E731
+                                            chains[a][0][-1].target, chains[a][1][1])
+    names = [chosen] if stack is not None else _chain(tr.graph, chains, chosen, measure if images else None)
     by_name = {n.name: n for n in tr.graph.nodes}
     stacks: list[Stack] = []
     blocks: list[BlockInfo] = []
@@ -296,7 +315,7 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         if k == 0:
             info = _first_stack(tr, model, chains, name, these, stream, images, call)
         else:
-            info = _joined_stack(tr.graph, chains, names[k - 1], name, stacks[-1], stream, images is None)
+            info = _joined_stack(tr.graph, chains, names[k - 1], name, stacks[-1], stream, measure)
         stacks.append(Stack(name, len(blocks), len(these), slot, out_index, stream, **info))
         blocks.extend(these)
     decided: dict = {}
@@ -369,11 +388,11 @@ def _first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: l
 
 
 def _joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous: Stack, stream: TensorMeta,
-                  graph_mode: bool) -> dict:
+                  measure=None) -> dict:
     """A later stack's grid and special tokens: the previous stack's tokens sit at `joined_at` in its stream, in
     order; every other token was joined in by the owner (text in front of Flux's single-stream blocks) and is
     special, as are the previous stack's own special tokens."""
-    offset = _join_offset(graph, chains, before, name, graph_mode)
+    offset = _join_offset(graph, chains, before, name, measure)
     tokens = stream.shape[1]
     special = [True] * tokens
     made = [p % previous.tokens not in {q % previous.tokens for q in previous.special} for p in range(previous.tokens)]
@@ -383,7 +402,7 @@ def _joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previou
             "unknown_special": previous.unknown_special, "joined_at": offset}
 
 
-def _chain(graph: fx.Graph, chains: dict, chosen: str, graph_mode: bool) -> list[str]:
+def _chain(graph: fx.Graph, chains: dict, chosen: str, measure=None) -> list[str]:
     """The stacks the stream passes through in order, around `chosen`: each next one's stream holds the previous
     one's output tokens in order, joined with others or not (`_join_offset`)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -395,7 +414,7 @@ def _chain(graph: fx.Graph, chains: dict, chosen: str, graph_mode: bool) -> list
         if order[chains[a][0][-1]] >= order[chains[b][0][0]]:
             return False
         try:
-            _join_offset(graph, chains, a, b, graph_mode)
+            _join_offset(graph, chains, a, b, measure)
         except AnalysisError:
             return False
         return True
@@ -422,9 +441,10 @@ def _stream_out(chains: dict, name: str) -> fx.Node | None:
     return next((u for u in last.users if u.target is operator.getitem and u.args[1] == out_index), None)
 
 
-def _join_offset(graph: fx.Graph, chains: dict, before: str, after: str, graph_mode: bool) -> int:
+def _join_offset(graph: fx.Graph, chains: dict, before: str, after: str, measure=None) -> int:
     """Where the tokens `before`'s last block hands on sit in the stream entering `after`: all of them, in order,
-    at one offset. A recording shows no owner code: there the stream must be that output itself (offset 0).
+    at one offset. A recording shows no owner code: there the stream is that output itself, or holds it
+    unchanged at an offset `measure(before, after)` finds on the example call (a cat, not a projection).
     AnalysisError where the stacks are not joined so."""
     out, stream = _stream_out(chains, before), slot_value(chains[after][0][0], chains[after][1][0])
     meta, into = getattr(out, "meta", {}).get("rk"), getattr(stream, "meta", {}).get("rk")
@@ -433,8 +453,11 @@ def _join_offset(graph: fx.Graph, chains: dict, before: str, after: str, graph_m
         raise AnalysisError(f"{after} does not take {before}'s tokens")
     if stream is out:
         return 0
-    if not graph_mode:
-        raise AnalysisError(f"a recording does not show how {after}'s stream is made from {before}'s")
+    if measure is not None:
+        offset = measure(before, after)
+        if offset is None:
+            raise AnalysisError(f"{after}'s stream does not hold {before}'s output unchanged")
+        return offset
     made = _made_from_image(graph, stream, into.shape[0], into.shape[1], chains, source=out)
     count = meta.shape[1]
     starts = [i for i in range(into.shape[1] - count + 1) if made is not None and all(made[i:i + count])]

@@ -154,12 +154,24 @@ class DAR(_Config):
         return v
 
 
+_SIMPLETUNER = {"selection_ratio": "rate", "start_layer_idx": "start", "end_layer_idx": "end"}
+
+
 def coerce_routes(routes, depth: int) -> list[Route]:
-    """Accept a Route, a list of Routes/dicts, None, or "default" (TREAD's 2 → depth−4)."""
+    """Accept a Route, a list of Routes/dicts, None, "default" (TREAD's 2 → depth−4), or SimpleTuner's
+    `tread_config` as it is (`{"routes": [{"selection_ratio", "start_layer_idx", "end_layer_idx"}, ...]}`: its
+    ratio is the share routed around, its indices count over the chain of stacks, negative from the end, as
+    routekit's do; SimpleTuner rounds the routed count half to even where routekit floors it, which keeps the
+    same count wherever the share is a whole number of tokens, as 0.5 of an even count is)."""
     if routes is None:
         return []
     if routes == "default":
         return [Route.default(depth)]
+    if isinstance(routes, dict) and set(routes) == {"routes"}:  # SimpleTuner's tread_config
+        routes = routes["routes"]
+        if not isinstance(routes, (list, tuple)):
+            raise ConfigError(f"a tread_config's 'routes' is a list of routes, got {routes!r:.80}")
+        routes = [_from_simpletuner(r) for r in routes]
     if isinstance(routes, (Route, dict)):
         routes = [routes]
     if isinstance(routes, (str, bytes)) or not hasattr(routes, "__iter__"):
@@ -168,3 +180,10 @@ def coerce_routes(routes, depth: int) -> list[Route]:
         if not (isinstance(r, Route) or (isinstance(r, dict) and all(isinstance(k, str) for k in r))):
             raise ConfigError(f"each route is a Route or a dict of its fields (start, end, ...); got {r!r:.80}")
     return [r if isinstance(r, Route) else Route(**r) for r in routes]
+
+
+def _from_simpletuner(route) -> Route:
+    """One route of SimpleTuner's tread_config: {"selection_ratio", "start_layer_idx", "end_layer_idx"}."""
+    if not isinstance(route, dict) or set(route) != set(_SIMPLETUNER):
+        raise ConfigError(f"a tread_config route has exactly the keys {sorted(_SIMPLETUNER)}, got {route!r:.120}")
+    return Route(**{_SIMPLETUNER[k]: v for k, v in route.items()})

@@ -18,7 +18,7 @@ from torch import nn
 from .analysis import BlockInfo, Slot
 from .errors import ConfigError
 from .plan import Plan
-from .routing import gather_tokens, route_side, scatter_tokens
+from .routing import gather_tokens, joined_index, route_side, scatter_tokens
 from .trace import shallow_copy
 
 
@@ -110,8 +110,23 @@ class _Before:
             args, kwargs = _put(args, kwargs, slot, gather_tokens(stream, index))
         elif self.route not in hooks.pending:
             return None
+        elif hooks.plan.report.stack_of(self.block.index).first == self.block.index:  # into the next stack
+            hooks.pending[self.route] = _joined(hooks.plan.report, self.block.stack, _get(args, kwargs, slot, self.block),
+                                                *hooks.pending[self.route])
         stream, index = hooks.pending[self.route]
         return hooks.route_sides(self.route, self.block, stream, index, args, kwargs)
+
+
+def _joined(report, stack: int, joint: torch.Tensor, full: torch.Tensor, index: torch.Tensor):
+    """A route's (full-size stream, index) in the next stack, whose stream `joint` the owner made of the kept
+    tokens (at the stack's `joined_at`) and tokens of its own around them, unchanged (analysis measured that):
+    the full-size stream is `joint` with the route's full stream in place of the kept run."""
+    this, before = report.stacks[stack], report.stacks[stack - 1]
+    start, kept = this.joined_at, index.shape[1]
+    if joint is full or (start == 0 and joint.shape[1] == kept and this.tokens == before.tokens):
+        return full, index  # the stacks hand the stream on as it is
+    full = torch.cat([joint[:, :start], full.to(joint.dtype), joint[:, start + kept:]], dim=1)
+    return full, joined_index(index, start, before.tokens, this.tokens)
 
 
 class _After:

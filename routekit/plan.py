@@ -213,7 +213,7 @@ def _named_block(k: int, route: Route, name: str, block_names: list[str]) -> int
     """The chain index of a block named by its stack and its index in it ("single_transformer_blocks.-2")."""
     container, _, index = name.rpartition(".")
     members = [i for i, n in enumerate(block_names) if n.rpartition(".")[0] == container]
-    stacks = sorted({n.rpartition(".")[0] for n in block_names})
+    stacks = list(dict.fromkeys(n.rpartition(".")[0] for n in block_names))
     if not members or not index.lstrip("-").isdigit() or not -len(members) <= int(index) < len(members):
         raise ConfigError(
             f"route {k} ({route.start}→{route.end}): {name!r} names no block of the chain; name one as "

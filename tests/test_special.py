@@ -118,8 +118,11 @@ def test_a_grid_given_for_the_image_tokens_of_a_joined_stream_is_taken():
     routed(*args, **kwargs)
     mask = rk.last_route_mask(routed)
     assert not mask[:, :13].any() and mask[:, 13:].view(2, 4, 4).all(2).sum(1).tolist() == [2, 2]  # whole rows
+    alone = rk.apply(model, rk.Route(start=1, end=4, selector="row"), example_inputs=args, example_kwargs=kwargs,
+                     grid=(4, 4), stack="single_transformer_blocks")  # the stack alone: 13 + 16 tokens
+    assert rk.report_of(alone).grid == (4, 4) and rk.report_of(alone).tokens == 29
     with pytest.raises(rk.ConfigError, match="without its 13 special tokens, 16"):
-        rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, grid=(5, 5))
+        rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, grid=(5, 5), stack="single_transformer_blocks")
 
 
 class TextThenGrid(nn.Module):

@@ -108,7 +108,7 @@ def diffusers_lumina2():
 
 def diffusers_chroma():
     model = package("diffusers").ChromaTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=6, attention_head_dim=16, num_attention_heads=2,
+        patch_size=1, in_channels=16, num_layers=4, num_single_layers=6, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=24, axes_dims_rope=(4, 6, 6), approximator_num_channels=8, approximator_hidden_dim=32,
         approximator_layers=1)
     args, kwargs = flux_inputs(2, 4, 4, 5)
@@ -262,16 +262,22 @@ ZOO: dict[str, Entry] = {
     "diffusers DiT": Entry(diffusers_dit, "transformer_blocks"),
     "diffusers PixArt": Entry(diffusers_pixart, "transformer_blocks"),
     "diffusers SD3": Entry(diffusers_sd3, "transformer_blocks"),
-    "diffusers Flux": Entry(diffusers_flux, "transformer_blocks"),
+    "diffusers Flux": Entry(diffusers_flux, "transformer_blocks → single_transformer_blocks"),
+    "diffusers Flux (across both stacks)": Entry(diffusers_flux, "transformer_blocks → single_transformer_blocks",
+                                                 route={"start": 2, "end": -2}),
     "diffusers Flux (single-stream stack)": Entry(diffusers_flux, "single_transformer_blocks",
                                                   options={"stack": "single_transformer_blocks"}),
     "diffusers Wan": Entry(diffusers_wan, "blocks"),
     "diffusers Sana": Entry(diffusers_sana, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
     "diffusers Lumina2": Entry(diffusers_lumina2, "layers", special=tuple(range(5))),  # the caption's tokens
+    "diffusers Chroma (across both stacks)": Entry(diffusers_chroma, "transformer_blocks → single_transformer_blocks",
+                                                   route={"start": 2, "end": -2}),  # text joined in front between
     "diffusers Chroma (single-stream stack)": Entry(diffusers_chroma, "single_transformer_blocks",
-                                                    special=tuple(range(5))),  # the text the owner joins in front
+                                                    special=tuple(range(5)),  # the text the owner joins in front
+                                                    options={"stack": "single_transformer_blocks"}),
     "diffusers AuraFlow": Entry(diffusers_auraflow, "single_transformer_blocks",
-                                special=tuple(range(13))),  # its 8 register tokens, then the 5 text tokens
+                                special=tuple(range(13)),  # its 8 register tokens, then the 5 text tokens
+                                options={"stack": "single_transformer_blocks"}),
     "diffusers StableAudio": Entry(diffusers_stable_audio, "transformer_blocks", special=(0,)),  # the global token
     "transformers Llama": Entry(transformers_llama, "layers"),
     "transformers GPT-2": Entry(transformers_gpt2, "h"),
