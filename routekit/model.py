@@ -234,6 +234,17 @@ class RoutedModel(nn.Module):
 
     _routekit_base: type
 
+    def __getattribute__(self, name: str):
+        # the model's own attributes before the class's defaults (diffusers' `_hf_peft_config_loaded = False` on
+        # the class, set True on the model by add_adapter); its forward stays the routed model's
+        state = object.__getattribute__(self, "__dict__")
+        model = state.get("_routekit_model")
+        if model is not None and name not in state and name != "forward":
+            found = model.__dict__.get(name, _OWN)
+            if found is not _OWN and name not in _OWN:
+                return found
+        return object.__getattribute__(self, name)
+
     def __getattr__(self, name: str):
         state = self.__dict__
         for table in ("_parameters", "_buffers", "_modules"):
