@@ -1,16 +1,27 @@
-"""FLUX at 1024×1024: a routed train step against its FLOP limit, beside a route written by hand.
+"""FLUX at 1024×1024: routes across the double- and single-stream stacks, beside the same route written by hand.
 
-diffusers' FluxTransformer2DModel with FLUX's widths (24 heads of 128, joint width 4096) at reduced depth,
-on 4096 image tokens (a 1024×1024 image: 128×128 latents, packed 2×2) and 512 text tokens, one train step
-(forward + backward + AdamW, bf16 autocast). Variants: vanilla; routekit's default route over the double-
-stream stack (rate 0.5); and that route written here by hand (`HandRoutedFlux`), independently of routekit.
-FLUX's RoPE table has no batch axis, so both routes keep one selection for the whole batch (routekit finds
-that by itself and says so). "FLOP limit" is vanilla's FLOPs over the variant's (torch's flop counter).
+diffusers' FluxTransformer2DModel with FLUX's widths (24 heads of 128, joint width 4096) at reduced depth (4
+double + 8 single blocks), on 4096 image tokens (a 1024×1024 image: 128×128 latents, packed 2×2) and 512 text
+tokens; one train step (forward + backward + AdamW, bf16 autocast) at batch 1 and 2. Variants:
 
-    python benchmarks/flux.py                    # on a GPU: batch 2, 8 double + 4 single blocks, eager
-    python benchmarks/flux.py --quick            # CPU smoke run: a tiny FLUX, 64 + 8 tokens
+- vanilla;
+- routekit, single stack: SimpleTuner's single-stack route, single block 1 → -2 (rate 0.5);
+- routekit, across stacks: SimpleTuner's headline route, block 2 → -2 counted over both stacks;
+- hand-written, across stacks: that route written here, independently of routekit, as SimpleTuner runs it:
+  image tokens only, an independent selection per sample, each sample's rows of the joint [text; image] RoPE
+  table cut for it.
 
-Writes benchmarks/results/flux.{json,md,png} (or --out DIR).
+Every variant runs the same attention processor (`AnyRopeAttention`: FLUX's attention, with a RoPE table of one
+row set for the batch or one per sample), so per-sample tables are possible and the variants run the same
+kernels; routekit finds by itself that the blocks take one table per sample and selects per sample too.
+"FLOP limit" is vanilla's FLOPs over the variant's (torch's flop counter); "host" is routekit's own Python
+work per training call (binding the call, checking its program's assumptions), measured apart.
+
+    python benchmarks/flux.py                  # on a GPU: batch 1 and 2, eager
+    python benchmarks/flux.py --modes eager compile
+    python benchmarks/flux.py --quick          # CPU smoke run: a tiny FLUX, 64 + 8 tokens
+
+Writes benchmarks/results/flux.{json,md,png} (or --out DIR), after every measurement.
 """
 
 from __future__ import annotations
@@ -31,17 +42,49 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
 import routekit as rk  # noqa: E402
 from benchmarks.common import RESULTS, device_or_exit, figure, machine, time_ms, write  # noqa: E402
 
-FULL = {"num_layers": 8, "num_single_layers": 4, "attention_head_dim": 128, "num_attention_heads": 24,
+FULL = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 128, "num_attention_heads": 24,
         "joint_attention_dim": 4096, "pooled_projection_dim": 768, "in_channels": 64, "axes_dims_rope": (16, 56, 56)}
-TINY = {"num_layers": 8, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+TINY = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 16, "num_attention_heads": 2,
         "joint_attention_dim": 32, "pooled_projection_dim": 16, "in_channels": 16, "axes_dims_rope": (4, 6, 6)}
+START, END, RATE = 2, -2, 0.5  # SimpleTuner's documented FLUX route, over both stacks
+VARIANTS = ("vanilla", "routekit single stack", "routekit across stacks", "hand-written across stacks")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """FLUX's rotary embedding of x (B, H, S, D) by a table of (S, D), or one per sample (B, S, D)."""
+    cos, sin = (t[:, None] if t.dim() == 3 else t[None, None] for t in (cos, sin))
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class AnyRopeAttention:
+    """FLUX's joint attention (diffusers' FluxAttnProcessor), with the RoPE table for the batch or per sample."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        heads = lambda x: x.unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)  # noqa: E731  (B, H, S, D)
+        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if encoder_hidden_states is not None:
+            text = [heads(p(encoder_hidden_states)) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+            text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
+            query, key, value = (torch.cat([t, x], dim=2) for t, x in zip(text, (query, key, value)))
+        if image_rotary_emb is not None:
+            query, key = rotate(query, *image_rotary_emb), rotate(key, *image_rotary_emb)
+        out = F.scaled_dot_product_attention(query, key, value).transpose(1, 2).flatten(2).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        text, image = out.split([encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]], 1)
+        return attn.to_out[1](attn.to_out[0](image.contiguous())), attn.to_add_out(text.contiguous())
 
 
 def build(config: dict, device: str) -> nn.Module:
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    return FluxTransformer2DModel(patch_size=1, **config).to(device)
+    model = FluxTransformer2DModel(patch_size=1, **config).to(device)
+    model.set_attn_processor(AnyRopeAttention())
+    return model
 
 
 def inputs(config: dict, batch: int, side: int, text: int, device: str, seed: int = 0) -> tuple[tuple, dict]:
@@ -57,13 +100,16 @@ def inputs(config: dict, batch: int, side: int, text: int, device: str, seed: in
 
 
 class HandRoutedFlux(nn.Module):
-    """FLUX's forward written out with one TREAD route over double-stream blocks start..end: the image tokens
-    kept (one subset for the batch) and their rows of the joint [text; image] RoPE table go through the route,
-    the others wait and rejoin after it."""
+    """FLUX's forward with one TREAD route over its chain of blocks (double-stream, then single-stream; `start`
+    and `end` count over both, negative from the end), written as SimpleTuner runs it: each sample keeps its own
+    random image tokens and gets its own rows of the joint [text; image] RoPE table; the others wait and rejoin
+    after block `end`."""
 
     def __init__(self, flux: nn.Module, start: int, end: int, rate: float):
         super().__init__()
-        self.flux, self.start, self.end, self.rate = flux, start, end, rate
+        self.flux, self.rate = flux, rate
+        depth = len(flux.transformer_blocks) + len(flux.single_transformer_blocks)
+        self.start, self.end = start % depth, end % depth
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids):
         m = self.flux
@@ -71,31 +117,29 @@ class HandRoutedFlux(nn.Module):
         temb = m.time_text_embed(timestep.to(image.dtype) * 1000, pooled_projections)
         text = m.context_embedder(encoder_hidden_states)
         cos, sin = m.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
-        words, tokens = text.shape[1], image.shape[1]
-        rope = (cos, sin)
-        for i, block in enumerate(m.transformer_blocks):
+        rope, words, (batch, tokens, width) = (cos, sin), text.shape[1], image.shape
+        for i, block in enumerate([*m.transformer_blocks, *m.single_transformer_blocks]):
             if i == self.start:
-                kept = torch.randperm(tokens, device=image.device)[:tokens - int(tokens * self.rate)].sort().values
-                waiting = image
-                image = image[:, kept]
-                rows = torch.cat([torch.arange(words, device=kept.device), words + kept])
-                rope = (cos[rows], sin[rows])
+                keep = tokens - int(tokens * self.rate)
+                kept = torch.rand(batch, tokens, device=image.device).topk(keep, dim=1).indices.sort(dim=1).values
+                waiting, image = image, image.gather(1, kept[..., None].expand(batch, keep, width))
+                rope = tuple(torch.cat([t[:words].expand(batch, words, t.shape[1]), t[words:][kept]], dim=1)
+                             for t in (cos, sin))
             text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
             if i == self.end:
-                image = waiting.to(image.dtype).index_copy(1, kept, image)
+                image = waiting.to(image.dtype).scatter(1, kept[..., None].expand(image.shape), image)
                 rope = (cos, sin)
-        for block in m.single_transformer_blocks:
-            text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
         return m.proj_out(m.norm_out(image, temb))
 
 
 def variant(name: str, config: dict, example: tuple[tuple, dict], device: str) -> nn.Module:
     model = build(config, device)
-    route = rk.Route.default(len(model.transformer_blocks))
     if name == "vanilla":
         return model
-    if name == "manual":
-        return HandRoutedFlux(model, route.start, route.end, route.rate)
+    if name == "hand-written across stacks":
+        return HandRoutedFlux(model, START, END, RATE)
+    route = rk.Route(start=START, end=END, rate=RATE) if name == "routekit across stacks" else \
+        rk.Route(start="single_transformer_blocks.1", end="single_transformer_blocks.-2", rate=RATE)
     return rk.apply(model, route, example_inputs=example[0], example_kwargs=example[1])
 
 
@@ -111,6 +155,18 @@ def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:
         call(model, args, kwargs).float().pow(2).mean().backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()
+
+
+def host_ms(model: nn.Module, args: tuple, kwargs: dict, calls: int = 200) -> float:
+    """routekit's own Python work per training call: finding the call's program (binding the arguments, checking
+    what the program assumed about the model); the program itself is the model's work."""
+    executor = model._routekit_executor
+    model.train()
+    executor.program(model, args, kwargs)
+    start = time.perf_counter()
+    for _ in range(calls):
+        executor.program(model, args, kwargs)
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def measure(model: nn.Module, args: tuple, kwargs: dict, mode: str, steps: int, warmup: int) -> dict:
@@ -135,43 +191,50 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, mode: str, steps: int, 
     first = time.perf_counter() - start
     timing = time_ms(step, steps, warmup, cuda)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    return {"step_ms": timing["median_ms"], "min_ms": timing["min_ms"], "peak_gib": peak, "first_step_s": first}
+    return {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
+            "peak_gib": peak, "first_step_s": first}
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| mode | variant | step ms | speed-up | vs hand-written | FLOP limit | of the limit | peak GiB |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        group = {r["variant"]: r for r in rows if r["mode"] == mode}
-        base, manual = group.get("vanilla"), group.get("manual")
+    out = ["| batch | mode | variant | median ms | p90 ms | speed-up | of hand-written | FLOP limit | of the limit "
+           "| peak GiB | host ms |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in dict.fromkeys((r["batch"], r["mode"]) for r in rows):
+        group = {r["variant"]: r for r in rows if (r["batch"], r["mode"]) == key}
+        base, hand = group.get("vanilla"), group.get("hand-written across stacks")
         for name, r in group.items():
             speed = base["step_ms"] / r["step_ms"] if base else float("nan")
-            rel = f"{speed / (base['step_ms'] / manual['step_ms']):.3f}" if manual and base and name != "vanilla" else ""
-            out.append(f"| {mode} | {name} | {r['step_ms']:.2f} | {speed:.3f}× | {rel} | {r['flop_limit']:.3f}× | "
-                       f"{speed / r['flop_limit']:.3f} | {r['peak_gib']:.2f} |")
+            rel = f"{hand['step_ms'] / r['step_ms']:.3f}" if hand and name.endswith("across stacks") else ""
+            host = f"{r['host_ms']:.3f} ({r['host_ms'] / r['step_ms']:.2%})" if "host_ms" in r else ""
+            out.append(f"| {key[0]} | {key[1]} | {name} | {r['step_ms']:.1f} | {r['p90_ms']:.1f} | {speed:.3f}× | {rel} "
+                       f"| {r['flop_limit']:.3f}× | {speed / r['flop_limit']:.3f} | {r['peak_gib']:.1f} | {host} |")
     return "\n".join(out) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    with figure(path, figsize=(6, 4)) as (_, ax):
-        for k, name in enumerate(["routekit", "manual"]):
+    keys = list(dict.fromkeys((r["batch"], r["mode"]) for r in rows))
+    with figure(path, figsize=(7, 4)) as (_, ax):
+        for k, name in enumerate(VARIANTS[1:]):
             speeds = []
-            for mode in modes:
-                group = {r["variant"]: r for r in rows if r["mode"] == mode}
+            for key in keys:
+                group = {r["variant"]: r for r in rows if (r["batch"], r["mode"]) == key}
                 speeds.append(group["vanilla"]["step_ms"] / group[name]["step_ms"] if name in group else 0)
-            ax.bar([i + 0.3 * k for i in range(len(modes))], speeds, 0.3, label=name)
-        limit = next(r["flop_limit"] for r in rows if r["variant"] == "routekit")
-        ax.axhline(limit, color="grey", ls="--", label="FLOP limit")
+            ax.bar([i + 0.25 * k for i in range(len(keys))], speeds, 0.25, label=name)
+        for key_index, key in enumerate(keys):
+            limit = next((r["flop_limit"] for r in rows if (r["batch"], r["mode"]) == key
+                          and r["variant"] == "routekit across stacks"), None)
+            if limit:
+                ax.hlines(limit, key_index - 0.15, key_index + 0.65, colors="grey", linestyles="--")
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xticks([i + 0.15 for i in range(len(modes))], modes)
-        ax.set_ylabel("train-step speed-up over vanilla")
+        ax.set_xticks([i + 0.25 for i in range(len(keys))], [f"batch {b}, {m}" for b, m in keys])
+        ax.set_ylabel("train-step speed-up over vanilla (median)")
+        ax.set_title("FLUX, 4 double + 8 single blocks, 4096 + 512 tokens; dashed: FLOP limit across stacks",
+                     fontsize=9)
         ax.legend(fontsize=8)
 
 
 def attention_backends(device: str):
     """Flash or memory-efficient attention on a GPU: torch 2.11's cuDNN attention fails on FLUX's shapes in
-    backward (`mha_graph.execute`), and the three variants must run the same kernels to be compared."""
+    backward (`mha_graph.execute`), and the variants must run the same kernels to be compared."""
     from contextlib import nullcontext
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -182,9 +245,9 @@ def attention_backends(device: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
     p.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "compile"])
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny FLUX, 64 + 8 tokens, eager")
@@ -192,36 +255,40 @@ def main() -> None:
     device = device_or_exit(args.quick)
     config, side, text = (TINY, 8, 8) if args.quick else (FULL, 64, 512)
     if args.quick:
-        args.modes, args.steps, args.warmup = ["eager"], 2, 0
+        args.modes, args.steps, args.warmup, args.batches = ["eager"], 2, 0, [2]
     example = inputs(config, 2, side, text, device)
-    batch_inputs = inputs(config, args.batch, side, text, device, seed=1)
-    rows, flops = [], {}
+    rows, shared = [], {}
+    info = machine()
+    info["attention"] = "SDPA (flash or memory-efficient on a GPU) through AnyRopeAttention in every variant"
+    body = (f"FLUX widths at reduced depth ({config['num_layers']} double + {config['num_single_layers']} single "
+            f"blocks), {side * side} image + {text} text tokens; routes at rate {RATE}: across stacks {START} → {END} "
+            "over the chain, single stack: single block 1 → -2. Median and p90 of each variant's step times; ")
     backends = attention_backends(device)
     backends.__enter__()
-    for name in ("vanilla", "routekit", "manual"):
-        model = variant(name, config, example, device)
-        flops[name] = step_flops(model, *batch_inputs)
-        for mode in args.modes:
-            torch._dynamo.reset()
-            stats = measure(model, *batch_inputs, mode, args.steps, args.warmup)
-            rows.append({"mode": mode, "variant": name, "flop_limit": flops["vanilla"] / flops[name], **stats})
-            print(f"{mode:8s} {name:9s} {stats['step_ms']:8.2f} ms (first step {stats['first_step_s']:.1f} s)",
-                  flush=True)
-        if name == "routekit":
-            plan = rk.report_of(model)
-            shared = plan.placed[0].shared
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    for batch in args.batches:
+        batch_inputs = inputs(config, batch, side, text, device, seed=1)
+        flops = {}
+        for name in VARIANTS:
+            model = variant(name, config, example, device)
+            flops[name] = step_flops(model, *batch_inputs)
+            for mode in args.modes:
+                torch._dynamo.reset()
+                stats = measure(model, *batch_inputs, mode, args.steps, args.warmup)
+                if name.startswith("routekit"):
+                    stats["host_ms"] = host_ms(model, *batch_inputs)
+                    shared[name] = rk.report_of(model).placed[0].shared
+                rows.append({"batch": batch, "mode": mode, "variant": name,
+                             "flop_limit": flops["vanilla"] / flops[name], **stats})
+                print(f"batch {batch} {mode:7s} {name:28s} median {stats['step_ms']:8.2f} ms  p90 "
+                      f"{stats['p90_ms']:8.2f} ms  (first step {stats['first_step_s']:.1f} s)", flush=True)
+                selection = ", ".join(f"{k}: {'one for the batch' if v else 'per sample'}" for k, v in shared.items())
+                write("flux", info, {"rows": rows, "shared": shared}, "FLUX train step at 1024×1024, routed across "
+                      "its two stacks", body + f"routekit's selection ({selection}).\n\n" + table(rows), args.out,
+                      lambda path: plot(rows, path))
+            del model
+            if device == "cuda":
+                torch.cuda.empty_cache()
     backends.__exit__(None, None, None)
-    info = machine()
-    info["attention"] = "flash or memory-efficient SDPA" if device == "cuda" else "default"
-    body = (f"FLUX widths at reduced depth ({config['num_layers']} double + {config['num_single_layers']} single "
-            f"blocks), {side * side} image + {text} text tokens, batch {args.batch}; route "
-            f"{rk.Route.default(config['num_layers'])!r}; routekit shares one selection by the batch: {shared}.\n\n"
-            + table(rows))
-    write("flux", info, {"rows": rows}, "FLUX train step at 1024×1024, routed", body, args.out,
-          lambda path: plot(rows, path))
     print(table(rows))
 
 

@@ -72,10 +72,14 @@ class Assumptions:
 
 
 def _module(root: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return root.get_submodule(path) if path else root
-    except AttributeError:
-        return None
+    """The submodule at `path`, through the module tables themselves (checked before every training call:
+    `get_submodule`'s own checks cost more than the walk)."""
+    module = root
+    for atom in path.split(".") if path else ():
+        module = module.__dict__["_modules"].get(atom)
+        if module is None:
+            return None
+    return module
 
 
 def hooked(module: nn.Module) -> bool:

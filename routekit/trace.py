@@ -21,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import functools
 import inspect
 import math
 import operator
@@ -155,14 +156,20 @@ class Trace:
 
 def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     """Bind a call to a forward's signature (without `self`), defaults applied; InputError if it does not fit."""
-    sig = inspect.signature(forward)
-    sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+    sig = _signature(forward)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as err:
         raise InputError(f"inputs do not fit forward{sig}: {err}") from None
     bound.apply_defaults()
     return bound
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(forward) -> inspect.Signature:
+    """A forward's signature without `self`: read once per function (every training call binds its arguments)."""
+    sig = inspect.signature(forward)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
 _CONSTANT_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format,
