@@ -234,17 +234,6 @@ class RoutedModel(nn.Module):
 
     _routekit_base: type
 
-    def __getattribute__(self, name: str):
-        # the model's own attributes before the class's defaults (diffusers' `_hf_peft_config_loaded = False` on
-        # the class, set True on the model by add_adapter); its forward stays the routed model's
-        state = object.__getattribute__(self, "__dict__")
-        model = state.get("_routekit_model")
-        if model is not None and name not in state and name != "forward":
-            found = model.__dict__.get(name, _OWN)
-            if found is not _OWN and name not in _OWN:
-                return found
-        return object.__getattribute__(self, name)
-
     def __getattr__(self, name: str):
         state = self.__dict__
         for table in ("_parameters", "_buffers", "_modules"):
@@ -302,9 +291,37 @@ _CLASSES: dict[type, type] = {}
 
 def _routed_class(cls: type) -> type:
     if cls not in _CLASSES:
+        shadowed = {name: _model_first(name) for name in _class_values(cls)}
         _CLASSES[cls] = type(f"Routed{cls.__name__}", (RoutedModel, cls), {"_routekit_base": cls,
-                                                                           "__module__": cls.__module__})
+                                                                           "__module__": cls.__module__, **shadowed})
     return _CLASSES[cls]
+
+
+def _class_values(cls: type) -> set[str]:
+    """The plain values a model's classes hold as defaults for their instances (diffusers' `_hf_peft_config_loaded =
+    False`, set True on the model by `add_adapter`): a routed model reads the model's own value first."""
+    names = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        names |= {name for name, value in vars(klass).items() if not name.startswith("__") and name not in _OWN
+                  and not hasattr(value, "__get__") and not isinstance(value, type)}
+    return names
+
+
+def _model_first(name: str) -> property:
+    """The model's own attribute `name`, else its class's default: a property, as an instance attribute would
+    be read before the class's (a property, rather than a `__getattribute__` of the routed model's own, because
+    torch.compile traces through attribute reads)."""
+    def get(self):
+        model = self.__dict__.get("_routekit_model")
+        found = model.__dict__.get(name, _OWN) if model is not None else _OWN
+        return getattr(self._routekit_base, name) if found is _OWN else found
+
+    def put(self, value):
+        setattr(self.__dict__["_routekit_model"], name, value)
+
+    return property(get, put, doc=f"the model's {name}")
 
 
 def _unpickle(base: type, state: dict) -> nn.Module:

@@ -156,7 +156,8 @@ class Trace:
 
 def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     """Bind a call to a forward's signature (without `self`), defaults applied; InputError if it does not fit."""
-    sig = _signature(forward)
+    # under torch.compile the call is bound once, as it is traced (Dynamo traces through a cache wrapper anyway)
+    sig = _without_self(inspect.signature(forward)) if torch.compiler.is_compiling() else _signature(forward)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as err:
@@ -168,7 +169,10 @@ def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments
 @functools.lru_cache(maxsize=256)
 def _signature(forward) -> inspect.Signature:
     """A forward's signature without `self`: read once per function (every training call binds its arguments)."""
-    sig = inspect.signature(forward)
+    return _without_self(inspect.signature(forward))
+
+
+def _without_self(sig: inspect.Signature) -> inspect.Signature:
     return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
