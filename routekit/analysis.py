@@ -32,7 +32,7 @@ from .errors import AnalysisError, RoutekitError
 from .guards import hooked
 from .record import Image, grid_image, image_input, token_offset, tokens_not_from
 from .routing import Gather, Shrink, gather_tokens, is_opaque, keys, route_side
-from .state import fresh
+from .state import fresh, is_compiled
 from .trace import TensorMeta, Trace, bind_arguments, preserved_state, trace
 
 Slot = int | str  # a positional index or a keyword name in a block call
@@ -117,6 +117,7 @@ class BlockInfo:
     body: Trace | None = None  # the block traced alone at the stream's token count, when adds were looked for
     checkpointed: bool = False  # the owner runs it under torch.utils.checkpoint
     stack: int = 0  # which stack of the chain it belongs to
+    compiled: bool = False  # it runs under torch.compile on its own (its token axes are marked static in a route)
 
 
 @dataclass(frozen=True)
@@ -352,7 +353,8 @@ def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int |
         classified = [_side_input(s, a, parameter_names(module), batch, tokens, channels, sequences)
                       for s, a in arguments]
         info = BlockInfo(first + i, node.target, type(module).__name__, node.name, out.name,
-                         tuple(c[0] for c in classified), checkpointed="checkpoint" in node.meta, stack=stack)
+                         tuple(c[0] for c in classified), checkpointed="checkpoint" in node.meta, stack=stack,
+                         compiled=is_compiled(module))
         blocks.append(_joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     return blocks
 

@@ -18,7 +18,7 @@ from torch import nn
 from .analysis import BlockInfo, Slot
 from .errors import ConfigError
 from .plan import Plan
-from .routing import gather_tokens, joined_index, route_side, scatter_tokens
+from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 from .trace import shallow_copy
 
 
@@ -81,7 +81,14 @@ class Hooks:
             value = _get(args, kwargs, side.slot, block)
             if id(value) not in self.gathered:  # once per value and forward, kept alive with it
                 self.gathered[id(value)] = (value, route_side(value, stream, index, cuts, placed.shared))
-            args, kwargs = _put(args, kwargs, side.slot, self.gathered[id(value)][1])
+            cut = self.gathered[id(value)][1]
+            if block.compiled:  # as the rewrite does: each token count compiled static (`routing.static_tokens`)
+                static_tokens(cut, tuple((g.path, g.axes if g.batched or placed.shared else tuple(a + 1 for a in g.axes))
+                                         for g in cuts if isinstance(g, Gather)))
+            args, kwargs = _put(args, kwargs, side.slot, cut)
+        if block.compiled:
+            slot = self.plan.report.stack_of(block.index).stream_slot
+            static_tokens(_get(args, kwargs, slot, block))
         return args, kwargs
 
 
@@ -167,6 +174,11 @@ def _own_copy(module: nn.Module) -> nn.Module:
     for attr, value in module.__dict__.items():
         if "hook" in attr and isinstance(value, dict):
             copy.__dict__[attr] = type(value)(value)
+    compiled = module.__dict__.get("_compiled_call_impl")
+    if compiled is not None:  # `block.compile()`: its compiled call is the module's own, which skips the copy's
+        # hooks; the copy runs its hooks, then that compiled call (with the options the user compiled it with)
+        copy.__dict__["_compiled_call_impl"] = None
+        copy.__dict__["forward"] = compiled
     return copy
 
 

@@ -62,6 +62,9 @@ def format_plan(plan: Any) -> str:
             notes.append(f"output also used by {b.escapes[0].split(' → ')[1]}")
         if b.aux_escapes:
             notes.append(f"per-token side output {b.aux_escapes[0]}")
+        if b.compiled and b.index in routed:
+            notes.append(f"compiled: {r.stack_of(b.index).tokens} and {plan.placed[routed[b.index]].kept_at(b.stack)} "
+                         "tokens, each static")
         if b.adds is not None:
             notes.append(f"{len(b.adds)} residual adds" if b.adds else "residual adds hidden: one DAR source")
         lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 58)}")

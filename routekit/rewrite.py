@@ -35,7 +35,7 @@ from .analysis import BlockInfo, between, slot_value, trace_block, uncast
 from .errors import ConfigError
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
-from .routing import gather_tokens, joined_index, route_side, scatter_tokens
+from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 from .trace import Trace, bind_arguments, call_inputs
 
 _counter = itertools.count()
@@ -106,11 +106,16 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
             args = (stream_in,) if grid_node is None else (stream_in, grid_node)
             index = selected = graph.call_module(f"{STATE}.routes.{k}", args)
             kept = graph.call_function(gather_tokens, (stream_in, index))
-        _set_slot(first, report.stack_of(route.start).stream_slot, kept)
         full, stack = stream_in, blocks[0].stack
         routed: dict[str, fx.Node] = {}  # one call per side input and route, however many blocks read it
         for block in blocks:
             node = by_name[block.node]
+            slot = report.stack_of(block.index).stream_slot
+            if block is blocks[0]:
+                _set_slot(node, slot, kept)
+            if block.compiled:  # a block compiled on its own sees two token counts, each compiled static
+                with graph.inserting_before(node):
+                    _set_slot(node, slot, graph.call_function(static_tokens, (slot_value(node, slot),)))
             if block.stack != stack:  # into the next stack, through the owner's code between them
                 before, this = report.stacks[stack], report.stacks[block.stack]
                 out = by_name[report.blocks[before.first + before.depth - 1].stream_out]
@@ -129,6 +134,10 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                 if key not in routed:
                     with graph.inserting_before(node):
                         routed[key] = graph.call_function(route_side, (value, full, index, cuts, route.shared))
+                        if block.compiled:
+                            axes = tuple((g.path, g.axes if g.batched or route.shared else tuple(a + 1 for a in g.axes))
+                                         for g in cuts if isinstance(g, Gather))
+                            routed[key] = graph.call_function(static_tokens, (routed[key], axes))
                 _set_slot(node, side.slot, routed[key])
         out = by_name[blocks[-1].stream_out]
         with graph.inserting_after(out):

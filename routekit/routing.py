@@ -58,6 +58,21 @@ def _dense_order(x: torch.Tensor) -> list[int] | None:
         return None
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
     return order if x.permute(order).is_contiguous() else None
+def static_tokens(value: Any, axes: tuple[tuple[tuple, tuple[int, ...]], ...] = (((), (1,)),)) -> Any:
+    """`value` with its token axes marked static for torch.compile (`axes`: (path, axes) of each tensor in it): a
+    block compiled on its own meets two token counts, all and the kept ones, and Dynamo would otherwise compile
+    it again for any count (automatic dynamic shapes), slower kernels for both. Outside a compiled region."""
+    if torch.compiler.is_compiling():
+        return value
+    for path, marked in axes:
+        leaf = value
+        for key in path:
+            leaf = leaf[key]
+        if isinstance(leaf, torch.Tensor):
+            torch._dynamo.mark_static(leaf, list(marked))
+    return value
+
+
 def joined_index(index: torch.Tensor, offset: int, inner: int, tokens: int) -> torch.Tensor:
     """A route's kept positions (B, K) of a stack's `inner` tokens, in the next stack's stream of `tokens`, where
     the owner's code put those at `offset` and joined others around them (text in front): the others, all

@@ -34,6 +34,14 @@ def eager():
     return torch.compiler.set_stance("force_eager")
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether a module runs under torch.compile: wrapped (`torch.compile(block)`, `block.compile()`) or with a
+    compiled forward (`@torch.compile` on the class's forward, as the official TREAD DiT block)."""
+    forwards = (type(module).forward, module.__dict__.get("forward"))
+    return (type(module).__name__ == "OptimizedModule" or module.__dict__.get("_compiled_call_impl") is not None
+            or any(hasattr(f, "_torchdynamo_orig_callable") for f in forwards))
+
+
 def unwrap_compiled(model: Any):
     """(the module inside a torch.compile wrapper, a function wrapping another module the same way)."""
     if isinstance(model, nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":

@@ -41,7 +41,7 @@ from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
 from .model import RoutedModel, example_call, report_of, unwrap_compiled
 from .rewrite import STATE
 from .routing import gather_tokens, route_side
-from .state import eager, fresh, training_mode
+from .state import eager, fresh, is_compiled, training_mode
 from .trace import bind_arguments, flatten, preserved_state, trace
 
 
@@ -80,15 +80,8 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
 
 
 def compiled_regions(model: nn.Module) -> list[str]:
-    """The modules of `model` that run under torch.compile: wrapped (`torch.compile(block)`, `block.compile()`)
-    or with a compiled forward (`@torch.compile` on the class's forward, as the official TREAD DiT block)."""
-    found = []
-    for name, module in model.named_modules():
-        forwards = (type(module).forward, module.__dict__.get("forward"))
-        if (type(module).__name__ == "OptimizedModule" or module.__dict__.get("_compiled_call_impl") is not None
-                or any(hasattr(f, "_torchdynamo_orig_callable") for f in forwards)):
-            found.append(name or type(module).__name__)
-    return found
+    """The modules of `model` that run under torch.compile (`state.is_compiled`)."""
+    return [name or type(module).__name__ for name, module in model.named_modules() if is_compiled(module)]
 
 
 def _original(routed: nn.Module) -> nn.Module:

@@ -160,3 +160,28 @@ def test_applied_at_batch_2_compiled_and_trained_at_another_batch(variant: str) 
         eager = losses(routed[1])
     tolerance = 2e-2 if DEVICE == "cuda" else 1e-4  # bf16 autocast on the GPU
     assert compiled == pytest.approx(eager, rel=tolerance), (compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_blocks_compiled_one_by_one_are_compiled_once_per_token_count_and_stay_static(mode):
+    """A DiT whose blocks are compiled on their own (as the official TREAD code ships it) meets two token counts
+    in a route, all and the kept ones: each is compiled once, static (Dynamo's automatic dynamic shapes would
+    compile a slower dynamic kernel for both), and inspect says what a compiled block sees."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10, compile_blocks=True)
+    args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args, mode=mode).train()
+    for _ in range(3):
+        routed(*args).square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 2  # one per token count, for all four blocks
+    assert rk.last_route_mask(routed).sum(1).tolist() == [8, 8]  # routed in boundary mode too (the private copy
+    # of a block.compile()'d block once ran the original's compiled call, which skipped the copy's routing hooks)
+    plan = rk.report_of(routed)
+    assert "compiled: 16 and 8 tokens, each static" in str(plan)
+    rk.verify(model, routed, args)
+    torch._dynamo.reset()
