@@ -185,3 +185,38 @@ def test_blocks_compiled_one_by_one_are_compiled_once_per_token_count_and_stay_s
     assert "compiled: 16 and 8 tokens, each static" in str(plan)
     rk.verify(model, routed, args)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("selector", ["random", "importance", "row", "window", "column"])
+def test_a_routed_step_compiles_to_one_graph_with_no_host_sync_whatever_the_selector(selector):
+    """What CUDA graphs (`mode="reduce-overhead"`) need of a routed step: no read of a tensor's value on the host
+    (it would break the graph, and fullgraph=True refuses a break), the selection drawn inside the graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
+    args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+    routed = rk.apply(model, rk.Route(start=1, end=2, selector=selector), example_inputs=args).train()
+    compiled = torch.compile(routed, fullgraph=True, backend="aot_eager")
+    compiled(*args).square().mean().backward()
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dar", [False, True])
+def test_reduce_overhead_runs_a_routed_and_a_dar_model_under_cuda_graphs(dar):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=4, hidden=64, heads=2, input_size=16, num_classes=10).cuda()
+    args = dit.example_inputs(model, 8, generator=torch.Generator("cuda").manual_seed(1))
+    routed = rk.apply(model, rk.Route(start=1, end=2), residual=rk.DAR(chunk=2) if dar else None,
+                      example_inputs=args).train()
+    compiled = torch.compile(routed, mode="reduce-overhead")
+    masks = []
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(*args).float().square().mean()
+        loss.backward()
+        masks.append(rk.last_route_mask(routed).clone())
+    assert torch.isfinite(loss) and not all(torch.equal(masks[0], m) for m in masks[1:])  # a new draw each step
+    torch._dynamo.reset()
