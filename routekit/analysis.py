@@ -757,16 +757,16 @@ def between(out: fx.Node, into: fx.Node) -> set[fx.Node]:
         if node in seen or node is out:
             continue
         seen.add(node)
-        stack.extend(n for n in node.all_input_nodes if _reaches(out, n))
+        stack.extend(n for n in node.all_input_nodes if descends(n, out))
     return seen
 
 
-def _reaches(out: fx.Node, node: fx.Node) -> bool:
-    """Whether `node` is `out` or computed from it."""
+def descends(node: fx.Node, ancestor: fx.Node) -> bool:
+    """Whether `node` is `ancestor` or computed from it."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
-        if n is out:
+        if n is ancestor:
             return True
         if n not in seen:
             seen.add(n)

@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import dar
-from .analysis import BlockInfo, between, slot_value, trace_block, uncast
+from .analysis import BlockInfo, between, descends, slot_value, trace_block, uncast
 from .errors import ConfigError
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
@@ -312,7 +312,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
             for add_name in adds:
                 add = env[add_name]
                 skip, branch = add.args[0], add.args[1]
-                if not _descends(branch, uncast(skip)):  # the skip may be a cast of the stream (`h.float()`)
+                if not descends(branch, uncast(skip)):  # the skip may be a cast of the stream (`h.float()`)
                     skip, branch = branch, skip
                 with graph.inserting_before(add.next):
                     h = blended(add, aggregate(branch))
@@ -351,19 +351,6 @@ def _body(model: nn.Module, plan: Plan, info: BlockInfo, route: RoutePlan | None
             f"on all {stack.tokens}; its code branches on the token count, so DAR cannot be combined with this route"
         )
     return body, adds
-
-
-def _descends(node: fx.Node, ancestor: fx.Node) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n is ancestor:
-            return True
-        if n.name in seen:
-            continue
-        seen.add(n.name)
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _inline(graph: fx.Graph, call: fx.Node, tr: Trace, qualname: str, forward, constants: dict) -> dict[str, fx.Node]:

@@ -96,19 +96,24 @@ def test_an_eval_that_differs_is_caught(mode, monkeypatch):
         rk.verify(model, routed, args)
 
 
-def test_a_training_graph_that_differs_from_the_original_forward_is_caught(monkeypatch):
-    """A rewrite that changes more than the routes (here: one block's call dropped from the training graph)
-    fails the rate-0 check."""
+def dropping(block: str):
+    """A rewrite that also drops `block`'s call from the training graph: a change verify must catch."""
     original = routekit.rewrite.place_routes
 
-    def dropping_a_block(graph, plan, routes):
+    def place_routes(graph, plan, routes):
         placed = original(graph, plan, routes)
-        call = next(n for n in graph.nodes if n.op == "call_module" and n.target == "blocks.4")
+        call = next(n for n in graph.nodes if n.op == "call_module" and n.target == block)
         call.replace_all_uses_with(call.args[0])
         graph.erase_node(call)
         return placed
 
-    monkeypatch.setattr(routekit.rewrite, "place_routes", dropping_a_block)
+    return place_routes
+
+
+def test_a_training_graph_that_differs_from_the_original_forward_is_caught(monkeypatch):
+    """A rewrite that changes more than the routes (here: one block's call dropped from the training graph)
+    fails the rate-0 check."""
+    monkeypatch.setattr(routekit.rewrite, "place_routes", dropping("blocks.4"))
     model, routed, args = routed_owner()
     with pytest.raises(rk.TrainingChanged, match="rate 0"):
         rk.verify(model, routed, args)
@@ -331,16 +336,7 @@ def test_a_forward_compiled_on_its_class_is_a_compiled_region(monkeypatch):
     model, x = Net(), torch.randn(2, 6, DIM)
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
     assert rk.verify(model, routed, (x,))["compiled"].startswith("blocks.0, blocks.1, blocks.2 ...")
-    original = routekit.rewrite.place_routes
-
-    def dropping_a_block(graph, plan, routes):  # the planted change: block 3 left out of the training graph
-        placed = original(graph, plan, routes)
-        call = next(n for n in graph.nodes if n.op == "call_module" and n.target == "blocks.3")
-        call.replace_all_uses_with(call.args[0])
-        graph.erase_node(call)
-        return placed
-
-    monkeypatch.setattr(routekit.rewrite, "place_routes", dropping_a_block)
+    monkeypatch.setattr(routekit.rewrite, "place_routes", dropping("blocks.3"))  # the planted change
     with pytest.raises(rk.TrainingChanged, match="rate 0"):
         rk.verify(model, rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,)), (x,))
     torch._dynamo.reset()
