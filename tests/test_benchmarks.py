@@ -42,7 +42,8 @@ def labelled(out: Path, name: str, command: str, png: bool = True) -> dict:
 
 
 def test_time_ms_times_each_step_after_the_warmup(monkeypatch):
-    """The median and minimum are of the timed steps alone: warm-up steps (the slow first ones) never count."""
+    """The median, 90th percentile and minimum are of the timed steps alone: warm-up steps (the slow first ones)
+    never count."""
     durations = iter([9.0, 9.0, 0.004, 0.001, 0.003, 0.002, 0.005])  # seconds: two warm-up steps, then five
     clock = [0.0]
     monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
@@ -50,7 +51,8 @@ def test_time_ms_times_each_step_after_the_warmup(monkeypatch):
     def step():
         clock[0] += next(durations)
 
-    assert common.time_ms(step, steps=5, warmup=2, cuda=False) == pytest.approx({"median_ms": 3.0, "min_ms": 1.0})
+    assert common.time_ms(step, steps=5, warmup=2, cuda=False) == pytest.approx(
+        {"median_ms": 3.0, "p90_ms": 5.0, "min_ms": 1.0})
     with pytest.raises(StopIteration):  # exactly 2 + 5 calls were made
         step()
 
