@@ -164,7 +164,7 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         blocks.extend(these)
     decided: dict = {}
     blocks = [resolved(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream, _fewer(stacks[b.stack]),
-                        decided) for b in blocks]
+                       decided) for b in blocks]
     granularity = None
     if residual:
         blocks, granularity = _with_residual_adds(model, blocks, stacks)

@@ -29,7 +29,7 @@ from .values import TensorMeta
 
 
 def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, channels: int,
-                sequences: set[int]) -> tuple[SideInput, tuple[Gather, ...]]:
+               sequences: set[int]) -> tuple[SideInput, tuple[Gather, ...]]:
     """Classify a block input: its tensors by their axes (token axes are those as long as the stream, or as
     the stream joined with another sequence of the block's inputs: `sequences`), its numbers by name. Joint
     tables come back apart, listed as `unordered` until `joint_order` reads their layout off the block."""
@@ -123,7 +123,7 @@ def _ambiguous(side: SideInput, batch: int, tokens: int, channels: int) -> bool:
 
 
 def resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, fewer: int,
-              decided: dict) -> BlockInfo:
+             decided: dict) -> BlockInfo:
     """Settle what the shapes alone leave open by probing the block with `fewer` tokens.
 
     An ambiguous side input (`_ambiguous`) is per-sample if the block runs with it unchanged, per-token if only

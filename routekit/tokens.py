@@ -28,7 +28,7 @@ from .values import TensorMeta
 
 
 def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: list[BlockInfo], stream: TensorMeta,
-                 images: list[Image] | None, call: tuple[tuple, dict] | None) -> dict:
+                images: list[Image] | None, call: tuple[tuple, dict] | None) -> dict:
     """The first stack's grid and special tokens: read off the graph, or measured where it does not show them."""
     nodes, (slot, _) = chains[name]
     batch, tokens, _ = stream.shape
@@ -58,7 +58,7 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
 
 
 def joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous: Stack, stream: TensorMeta,
-                  measure=None) -> dict:
+                 measure=None) -> dict:
     """A later stack's grid and special tokens: the previous stack's tokens sit at `joined_at` in its stream, in
     order; every other token was joined in by the owner (text in front of Flux's single-stream blocks) and is
     special, as are the previous stack's own special tokens."""
