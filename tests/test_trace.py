@@ -1,4 +1,4 @@
-"""Graph-mode tracing (routekit/trace.py): the owner forwards and blocks real models have.
+"""Graph-mode tracing (routekit/trace.py, calls.py, fxcompat.py): the owner forwards and blocks real models have.
 
 Each hand-written model reproduces one kind of forward that tracing refused or got wrong: a decorator
 that fills keyword arguments the caller did not pass (transformers' config defaults), **kwargs, a cache
