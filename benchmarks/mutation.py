@@ -54,7 +54,8 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
     sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 CACHE = Path(os.environ.get("RK_MUTATION_CACHE", Path(tempfile.gettempdir()) / "routekit-mutation"))
-CORE = ("trace", "analysis", "plan", "rewrite", "model", "routing", "selectors", "verify", "dar", "hooks", "record")
+CORE = ("trace", "calls", "fxcompat", "values", "analysis", "graphs", "findings", "sides", "tokens", "probes", "residuals",
+        "plan", "rewrite", "model", "programs", "routing", "selectors", "verify", "dar", "hooks", "record")
 TESTS = ("test_trace", "test_routes", "test_errors", "test_boundary", "test_dar", "test_fuzz", "test_keep",
          "test_positions", "test_selectors", "test_verify", "test_backbones_shared", "test_mutants")
 # functions whose only product is the wording of a message or a repr: mutating them measures no law of the code

@@ -5,7 +5,6 @@
     routed.eval()   # the original forward, bit for bit
 """
 
-from .analysis import GraphReport
 from .config import DAR, Route
 from .errors import (
     AnalysisError,
@@ -19,6 +18,7 @@ from .errors import (
     TrainingChanged,
     VerificationError,
 )
+from .findings import GraphReport
 from .inspection import inspect
 from .model import FallbackWarning, RoutedModel, apply, force_keep, last_route_mask, report_of, strip
 from .plan import Plan

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .analysis import BlockInfo, Slot
 from .errors import ConfigError
+from .findings import BlockInfo
+from .graphs import Slot
 from .plan import Plan
 from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
-from .trace import shallow_copy
+from .state import shallow_copy
 
 
 class Hooks:

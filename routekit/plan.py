@@ -19,15 +19,18 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import GraphReport, block_runs, find_timestep_embedding, parameter_names, run_block, without_residual
 from .config import DAR, Route
 from .errors import ConfigError
+from .findings import GraphReport
+from .probes import block_runs, run_block
 from .report import draw_plan, format_plan
+from .residuals import find_timestep_embedding, without_residual
 from .routing import Shrink, select_tokens
 from .selectors import needs_grid, selector
+from .sides import parameter_names
 
 if TYPE_CHECKING:
-    from .analysis import BlockInfo
+    from .findings import BlockInfo
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class RoutePlan:
         return self.kept_in[self.stacks.index(stack)] if self.kept_in else self.kept
 
     def cuts(self, side, stack: int | None = None) -> tuple:
-        """What this route changes in a block's side input (an `analysis.SideInput`) in `stack` (its first by
+        """What this route changes in a block's side input (a `findings.SideInput`) in `stack` (its first by
         default): its token-carrying tensors (gathered) and the grid sizes the selector shrinks; () where it
         passes unchanged."""
         fixed = self.fixed_in[self.stacks.index(stack)] if stack is not None and self.fixed_in else len(self.keep)

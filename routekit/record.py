@@ -25,9 +25,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .calls import CallSpec
 from .errors import InputError
-from .state import fresh, training_mode
-from .trace import CallSpec, Trace, container_members, describe, flatten, preserved_state, user_location
+from .state import fresh, preserved_state, training_mode
+from .trace import Trace, container_members, user_location
+from .values import describe, flatten
 
 
 @dataclass(frozen=True)

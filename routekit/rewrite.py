@@ -31,12 +31,16 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import dar
-from .analysis import BlockInfo, between, descends, slot_value, trace_block, uncast
+from .calls import bind_arguments, call_inputs
 from .errors import ConfigError
+from .findings import BlockInfo
+from .graphs import between, descends, slot_value
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
+from .probes import trace_block
+from .residuals import uncast
 from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
-from .trace import Trace, bind_arguments, call_inputs
+from .trace import Trace
 
 _counter = itertools.count()
 STATE = "routekit"  # the one submodule routekit adds to a model: route selectors and DAR's parameters

@@ -108,3 +108,31 @@ def _tensors_in(obj: Any, depth: int = 0, seen: set | None = None):
     elif hasattr(obj, "__dict__") and not _immutable(obj):
         for v in vars(obj).values():
             yield from _tensors_in(v, depth + 1, seen)
+
+
+def shallow_copy(model: nn.Module, cls: type | None = None) -> nn.Module:
+    """A module sharing `model`'s submodules, parameters and buffers, with its own attribute dict.
+
+    Tracing writes constants onto its root, and routekit adds its own submodules: neither may touch
+    the user's model.
+    """
+    copy = (cls or type(model)).__new__(cls or type(model))
+    copy.__dict__.update(model.__dict__)
+    # its own submodule table; the parameter and buffer tables are the model's, so a dtype or device move
+    # of either moves both (the tensors are shared: the tables must be too)
+    copy.__dict__["_modules"] = type(model.__dict__["_modules"])(model.__dict__["_modules"])
+    return copy
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, tensors: list[torch.Tensor]):
+    """Run without lasting side effects: RNG streams and buffers (e.g. BatchNorm statistics) restored."""
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            yield
+        finally:
+            for name, b in model.named_buffers():
+                if name in saved and b.shape == saved[name].shape:
+                    b.copy_(saved[name])

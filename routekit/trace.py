@@ -8,25 +8,20 @@ the file and line. The members of every ModuleList/Sequential are leaves, so blo
 traced become leaves automatically, and the trace reports which.
 
 Real forwards are traced as they run: the call is made as the caller made it; tensors inside tuple,
-list and dict arguments are graph inputs like top-level ones (`call_inputs` gives them in order);
+list and dict arguments are graph inputs like top-level ones (calls.py maps a call onto them);
 an object fx cannot hold (a generation cache) is a graph input when passed in, and, when the forward
 makes it, a fresh copy on every run of the graph; item assignment into a tensor is recorded in place.
 The private parts of torch.fx this needs (its tracing flag, its nn.Module patches) are detected, with
-a fallback each, so a torch release that moves one does not silently turn graph mode off.
+a fallback each (fxcompat.py), so a torch release that moves one does not silently turn graph mode off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-import enum
-import functools
 import inspect
 import math
 import operator
 import os
-import re
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -38,102 +33,15 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 
-from .errors import InputError, TraceError
+from .calls import CallSpec, Input, as_called, bind_arguments, call_inputs, call_spec, is_constant
+from .errors import TraceError
+from .fxcompat import not_fx_tracing, patches_reverted
 from .guards import Assumptions, Recorder, hooked
+from .state import preserved_state, shallow_copy
+from .values import TensorMeta, describe
 
 _ROUTEKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of a traced tensor; the analysis needs nothing more."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def __repr__(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')}[{', '.join(map(str, self.shape))}]"
-
-
-def describe(value: Any) -> Any:
-    """Replace tensors by TensorMeta inside any structure, to keep metadata without the memory.
-
-    A dataclass pytree does not know (fx builds such outputs in the graph) becomes the tuple of its fields.
-    """
-
-    def leaf(v):
-        if isinstance(v, torch.Tensor):
-            return TensorMeta(tuple(v.shape), v.dtype)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return tuple(describe(getattr(v, f.name)) for f in dataclasses.fields(v))
-        return v
-
-    return pytree.tree_map(leaf, value)
-
-
-def flatten(value: Any) -> tuple[list, list]:
-    """Leaves and structure of a value, descending into dataclasses that pytree does not know."""
-    leaves, spec = pytree.tree_flatten(value)
-    flat, structure = [], [spec]
-    for v in leaves:
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            inner, inner_structure = flatten({f.name: getattr(v, f.name) for f in dataclasses.fields(v)})
-            flat.extend(inner)
-            structure.append((type(v), inner_structure))
-        else:
-            flat.append(v)
-    return flat, structure
-
-
-@dataclass(frozen=True)
-class Input:
-    """One graph input (placeholder): where it sits in a call and what it is.
-
-    `argument` is the argument's name (an entry of *args or **kwargs goes by its own name, see `_flat_arguments`),
-    `path` the pytree key path of the value inside it (() for the argument itself), `kind` torch.Tensor or the
-    class of an object the graph takes as an input (a cache, see `_is_constant`).
-    """
-
-    name: str
-    argument: str
-    path: tuple = ()
-    kind: type = torch.Tensor
-
-
-@dataclass
-class CallSpec:
-    """How a call's arguments map onto a traced graph.
-
-    Graph inputs (placeholders, in signature order) are the call's tensors, at the top level or inside
-    tuples, lists and dicts (every pytree container), and the objects a graph cannot hold as constants
-    (a cache, whose state the graph must read and update at run time). Everything else is a constant the
-    graph was specialised to: `constants` holds it per argument, a container with its `Input`s in place
-    of the inputs, so the key that selects a graph includes every container's structure.
-    """
-
-    inputs: tuple[Input, ...]
-    constants: dict[str, Any]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(i.name for i in self.inputs)
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]:
-        """The placeholder names under model.py's current name for them; goes once model.py calls `call_inputs`."""
-        return self.names
-
-    def key(self) -> tuple:
-        return self.inputs, tuple((k, _hashable(v)) for k, v in sorted(self.constants.items()))
-
-
-def _hashable(v: Any) -> Any:
-    try:
-        hash(v)
-        return v
-    except TypeError:
-        return repr(v)
 
 
 @dataclass
@@ -152,138 +60,6 @@ class Trace:
     specialised: list[str] = field(default_factory=list)
     training: bool = True
     assumed: Assumptions = field(default_factory=Assumptions)  # what the graph took as given: see guards.py
-
-
-def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    """Bind a call to a forward's signature (without `self`), defaults applied; InputError if it does not fit."""
-    # under torch.compile the call is bound once, as it is traced (Dynamo traces through a cache wrapper anyway)
-    sig = _without_self(inspect.signature(forward)) if torch.compiler.is_compiling() else _signature(forward)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError as err:
-        raise InputError(f"inputs do not fit forward{sig}: {err}") from None
-    bound.apply_defaults()
-    return bound
-
-
-@functools.lru_cache(maxsize=256)
-def _signature(forward) -> inspect.Signature:
-    """A forward's signature without `self`: read once per function (every training call binds its arguments)."""
-    return _without_self(inspect.signature(forward))
-
-
-def _without_self(sig: inspect.Signature) -> inspect.Signature:
-    return sig.replace(parameters=list(sig.parameters.values())[1:])
-
-
-_CONSTANT_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format,
-                   torch.Size, torch.Generator, slice, range, enum.Enum, type, nn.Module)
-
-
-def _is_constant(value: Any) -> bool:
-    """A value a graph can be specialised to: immutable, or compared by value, or code (a function, a module).
-
-    Anything else that is not a tensor (a cache, a mutable config object) is hashed by identity or not at
-    all: it may change between calls, so it is a graph input and what the forward does with it is recorded.
-    """
-    if value is None or value is Ellipsis or isinstance(value, _CONSTANT_TYPES) or callable(value):
-        return True
-    return type(value).__hash__ not in (None, object.__hash__)
-
-
-def call_spec(bound: inspect.BoundArguments) -> CallSpec:
-    """The inputs and constants of a bound call (`bind_arguments`); InputError for an fx Node among them."""
-    inputs, constants, taken = [], {}, {name for name, _, _ in _flat_arguments(bound)}
-    for name, value, param in _flat_arguments(bound):
-        if param is not None and value is param.default:  # not passed: the forward uses its default itself
-            constants[name] = value
-            continue
-        leaves, treespec = pytree.tree_flatten_with_path(value, is_leaf=_keyless)
-        marked = []
-        for path, leaf in leaves:
-            if isinstance(leaf, fx.Node):
-                raise InputError(
-                    f"argument {name!r} holds the fx node {leaf.name!r} at {pytree.keystr(path) or 'its top level'}; "
-                    "trace takes concrete values (tensors, or objects), not the nodes of another graph"
-                )
-            if isinstance(leaf, torch.Tensor) or not _is_constant(leaf):
-                leaf = Input(_unique(_leaf_name(name, path), taken) if path else name, name, tuple(path),
-                             torch.Tensor if isinstance(leaf, torch.Tensor) else type(leaf))
-                inputs.append(leaf)
-            marked.append(leaf)
-        if not (len(leaves) == 1 and not leaves[0][0] and isinstance(marked[0], Input)):  # not one input itself
-            constants[name] = pytree.tree_unflatten(marked, treespec)
-    return CallSpec(tuple(inputs), constants)
-
-
-def _keyless(value: Any) -> bool:
-    """A type registered with pytree without key paths (`register_pytree_node` with no flatten_with_keys_fn):
-    its parts cannot be named or fetched, so the object is taken whole, as an object that is not registered is."""
-    node = pytree.SUPPORTED_NODES.get(type(value))
-    return node is not None and node.flatten_with_keys_fn is None
-
-
-def call_inputs(bound: inspect.BoundArguments, spec: CallSpec, step=None) -> list[Any]:
-    """The values of a call's graph inputs, in placeholder order: what a graph traced with `spec` is called with.
-
-    `bound` is the call bound by `bind_arguments`, and must have `spec`'s key (`call_spec(bound).key()`).
-    `step(value, key)` takes one key of an input's path into its argument (default: the key's own lookup);
-    a graph rewrite passes one that reads an item of a container node.
-    """
-    arguments = {name: value for name, value, _ in _flat_arguments(bound)}
-    values = []
-    for inp in spec.inputs:
-        value = arguments[inp.argument]
-        for key in inp.path:
-            value = key.get(value) if step is None else step(value, key)
-        values.append(value)
-    return values
-
-
-def _leaf_name(argument: str, path) -> str:
-    """A placeholder name for a value inside an argument: `image_rotary_emb_0`, `added_cond_kwargs_resolution`."""
-    parts = [argument]
-    for key in path:
-        part = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
-        parts.append(re.sub(r"\W", "_", str(part)))
-    return "_".join(parts)
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, n = name, 1
-    while candidate in taken:
-        candidate, n = f"{name}_{n}", n + 1
-    taken.add(candidate)
-    return candidate
-
-
-def _flat_arguments(bound: inspect.BoundArguments):
-    """(name, value, parameter) per argument; *args and **kwargs entries are spread out under their own names,
-    with parameter None (they have no default)."""
-    for name, param in bound.signature.parameters.items():
-        if name not in bound.arguments:
-            continue
-        value = bound.arguments[name]
-        if param.kind is inspect.Parameter.VAR_POSITIONAL:
-            yield from ((f"{name}_{i}", v, None) for i, v in enumerate(value))
-        elif param.kind is inspect.Parameter.VAR_KEYWORD:
-            yield from ((k, v, None) for k, v in value.items())
-        else:
-            yield name, value, param
-
-
-def _as_called(signature: inspect.Signature, args: tuple, kwargs: dict, values: dict[str, Any]) -> tuple[tuple, dict]:
-    """The call as it was made (positional arguments positional, keywords by keyword, defaults left to the
-    forward), with the arguments in `values` (by flat name) replaced. A forward's decorators may tell a passed
-    argument from a default (transformers fills `use_cache` from the config only when it was not passed), so
-    the trace must not pass what the caller did not."""
-    params = list(signature.parameters.values())
-    positional = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    star = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
-    names = [positional[i] if i < len(positional) else f"{star}_{i - len(positional)}" for i in range(len(args))]
-    return (tuple(values.get(n, v) for n, v in zip(names, args)),
-            {k: values.get(k, v) for k, v in kwargs.items()})
 
 
 def container_members(model: nn.Module) -> set[str]:
@@ -448,7 +224,7 @@ class _Tracer(fx.Tracer):
                 values[name] = pytree.tree_map(lambda v: proxies[v] if isinstance(v, Input) else v, structure)
 
         def flat_forward(root, *_placeholders):
-            args, kwargs = _as_called(self.bound.signature, *self.call, values)
+            args, kwargs = as_called(self.bound.signature, *self.call, values)
             out = root_fn(root, *args, **kwargs)
             leaves, self.out_spec = pytree.tree_flatten(out)
             return tuple(leaves)
@@ -460,7 +236,7 @@ class _Tracer(fx.Tracer):
         if kind == "placeholder":
             node.meta["value"] = self.inputs[target]
         elif kind != "output":
-            with _patches_reverted(), _not_fx_tracing(), self.recorder.paused():  # run the real modules
+            with patches_reverted(), not_fx_tracing(), self.recorder.paused():  # run the real modules
                 node.meta["value"] = self._run(node)
         return node
 
@@ -474,7 +250,7 @@ class _Tracer(fx.Tracer):
     def _object_node(self, obj: Any) -> fx.Node:
         """The node standing for an object a forward passes to a module or function (or returns).
 
-        An attribute of the model is read from it (get_attr). A value-like object (see `_is_constant`), or a
+        An attribute of the model is read from it (get_attr). A value-like object (see `is_constant`), or a
         parameter's default, is a constant: the same object on every run. An object the forward made (a
         generation cache built in the forward) must be new on every run, as in eager: the graph deep-copies
         its state at first use, once per run, and every use in the run shares that copy. Objects passed in
@@ -486,7 +262,7 @@ class _Tracer(fx.Tracer):
         name = f"_routekit_object_{len(self.objects)}"
         if path is not None:
             node = self.create_node("get_attr", path, (), {})
-        elif _is_constant(obj) or any(obj is v for v in self.spec.constants.values()):  # e.g. a default
+        elif is_constant(obj) or any(obj is v for v in self.spec.constants.values()):  # e.g. a default
             setattr(self.root, name, obj)
             node = self.create_node("get_attr", name, (), {})
         else:
@@ -594,101 +370,11 @@ def _snapshot(obj: Any) -> Any:
     return snapshot
 
 
-def _fx_flag_switch():
-    """How to clear torch.fx's "symbolic tracing" flag while concrete values run.
-
-    Under the flag a torch.compile'd module refuses to run ("Detected that you are using FX to symbolically
-    trace a dynamo-optimized function") and ProxyableClassMeta classes build proxies. torch keeps the flag
-    privately and has moved it (a module global up to 2.13, a thread-local behind `_is_fx_tracing_context`
-    from 2.14), so each is detected, never assumed. Where neither exists, Dynamo's own switch for nested
-    compiles (`force_compile_during_fx_trace`) lets compiled modules run under the flag.
-    """
-    fx_trace = torch.fx._symbolic_trace
-    if callable(getattr(fx_trace, "_is_fx_tracing_context", None)):
-        return "thread-local", lambda: fx_trace._is_fx_tracing_context(False)
-    if isinstance(getattr(fx_trace, "_is_fx_tracing_flag", None), bool):
-        return "module-global", lambda: _module_flag_cleared(fx_trace)
-    return "dynamo-config", _dynamo_compiles_under_fx
-
-
-@contextlib.contextmanager
-def _module_flag_cleared(fx_trace):
-    flag = fx_trace._is_fx_tracing_flag
-    fx_trace._is_fx_tracing_flag = False
-    try:
-        yield
-    finally:
-        fx_trace._is_fx_tracing_flag = flag
-
-
-def _dynamo_compiles_under_fx():
-    import torch._dynamo
-
-    return torch._dynamo.config.patch(force_compile_during_fx_trace=True, error_on_nested_fx_trace=False)
-
-
-_FX_FLAG_SWITCH, _not_fx_tracing = _fx_flag_switch()
-
-# nn.Module's own methods, captured at import (before any trace patches them), for `_modules_restored`
-_MODULE_METHODS = {name: vars(nn.Module)[name] for name in ("__call__", "__getattr__")}
-
-
-def _patch_reverter():
-    """How to run real modules while fx's tracer has patched nn.Module (its `__call__` records a call
-    instead of running it): torch's private `_maybe_revert_all_patches` where it exists (it also undoes
-    the tracer's other patches), else nn.Module's own methods put back for the while."""
-    revert = getattr(torch.fx._symbolic_trace, "_maybe_revert_all_patches", None)
-    return revert if callable(revert) else _modules_restored
-
-
-@contextlib.contextmanager
-def _modules_restored():
-    patched = {name: vars(nn.Module)[name] for name in _MODULE_METHODS}
-    for name, method in _MODULE_METHODS.items():
-        setattr(nn.Module, name, method)
-    try:
-        yield
-    finally:
-        for name, method in patched.items():
-            setattr(nn.Module, name, method)
-
-
-_patches_reverted = _patch_reverter()
-
-
 def _fetch(root: nn.Module, target: str) -> Any:
     obj = root
     for atom in target.split("."):
         obj = getattr(obj, atom)
     return obj
-
-
-def shallow_copy(model: nn.Module, cls: type | None = None) -> nn.Module:
-    """A module sharing `model`'s submodules, parameters and buffers, with its own attribute dict.
-
-    Tracing writes constants onto its root, and routekit adds its own submodules: neither may touch
-    the user's model.
-    """
-    copy = (cls or type(model)).__new__(cls or type(model))
-    copy.__dict__.update(model.__dict__)
-    # its own submodule table; the parameter and buffer tables are the model's, so a dtype or device move
-    # of either moves both (the tensors are shared: the tables must be too)
-    copy.__dict__["_modules"] = type(model.__dict__["_modules"])(model.__dict__["_modules"])
-    return copy
-
-
-@contextlib.contextmanager
-def preserved_state(model: nn.Module, tensors: list[torch.Tensor]):
-    """Run without lasting side effects: RNG streams and buffers (e.g. BatchNorm statistics) restored."""
-    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        try:
-            yield
-        finally:
-            for name, b in model.named_buffers():
-                if name in saved and b.shape == saved[name].shape:
-                    b.copy_(saved[name])
 
 
 def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,

@@ -35,14 +35,16 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
-from .analysis import parameter_names
+from .calls import bind_arguments
 from .config import Route
 from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
 from .model import RoutedModel, example_call, report_of, unwrap_compiled
 from .rewrite import STATE
 from .routing import gather_tokens, route_side
-from .state import eager, fresh, is_compiled, training_mode
-from .trace import bind_arguments, flatten, preserved_state, trace
+from .sides import parameter_names
+from .state import eager, fresh, is_compiled, preserved_state, training_mode
+from .trace import trace
+from .values import flatten
 
 
 def graph_lines(graph: fx.Graph) -> list[str]:

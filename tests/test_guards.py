@@ -17,7 +17,7 @@ from torch import nn
 
 import routekit as rk
 import routekit.guards
-from routekit.model import Programs
+from routekit.programs import Programs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

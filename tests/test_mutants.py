@@ -17,14 +17,17 @@ from torch import nn
 
 import routekit as rk
 from routekit import dar as rk_dar
-from routekit.analysis import _grid_axis, _token_axes, find_residual_adds
+from routekit.calls import bind_arguments, call_spec
 from routekit.errors import ConfigError, InferenceChanged, InputError, SelectorError
 from routekit.kernels import naive
 from routekit.model import observe
 from routekit.plan import checked_grid, make_plan
+from routekit.residuals import find_residual_adds
 from routekit.routing import gather_tokens, select_tokens, with_forced
 from routekit.selectors import checked, get_selector, importance, keeps_rows, selector
-from routekit.trace import TensorMeta, bind_arguments, call_spec, trace
+from routekit.sides import _grid_axis, _token_axes
+from routekit.trace import trace
+from routekit.values import TensorMeta
 from routekit.verify import _compare
 
 pytestmark = pytest.mark.usefixtures("one_thread")

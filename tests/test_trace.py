@@ -1,4 +1,4 @@
-"""Graph-mode tracing (routekit/trace.py): the owner forwards and blocks real models have.
+"""Graph-mode tracing (routekit/trace.py, calls.py, fxcompat.py): the owner forwards and blocks real models have.
 
 Each hand-written model reproduces one kind of forward that tracing refused or got wrong: a decorator
 that fills keyword arguments the caller did not pass (transformers' config defaults), **kwargs, a cache
@@ -31,19 +31,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+import routekit.fxcompat as fxcompat
 import routekit.trace as rt
+from routekit.calls import Input, bind_arguments, call_inputs, call_spec
 from routekit.errors import InputError, TraceError
-from routekit.trace import (
-    Input,
-    Trace,
-    bind_arguments,
-    call_inputs,
-    call_spec,
-    container_members,
-    flatten,
-    shallow_copy,
-    trace,
-)
+from routekit.state import shallow_copy
+from routekit.trace import Trace, container_members, trace
+from routekit.values import flatten
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -610,7 +604,7 @@ def test_a_compiled_block_runs_inside_an_owner_on_this_torch() -> None:
 
 
 def test_the_dynamo_switch_runs_a_compiled_block_where_torch_has_no_flag_routekit_knows(monkeypatch) -> None:
-    monkeypatch.setattr(rt, "_not_fx_tracing", rt._dynamo_compiles_under_fx)
+    monkeypatch.setattr(rt, "not_fx_tracing", fxcompat._dynamo_compiles_under_fx)
     model = compiled_stack()
     tr = assert_replays(model, lambda s: ((randn(s, 2, 5, DIM),), {}))
     assert block_calls(tr, model) == ["blocks.0", "blocks.1", "blocks.2"]
@@ -618,7 +612,7 @@ def test_the_dynamo_switch_runs_a_compiled_block_where_torch_has_no_flag_routeki
 
 def test_a_compiled_block_fails_unless_the_flag_is_switched(monkeypatch) -> None:
     """The two tests above would pass vacuously if a compiled block ran under the flag anyway."""
-    monkeypatch.setattr(rt, "_not_fx_tracing", contextlib.nullcontext)
+    monkeypatch.setattr(rt, "not_fx_tracing", contextlib.nullcontext)
     with pytest.raises(TraceError, match="dynamo-optimized"):
         trace(compiled_stack(), (randn(0, 2, 5, DIM),))
 
@@ -643,7 +637,7 @@ class NestedStack(Stack):
 @pytest.mark.parametrize("reverter", ["detected", "nn.Module's own methods"])
 def test_leaves_run_as_real_modules_while_fx_has_patched_nn_module(monkeypatch, reverter: str) -> None:
     if reverter != "detected":
-        monkeypatch.setattr(rt, "_patches_reverted", rt._modules_restored)
+        monkeypatch.setattr(rt, "patches_reverted", fxcompat._modules_restored)
     model = NestedStack()
     tr = assert_replays(model, lambda s: ((randn(s, 2, 5, DIM),), {}))
     assert [n.target for n in tr.graph.nodes if n.op == "call_module"] == ["blocks.0", "blocks.1"]
@@ -651,13 +645,13 @@ def test_leaves_run_as_real_modules_while_fx_has_patched_nn_module(monkeypatch, 
 
 def test_leaves_recorded_instead_of_run_fail(monkeypatch) -> None:
     """The test above would pass vacuously if leaves ran without undoing fx's patches."""
-    monkeypatch.setattr(rt, "_patches_reverted", contextlib.nullcontext)
+    monkeypatch.setattr(rt, "patches_reverted", contextlib.nullcontext)
     with pytest.raises(TraceError, match="RecursionError"):  # the leaf's call records itself, forever
         trace(NestedStack(), (randn(0, 2, 5, DIM),))
 
 
 def test_leaves_run_with_the_tracing_flag_cleared_on_this_torch() -> None:
-    if rt._FX_FLAG_SWITCH == "dynamo-config":
+    if fxcompat.FX_FLAG_SWITCH == "dynamo-config":
         pytest.skip("this torch keeps no tracing flag routekit knows; the Dynamo switch is tested above")
     seen = []
 

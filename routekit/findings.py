@@ -1,0 +1,137 @@
+"""What analysis finds, as frozen records: a model's stacks, blocks, their side inputs, the whole report.
+
+`analyse` (analysis.py) makes a `GraphReport`; the plan, the rewrite, the hooks and `inspect` read it. The
+records sit in a module of their own, below every part of the analysis that fills them in, so each part
+(side inputs, tokens, residual adds) can name them without importing the analysis that calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.utils._pytree as pytree
+
+from .graphs import Slot
+from .routing import Gather
+from .trace import Trace
+from .values import TensorMeta
+
+
+@dataclass(frozen=True)
+class SideInput:
+    """A block input other than the stream, and how a route must change it.
+
+    `meta` is what it holds (tensors as TensorMeta, inside any tuple/list/dict); `tokens` the tensors in it
+    that carry the stream's tokens (gathered with a route's indices, wherever their token axes are, with or
+    without a batch axis); `grid` the numbers in it that are the token grid's sizes, as (path, grid axis)
+    (height and width handed to a block that reshapes its tokens to the grid).
+    """
+
+    slot: Slot
+    node: str | None  # the node feeding it whole (None for a constant or a container of nodes)
+    meta: Any
+    tokens: tuple[Gather, ...] = ()
+    grid: tuple[tuple[tuple, int], ...] = ()
+    unordered: tuple[tuple, ...] = ()  # joint tables whose layout (other tokens first or last) the block hides
+    collided: tuple[tuple, ...] = ()  # tensors whose last axis is as long as the stream: tokens or features, untold
+    sealed: tuple[tuple, ...] = ()  # objects a route does not look into (see `is_opaque`) that hold per-token tensors
+
+    @property
+    def kind(self) -> str:
+        if self.tokens:
+            return "per-token"
+        if self.grid:
+            return "grid"
+        return "per-sample" if any(isinstance(v, TensorMeta) for v in pytree.tree_leaves(self.meta)) else "constant"
+
+    def describe(self) -> str:
+        """One line, whatever it holds: tensors as dtype[shape], containers by their entries, an object (a cache)
+        by its class, long values cut."""
+        plain = (TensorMeta, tuple, list, dict, int, float, bool, str, type(None))
+        meta = self.meta
+        text = repr(meta) if isinstance(meta, plain) else type(meta).__name__
+        return text if len(text) <= 72 else text[:69] + "..."
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One container of blocks the stream passes through. A model may chain several: Flux runs its double-stream
+    blocks on the image tokens, then its single-stream blocks, where the owner (or the block) joins the text in
+    front. Routes count blocks over the whole chain, and carry their kept tokens across the joins."""
+
+    name: str
+    first: int  # the chain index of its first block
+    depth: int
+    stream_slot: Slot
+    stream_out_index: int | None
+    stream: TensorMeta
+    grid: tuple[int, ...] | None
+    grid_node: str | None  # the node (graph mode) or module (boundary mode) the grid was read off
+    special: tuple[int, ...]  # tokens not made from the image (text, register, class tokens): routes keep them
+    unknown_special: str | None = None  # why the special tokens could not be told (a route must be given `keep`)
+    joined_at: int | None = None  # where the previous stack's tokens sit in this one's stream (None: the first)
+
+    @property
+    def tokens(self) -> int:
+        return self.stream.shape[1]
+
+    @property
+    def blocks(self) -> range:
+        return range(self.first, self.first + self.depth)
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """One block of the chain, as its call appears in the graph."""
+
+    index: int
+    qualname: str
+    cls: str
+    node: str  # the call_module node
+    stream_out: str  # the node carrying the block's stream output (the call itself or a getitem of it)
+    side_inputs: tuple[SideInput, ...] = ()
+    escapes: tuple[str, ...] = ()  # the stream output used besides the next block: "out → user"
+    aux_escapes: tuple[str, ...] = ()  # other per-token outputs used anywhere
+    adds: tuple[str, ...] | None = None  # residual adds in `body` (None: not looked for; (): hidden)
+    body: Trace | None = None  # the block traced alone at the stream's token count, when adds were looked for
+    checkpointed: bool = False  # the owner runs it under torch.utils.checkpoint
+    stack: int = 0  # which stack of the chain it belongs to
+    compiled: bool = False  # it runs under torch.compile on its own (its token axes are marked static in a route)
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    """What routekit found in a model. `inspect` prints it (with a plan) and draws it. Its stream, grid and
+    special tokens are the first stack's; `stacks` has each stack's own."""
+
+    model: str
+    mode: Literal["graph", "boundary"]
+    stacks: tuple[Stack, ...]
+    blocks: tuple[BlockInfo, ...]
+    candidates: dict[str, int]
+    leafed: dict[str, str]
+    specialised: tuple[str, ...]
+    requested: str | None = None  # the stack= the analysis was asked for (None: the chain it found)
+    fallback: str | None = None  # why the owner forward was not traced (boundary mode)
+    residual: str | None = None  # "sublayer", "block" or "mixed" granularity of the adds, or why unknown
+
+    @property
+    def stack(self) -> str:
+        """The stack's name, or the chain's: "transformer_blocks → single_transformer_blocks"."""
+        return " → ".join(s.name for s in self.stacks)
+
+    @property
+    def depth(self) -> int:
+        return len(self.blocks)
+
+    def stack_of(self, block: int) -> Stack:
+        return self.stacks[self.blocks[block].stack]
+
+    def __getattr__(self, name: str):  # stream_slot, stream, tokens, grid, special, ...: the first stack's
+        if name.startswith("__") or name == "stacks":
+            raise AttributeError(name)
+        return getattr(self.stacks[0], name)
+
+    def block_listing(self) -> str:
+        return ", ".join(f"{b.index}: {b.qualname}" for b in self.blocks)

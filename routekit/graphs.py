@@ -1,0 +1,81 @@
+"""Reading a torch.fx graph as data flow: the helpers every part of the analysis and the rewrite share.
+
+An fx graph lists nodes in execution order; what routekit asks of it is which values are computed from
+which (`to_networkx`, `descends`, `between`) and which argument of a call a value feeds (`slots`). They sit
+apart from the analysis so that its parts (side inputs, tokens, residual adds) and the rewrite can all read
+graphs the same way without importing one another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+Slot = int | str  # a positional index or a keyword name in a block call
+
+
+def to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """Data-flow graph: an edge from every input node to the node that uses its value. A read of a tensor's
+    shape is no use of its values (`head_dim = key.shape[-1] // heads` does not make what it reshapes depend on
+    `key`): such a read has no edge from the tensor."""
+    g = nx.DiGraph()
+    for order, node in enumerate(graph.nodes):
+        g.add_node(node.name, op=node.op, target=str(node.target), order=order)
+        shape_read = is_shape_read(node)
+        for inp in node.all_input_nodes:
+            if not (shape_read and inp is node.args[0]):
+                g.add_edge(inp.name, node.name)
+    return g
+
+
+_SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})
+_SHAPE_METHODS = frozenset({"size", "dim", "numel", "ndimension", "get_device", "nelement"})
+
+
+def is_shape_read(node: fx.Node) -> bool:
+    """`x.shape`, `x.size()`, `x.dim()`, `x.numel()`, `x.dtype`...: a node reading what a tensor is, not its values."""
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return node.args[1] in _SHAPE_ATTRS
+    return node.op == "call_method" and node.target in _SHAPE_METHODS
+
+
+def slots(node: fx.Node):
+    """(slot, argument) of every argument of a call."""
+    yield from enumerate(node.args)
+    yield from node.kwargs.items()
+
+
+def slot_value(node: fx.Node, slot: Slot) -> Any:
+    return node.args[slot] if isinstance(slot, int) else node.kwargs[slot]
+
+
+CATS = {torch.cat, torch.concat, torch.concatenate}  # the ops that join tensors along an axis
+
+
+def between(out: fx.Node, into: fx.Node) -> set[fx.Node]:
+    """The nodes on the owner's path from `out` to `into` (`into` included, unless it is `out`): the code that
+    joins two stacks."""
+    seen, stack = set(), [into] if into is not out else []
+    while stack:
+        node = stack.pop()
+        if node in seen or node is out:
+            continue
+        seen.add(node)
+        stack.extend(n for n in node.all_input_nodes if descends(n, out))
+    return seen
+
+
+def descends(node: fx.Node, ancestor: fx.Node) -> bool:
+    """Whether `node` is `ancestor` or computed from it."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is ancestor:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False

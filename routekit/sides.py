@@ -1,0 +1,213 @@
+"""Side inputs: a block's inputs other than the stream, and how a route must change each of them.
+
+Other block inputs are per-token (they carry the token axis and must be gathered with a route's indices,
+wherever their token axes are), per-sample, or constants; numbers named like the grid's sizes shrink with
+grid selectors. The shapes decide most of it; what they leave open (a (B, X) tensor with X both the
+tokens and the channels, a last axis as long as the stream) is settled by probing the block (probes.py),
+and the layout of a joint table (text and image tokens along one axis) is read off the block's own code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import RoutekitError
+from .findings import BlockInfo, SideInput
+from .graphs import CATS, Slot, to_networkx
+from .probes import block_runs, trace_block
+from .routing import Gather, is_opaque, keys
+from .trace import Trace
+from .values import TensorMeta
+
+
+def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, channels: int,
+               sequences: set[int]) -> tuple[SideInput, tuple[Gather, ...]]:
+    """Classify a block input: its tensors by their axes (token axes are those as long as the stream, or as
+    the stream joined with another sequence of the block's inputs: `sequences`), its numbers by name. Joint
+    tables come back apart, listed as `unordered` until `joint_order` reads their layout off the block."""
+    node = arg.name if isinstance(arg, fx.Node) else None
+    meta = meta_of(arg)
+    gathers, grid, joint, sealed = [], [], [], []
+    for path, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]:
+        inside = [m for m in pytree.tree_leaves(leaf) if isinstance(m, TensorMeta)] if is_opaque(leaf) else []
+        if any(_token_axes(m, batch, tokens, channels, sequences) for m in inside) and not isinstance(leaf, TensorMeta):
+            sealed.append(keys(path))
+        if isinstance(leaf, TensorMeta):
+            found = _token_axes(leaf, batch, tokens, channels, sequences)
+            if found is not None:
+                axes, batched, is_joint = found
+                (joint if is_joint else gathers).append(Gather(keys(path), axes, batched))
+        elif type(leaf) is int:
+            axis = _grid_axis(names.get(slot, str(slot)), keys(path))
+            if axis is not None:
+                grid.append((keys(path), axis))
+    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), sealed=tuple(sealed)),
+            tuple(joint))
+
+
+def parameter_names(module: nn.Module) -> dict:
+    """{positional slot: parameter name} of a block's forward (without self), for reading numbers by name."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return {}
+    return dict(enumerate(params))
+
+
+def meta_of(arg: Any) -> Any:
+    """What a call argument holds: fx nodes replaced by their recorded values (tensors as TensorMeta).
+
+    An object registered with pytree (a cache, a context dataclass) is rebuilt around the values where the
+    recording put nodes in it: probes of the block need values, and a node handed to a block fails every call.
+    """
+    def holds_nodes(v: Any) -> bool:
+        return any(isinstance(leaf, fx.Node) for leaf in pytree.tree_leaves(v))
+
+    return pytree.tree_map(lambda v: v.meta.get("rk") if isinstance(v, fx.Node) else v, arg,
+                           is_leaf=lambda v: isinstance(v, fx.Node) or (is_opaque(v) and not holds_nodes(v)))
+
+
+def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
+                sequences: set[int]) -> tuple[tuple[int, ...], bool, bool] | None:
+    """(token axes, batched, joint) of a tensor that carries the stream's tokens, else None.
+
+    Batched: the first axis is the batch (or 1, a table shared by it). Token axes: every later axis as long
+    as the stream (an attention mask (B, 1, N, N) has two); the last axis only where it is the only one left
+    (a mask (B, N), positions (N,)) or the one before it is a token axis too and it is not as long as the
+    stream's features (a mask (B, 1, N, N)), for elsewhere it holds features;
+    failing those, one axis as long as the stream joined with another sequence the block takes (a joint
+    text + image table; `joint` says so, and where the stream's part lies is read off the block).
+    """
+    shape = meta.shape
+    batched = len(shape) >= 2 and shape[0] in (batch, 1) and any(d in (tokens,) or d - tokens in sequences
+                                                                 for d in shape[1:])
+    start = 1 if batched else 0
+    last = len(shape) - 1
+    axes = [a for a in range(start, len(shape)) if shape[a] == tokens]
+    if last in axes and last - start >= 1 and (last - 1 not in axes or shape[last] == channels):
+        axes.remove(last)  # a table's last axis holds its features, which may happen to number as many
+    if axes:
+        return tuple(axes), batched, False
+    features = last if len(shape) >= 2 else None
+    joint = [a for a in range(start, len(shape)) if a != features and shape[a] > tokens and shape[a] - tokens in sequences]
+    return ((joint[0],), batched, True) if joint else None
+
+
+_GRID_NAMES = {-1: ("width", "w", "cols", "columns"), -2: ("height", "h", "rows"), -3: ("frames", "num_frames", "t",
+                                                                                        "f", "time")}
+
+
+def _grid_axis(name: str, path: tuple) -> int | None:
+    """Which grid size a number handed to a block is, from its argument's (or dict key's) name."""
+    for key in reversed([*map(str, path), name]):
+        words = key.lower().replace("-", "_").split("_")
+        for axis, names in _GRID_NAMES.items():
+            if key.lower() in names or any(w in names[:2] for w in words):
+                return axis
+    return None
+
+
+def _ambiguous(side: SideInput, batch: int, tokens: int, channels: int) -> bool:
+    """A float (B, X) with X == tokens == channels: adaLN's c, or a per-token weight."""
+    meta = side.meta
+    return (isinstance(meta, TensorMeta) and side.tokens and tokens == channels and len(meta.shape) == 2
+            and meta.shape[0] == batch and meta.dtype.is_floating_point)
+
+
+def resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, fewer: int,
+             decided: dict) -> BlockInfo:
+    """Settle what the shapes alone leave open by probing the block with `fewer` tokens.
+
+    An ambiguous side input (`_ambiguous`) is per-sample if the block runs with it unchanged, per-token if only
+    with it cut too. A tensor whose last axis is as long as the stream and follows a token axis (an attention
+    mask (B, 1, N, N), or a RoPE table (B, N, head_dim) where head_dim happens to equal N) has its last axis cut
+    where the block runs that way: every such tensor's two readings are probed together (a block given a mask
+    and a RoPE table fails if either is cut wrong), and one combination must run, else each is `collided`.
+    `decided` carries the decision from block to block (same class, same inputs).
+    """
+    batch, tokens, channels = stream.shape
+    sides = list(block.side_inputs)
+    for i, side in enumerate(sides):
+        if not _ambiguous(side, batch, tokens, channels):
+            continue
+        unchanged = replace(side, tokens=())
+        without = replace(block, side_inputs=tuple(sides[:i] + [unchanged] + sides[i + 1:]))
+        if fewer < 1 or block_runs(model, without, stream_slot, stream, fewer):
+            sides[i] = unchanged
+        elif not block_runs(model, block, stream_slot, stream, fewer):
+            sides[i] = unchanged
+    open_ = [(i, j) for i, side in enumerate(sides) for j, g in enumerate(side.tokens)
+             if len(g.axes) >= 2 and g.axes[-1] == len(_leaf_at(side.meta, g.path).shape) - 1]
+    if not open_ or fewer < 1:
+        return replace(block, side_inputs=tuple(sides))
+
+    def read(narrow: tuple[bool, ...]) -> list[SideInput]:
+        out = list(sides)
+        for (i, j), cut in zip(open_, narrow):
+            if cut:
+                g = out[i].tokens[j]
+                out[i] = replace(out[i], tokens=out[i].tokens[:j] + (g._replace(axes=g.axes[:-1]),) + out[i].tokens[j + 1:])
+        return out
+
+    key = (block.cls, tuple((sides[i].node, sides[i].tokens[j].path) for i, j in open_))
+    if key not in decided:
+        readings = sorted(itertools.product((True, False), repeat=len(open_)), key=lambda r: -sum(r))[:16]
+        decided[key] = next((r for r in readings if block_runs(model, replace(block, side_inputs=tuple(read(r))),
+                                                                 stream_slot, stream, fewer)), None)
+    if decided[key] is not None:
+        return replace(block, side_inputs=tuple(read(decided[key])))
+    for i, j in open_:
+        sides[i] = replace(sides[i], collided=sides[i].collided + (sides[i].tokens[j].path,))
+    return replace(block, side_inputs=tuple(sides))
+
+
+def _leaf_at(meta: Any, path: tuple) -> Any:
+    for key in path:
+        meta = meta[key]
+    return meta
+
+
+def joint_order(model: nn.Module, block: BlockInfo, joint: dict, stream_slot: Slot, stream: TensorMeta) -> BlockInfo:
+    """Place the joint tables (`joint`: slot → its Gathers, a token axis holding another sequence and the
+    stream): whether the other sequence comes first is read off the block's own code, where it joins the two
+    along the token axis (a `cat` of a value made without the stream and one made from it). A table whose
+    layout the block does not show stays `unordered`: the plan refuses to route through the block."""
+    if not any(joint.values()):
+        return block
+    try:
+        body, _, start = trace_block(model, block, stream_slot, stream, None, stream.shape[1])
+        first = _cat_order(body, start)
+    except RoutekitError:
+        first = None
+    if first is None:
+        return block
+    sides = []
+    for side in block.side_inputs:
+        placed = tuple(g._replace(rest_first=first) for g in joint.get(side.slot, ()))
+        sides.append(replace(side, tokens=side.tokens + placed, unordered=()) if placed else side)
+    return replace(block, side_inputs=tuple(sides))
+
+
+def _cat_order(body: Trace, stream: str) -> bool | None:
+    """True when the block joins another input's tokens before the stream's (cat([other, stream]) along some
+    axis), False when after, None when it shows no such join. `stream`: the stream's placeholder in `body`."""
+    g = to_networkx(body.graph)
+    for node in body.graph.nodes:
+        is_cat = (node.op == "call_function" and node.target in CATS) or (node.op == "call_method" and node.target == "cat")
+        if not is_cat or not isinstance(node.args[0], (list, tuple)) or len(node.args[0]) < 2:
+            continue
+        parts = [p for p in node.args[0] if isinstance(p, fx.Node)]
+        made_from = [nx.ancestors(g, p.name) | {p.name} for p in parts]
+        inputs = {n.name for n in body.graph.nodes if n.op == "placeholder"}
+        kinds = ["stream" if stream in up else "other" if up & inputs else None for up in made_from]
+        if "stream" in kinds and "other" in kinds:
+            return kinds.index("other") < kinds.index("stream")
+    return None

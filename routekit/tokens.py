@@ -1,0 +1,371 @@
+"""Which of the stream's tokens were made from the image, and on what grid.
+
+The token grid is read off the patch embedding the stream comes from; tokens of the stream that do not
+come from it (class, register, text tokens) are special, and routes keep them. A traced graph shows both:
+each token's origin is read backwards along the token axis (`_made_from_image`). A recording shows no
+owner code, so there they are measured on the example call (record.py's measurements). Where stacks are
+chained (Flux's double-stream blocks, then its single-stream ones), a later stack's tokens are placed by
+where the previous stack's output sits in its stream (`join_offset`).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import AnalysisError
+from .findings import BlockInfo, Stack
+from .graphs import CATS, Slot, slot_value, to_networkx
+from .record import Image, grid_image, image_input, token_offset, tokens_not_from
+from .trace import Trace
+from .values import TensorMeta
+
+
+def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: list[BlockInfo], stream: TensorMeta,
+                images: list[Image] | None, call: tuple[tuple, dict] | None) -> dict:
+    """The first stack's grid and special tokens: read off the graph, or measured where it does not show them."""
+    nodes, (slot, _) = chains[name]
+    batch, tokens, _ = stream.shape
+    first_in = slot_value(nodes[0], slot)
+    grid = grid_node = None
+    if images is None:
+        special = _graph_special(tr.graph, first_in, batch, tokens, chains)
+    else:
+        at = _measure_point(chains, name, batch, tokens)
+        grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], at, batch, tokens, call)
+        if not special and grid is None and call is not None:
+            special = _recorded_special(model, call, chains, name, at, batch, tokens)
+    unknown = None
+    if special is None:  # what the graph or the recording does not show, measured: conclusive only if it finds some
+        at = _measure_point(chains, name, batch, tokens)
+        special = _measured(model, call, *at, batch, tokens) if call is not None else None
+        if not special:
+            special, unknown = (), (
+                "the stream joins tokens of several sources along the token axis, and routekit could not tell "
+                "which were made from the image" if images is None else
+                "routekit could not measure which of the stream's tokens were not made from the image")
+    if images is None:
+        grid, grid_node = _graph_grid(tr.graph, model, first_in, batch, tokens - len(special))
+    if grid is None and special and call is not None:  # the image patchified by reshaping, joined with others
+        grid = _grid_from_image(call, batch, tokens - len(special))
+    return {"grid": grid, "grid_node": grid_node, "special": special, "unknown_special": unknown}
+
+
+def joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous: Stack, stream: TensorMeta,
+                 measure=None) -> dict:
+    """A later stack's grid and special tokens: the previous stack's tokens sit at `joined_at` in its stream, in
+    order; every other token was joined in by the owner (text in front of Flux's single-stream blocks) and is
+    special, as are the previous stack's own special tokens."""
+    offset = join_offset(graph, chains, before, name, measure)
+    tokens = stream.shape[1]
+    special = [True] * tokens
+    made = [p % previous.tokens not in {q % previous.tokens for q in previous.special} for p in range(previous.tokens)]
+    for p, from_image in enumerate(made):
+        special[offset + p] = not from_image
+    return {"grid": previous.grid, "grid_node": previous.grid_node, "special": _positions(special),
+            "unknown_special": previous.unknown_special, "joined_at": offset}
+
+
+def _stream_out(chains: dict, name: str) -> fx.Node | None:
+    nodes, (_, out_index) = chains[name]
+    last = nodes[-1]
+    if out_index is None:
+        return last
+    return next((u for u in last.users if u.target is operator.getitem and u.args[1] == out_index), None)
+
+
+def join_offset(graph: fx.Graph, chains: dict, before: str, after: str, measure=None) -> int:
+    """Where the tokens `before`'s last block hands on sit in the stream entering `after`: all of them, in order,
+    at one offset. A recording shows no owner code: there the stream is that output itself, or holds it
+    unchanged at an offset `measure(before, after)` finds on the example call (a cat, not a projection).
+    AnalysisError where the stacks are not joined so."""
+    out, stream = _stream_out(chains, before), slot_value(chains[after][0][0], chains[after][1][0])
+    meta, into = getattr(out, "meta", {}).get("rk"), getattr(stream, "meta", {}).get("rk")
+    if out is None or not isinstance(meta, TensorMeta) or not isinstance(into, TensorMeta) or len(meta.shape) != 3 \
+            or len(into.shape) != 3 or meta.shape[0] != into.shape[0] or meta.shape[2] != into.shape[2]:
+        raise AnalysisError(f"{after} does not take {before}'s tokens")
+    if stream is out:
+        return 0
+    if measure is not None:
+        offset = measure(before, after)
+        if offset is None:
+            raise AnalysisError(f"{after}'s stream does not hold {before}'s output unchanged")
+        return offset
+    made = _made_from_image(graph, stream, into.shape[0], into.shape[1], chains, source=out)
+    count = meta.shape[1]
+    starts = [i for i in range(into.shape[1] - count + 1) if made is not None and all(made[i:i + count])]
+    if not starts or sum(made) != count:
+        raise AnalysisError(f"{after}'s stream does not hold {before}'s {count} tokens in one run")
+    return starts[0]
+
+
+def grid_of(meta: Any, batch: int) -> tuple[int, ...] | None:
+    """The spatial grid of a (batch, C, H, W) or (batch, C, T, H, W) tensor: what a patch embedding makes."""
+    if isinstance(meta, TensorMeta) and len(meta.shape) in (4, 5) and meta.shape[0] == batch:
+        return tuple(meta.shape[2:])
+    return None
+
+
+_PATCH_EMBEDDINGS = (nn.Conv2d, nn.Conv3d)
+
+
+def _graph_special(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int,
+                   chains: dict) -> tuple[int, ...] | None:
+    """The special tokens a traced graph shows: those the owner put into the stream from something other than the
+    image (`_made_from_image`): text joined in, register and class tokens, with or without a grid; None where
+    the graph does not show them."""
+    made = _made_from_image(graph, stream_in, batch, tokens, chains)
+    if made is None:
+        return None
+    special = _positions([not m for m in made])
+    return () if len(special) == tokens else special  # nothing from the first input: it is not the image
+
+
+def _graph_grid(graph: fx.Graph, model: nn.Module, stream_in: fx.Node, batch: int,
+                cells: int) -> tuple[tuple[int, ...] | None, str | None]:
+    """(grid, its node): the patch embedding the stream comes from (a Conv2d/Conv3d's output, else the nearest
+    (B, C, H, W) or (B, C, T, H, W) ancestor) with `cells` cells, the stream's tokens but the special ones."""
+    g = to_networkx(graph)
+    ancestors = nx.ancestors(g, stream_in.name) | {stream_in.name}
+    nearest = [n for n in reversed(graph.nodes) if n.name in ancestors and grid_of(n.meta["rk"], batch)]
+    convs = [n for n in nearest if n.op == "call_module" and isinstance(model.get_submodule(n.target),
+                                                                       _PATCH_EMBEDDINGS)]
+    for node in convs + nearest:
+        grid = grid_of(node.meta["rk"], batch)
+        if math.prod(grid) == cells:
+            return grid, node.name
+    return None, None
+
+
+def _positions(flags: list[bool]) -> tuple[int, ...]:
+    """The flagged token positions: counted from the start before the first unflagged one, from the end after it
+    (text before the image keeps its positions at any image size, register tokens after it theirs)."""
+    first = next((i for i, f in enumerate(flags) if not f), len(flags))
+    return tuple(i if i < first else i - len(flags) for i, f in enumerate(flags) if f)
+
+
+def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int, chains: dict,
+                     source: fx.Node | None = None) -> tuple[bool, ...] | None:
+    """Per token of the stream entering the blocks: whether it was made from the image, the model's first tensor
+    input (latents, pixels, token ids) that the stream comes from; None where a `cat` along the token axis does
+    not show which of its parts holds which tokens.
+
+    Read backwards along the token axis: a `cat` along it joins its parts' tokens; a chain's block hands on the
+    tokens of its stream input, any other op those of its inputs that carry as many tokens (the batched ones
+    before a table shared by the batch); a value none of whose inputs carry its tokens (a patch embedding's
+    flatten) was made from the image if the image is among its ancestors. Only the tokens' origin counts: text
+    tokens that attended to the image in a joint block are still text. With `source`, the origin asked about
+    is that node (an earlier stack's stream output) instead of the image.
+    """
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)]
+    g = to_networkx(graph)
+    ancestors = nx.ancestors(g, stream_in.name)
+    image = None if source is not None else next((n for n in inputs if n.name in ancestors or n is stream_in), None)
+    stream_of = {}  # a chain block's stream output node -> its stream input
+    for nodes, (slot, out_index) in chains.values():
+        for node in nodes:
+            out = node if out_index is None else next(
+                (u for u in node.users if u.target is operator.getitem and u.args[1] == out_index), None)
+            if out is not None and isinstance(slot_value(node, slot), fx.Node):
+                stream_of[out] = slot_value(node, slot)
+    memo: dict[fx.Node, tuple[bool, ...] | None] = {}
+
+    def carries(value: Any, count: int) -> bool:
+        meta = getattr(value, "meta", {}).get("rk") if isinstance(value, fx.Node) else None
+        return isinstance(meta, TensorMeta) and len(meta.shape) >= 2 and meta.shape[1] == count
+
+    def origin(node: fx.Node, count: int) -> tuple[bool, ...] | None:
+        if node in memo:
+            return memo[node]
+        memo[node] = result = _origin(node, count)
+        return result
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def _origin(node: fx.Node, count: int) -> tuple[bool, ...] | None:
+        writes = sorted((u for u in node.users if u.op == "call_function" and u.target is operator.setitem
+                         and u.args[0] is node), key=order.get)
+        made = _made(node, count)
+        if not writes or made is None:
+            return made
+        made, written = list(made), set()  # item assignments into the value, in order (a canvas filled per sample)
+        for write in writes:
+            positions = _token_positions(write.args[1], count)
+            value = write.args[2]
+            got = of_value(value, len(positions)) if positions is not None and isinstance(value, fx.Node) else None
+            if got is None or len(got) != len(positions):
+                return None
+            for p, m in zip(positions, got):
+                made[p] = (made[p] or m) if p in written else m
+                written.add(p)
+        return tuple(made)
+
+    def whole(node: fx.Node) -> tuple[bool, ...] | None:
+        """The origins of all of a tensor's tokens (its axis 1), or None for a tensor with no token axis."""
+        meta = node.meta.get("rk")
+        return origin(node, meta.shape[1]) if isinstance(meta, TensorMeta) and len(meta.shape) >= 2 else None
+
+    def of_value(value: fx.Node, count: int) -> tuple[bool, ...] | None:
+        """The origins of the `count` tokens a value assigned into the stream holds: a slice of some tensor's
+        tokens, or a tensor of its own carrying them."""
+        if value.op == "call_function" and value.target is operator.getitem \
+                and isinstance(value.args[0].meta.get("rk"), TensorMeta):
+            return _sliced(value, whole)
+        return origin(value, count) if carries(value, count) else None
+
+    def _made(node: fx.Node, count: int) -> tuple[bool, ...] | None:
+        if source is not None and node is source:
+            return (True,) * count
+        if node.op == "placeholder":
+            return (node is image,) * count
+        if node.op == "get_attr":
+            return (False,) * count
+        if node in stream_of:
+            return origin(stream_of[node], count)
+        if _is_token_cat(node):
+            if not isinstance(node.args[0], (list, tuple)):  # a cat of a tuple some call returns: parts unseen
+                return None
+            parts = list(node.args[0])
+            if not all(isinstance(p, fx.Node) and carries(p, p.meta["rk"].shape[1]) for p in parts) \
+                    or sum(p.meta["rk"].shape[1] for p in parts) != count:
+                return None
+            made = [origin(p, p.meta["rk"].shape[1]) for p in parts]
+            return None if any(m is None for m in made) else sum(made, ())
+        if node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0].meta.get("rk"), TensorMeta):  # a slice of a tensor's tokens
+            made = _sliced(node, whole)
+            if made is not None and len(made) == count:
+                return made
+        call = node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
+        feeding = [a for a in call.all_input_nodes if carries(a, count)]
+        batched = [a for a in feeding if a.meta["rk"].shape[0] == batch] or feeding
+        if not batched:
+            parts = [a.meta["rk"].shape[1] for a in call.all_input_nodes if isinstance(a.meta.get("rk"), TensorMeta)
+                     and len(a.meta["rk"].shape) >= 3 and a.meta["rk"].shape[0] == batch]
+            if len(parts) > 1 and sum(parts) == count:  # sequences joined inside a call the graph does not open
+                return None
+            return (image is not None and (image is node or image.name in nx.ancestors(g, node.name)),) * count
+        made = [origin(a, count) for a in batched]
+        if any(m is None for m in made):
+            return None
+        return tuple(any(column) for column in zip(*made))
+
+    return origin(stream_in, tokens)
+
+
+def _token_positions(index: Any, count: int) -> range | None:
+    """The token positions an index into a (B, N, ...) tensor picks: `[:, a:b]`, `[i, a:b]` (one sample's) or
+    `[i]` (all of one sample's); None for any other index."""
+    def value(v):  # a number the trace computed is a node holding it
+        return v.meta.get("rk") if isinstance(v, fx.Node) else v
+
+    index = tuple(slice(value(i.start), value(i.stop), value(i.step)) if isinstance(i, slice) else value(i)
+                  for i in (index if isinstance(index, tuple) else (index,)))
+    if any(isinstance(i, slice) and not all(b is None or type(b) is int for b in (i.start, i.stop, i.step))
+           for i in index):
+        return None
+    if not index or not (index[0] == slice(None) or type(index[0]) is int):
+        return None
+    if len(index) == 1:
+        return range(count) if type(index[0]) is int else None
+    return range(count)[index[1]] if isinstance(index[1], slice) else None
+
+
+def _sliced(node: fx.Node, origin) -> tuple[bool, ...] | None:
+    """The origins of the tokens `x[...]` picks (`_token_positions`), from `origin(x)`; None for another index."""
+    made = origin(node.args[0])
+    positions = None if made is None else _token_positions(node.args[1], len(made))
+    return None if positions is None else tuple(made[p] for p in positions)
+
+
+def _is_token_cat(node: fx.Node) -> bool:
+    """A `cat` along the token axis (dim 1 of (B, N, ...), or -2 of (B, N, D))."""
+    is_cat = (node.op == "call_function" and node.target in CATS) or (node.op == "call_method" and node.target == "cat")
+    meta = node.meta.get("rk")
+    if not is_cat or not isinstance(meta, TensorMeta) or len(meta.shape) < 2:
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return isinstance(dim, int) and dim % len(meta.shape) == 1
+
+
+def _measure_point(chains: dict, chosen: str, batch: int, tokens: int) -> tuple[str, Slot]:
+    """Where a recording's special tokens are measured: (block, stream slot) of the first block of the earliest
+    chain whose stream is the stack's, as many tokens (U-ViT's in-blocks before its out-blocks: there the blocks
+    have not mixed the class token with the image's yet), else of the stack's own first block."""
+    nodes, (slot, _) = chains[chosen]
+    order = {node: i for i, node in enumerate(nodes[0].graph.nodes)}
+    for others, (other_slot, _) in sorted(chains.values(), key=lambda item: order[item[0][0]]):
+        meta = getattr(slot_value(others[0], other_slot), "meta", {}).get("rk")
+        if order[others[0]] <= order[nodes[0]] and isinstance(meta, TensorMeta) and meta.shape[:2] == (batch, tokens):
+            return others[0].target, other_slot
+    return nodes[0].target, slot
+
+
+def _recorded_grid(model: nn.Module, images: list[Image], tr: Trace, first: BlockInfo, at: tuple[str, Slot],
+                   batch: int, tokens: int, call: tuple[tuple, dict] | None):
+    """(grid, grid module, special positions; None where unmeasured) of a recording: the patch embedding's output
+    seen before the first block and, where its H·W is less than the stream's tokens, the tokens not made from it
+    (measured at `at`, a block and its stream slot)."""
+    first_call = [n.name for n in tr.graph.nodes if n.op == "call_module"].index(first.node)
+    image = grid_image(images, first_call, batch, tokens)
+    if image is None:
+        return None, None, ()
+    grid = image.shape[2:]
+    special: tuple[int, ...] | None = ()
+    if math.prod(grid) < tokens:
+        special = tokens_not_from(model, *call, *at, module=image.module) if call else None
+        if special is not None and len(special) != tokens - math.prod(grid):
+            special = None  # the measurement does not account for the extra tokens
+    return grid, image.module, special
+
+
+def _measured(model: nn.Module, call: tuple[tuple, dict], block: str, slot: Slot, batch: int,
+              tokens: int) -> tuple[int, ...] | None:
+    """The special positions measured where the graph does not show them: the tokens of the stream entering
+    `block` that do not change with the call's image (class and register tokens, text a block did not mix with
+    the image); () where all change, None where there is no image to change."""
+    image = image_input(*call, batch)
+    if image is None:
+        return None
+    special = tokens_not_from(model, *call, block, slot, image=image)
+    return () if special == tuple(range(tokens)) else special
+
+
+def _recorded_special(model: nn.Module, call: tuple[tuple, dict], chains: dict, chosen: str, at: tuple[str, Slot],
+                      batch: int, tokens: int) -> tuple[int, ...] | None:
+    """The special tokens of a recording with no grid: where the stack joins an earlier chain's tokens with others
+    (text joined to a double-stream stack's image tokens), all but the positions holding that chain's output;
+    else the tokens that do not change with the image at `at` (`_measure_point`). A call with no image to change
+    (token ids in) has nothing to tell apart: (). None where a join is not found."""
+    nodes, (slot, _) = chains[chosen]
+    order = {node: i for i, node in enumerate(nodes[0].graph.nodes)}
+    earlier = sorted(((n, link) for parent, (n, link) in chains.items() if parent != chosen
+                      and order[n[-1]] < order[nodes[0]]), key=lambda item: order[item[0][0]])
+    if at[0] == nodes[0].target:
+        for others, (_, out_index) in reversed(earlier):
+            meta = pytree.tree_leaves(others[-1].meta.get("rk"))
+            out = meta[out_index or 0] if len(meta) > (out_index or 0) else None
+            length = out.shape[1] if isinstance(out, TensorMeta) and len(out.shape) >= 2 else tokens
+            if length < tokens:
+                offset = token_offset(model, *call, nodes[0].target, slot, others[-1].target, out_index)
+                return None if offset is None else _positions(
+                    [not offset <= i < offset + length for i in range(tokens)])
+    return _measured(model, call, *at, batch, tokens) or ()
+
+
+def _grid_from_image(call: tuple[tuple, dict], batch: int, cells: int) -> tuple[int, ...] | None:
+    """Where no patch embedding shows the grid (an image patchified by reshaping, as Lumina2's): the call's image
+    size over the one patch size that gives `cells` tokens."""
+    image = image_input(*call, batch)
+    if image is None or cells < 1 or image.dim() not in (4, 5):
+        return None
+    spatial = image.shape[2:]
+    sizes = [tuple(d // p for d in spatial) for p in range(1, max(spatial) + 1)
+             if all(d % p == 0 for d in spatial) and math.prod(d // p for d in spatial) == cells]
+    return sizes[0] if len(sizes) == 1 else None
