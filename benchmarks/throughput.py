@@ -1,7 +1,7 @@
 """Train-step throughput: vanilla vs routekit-routed vs a hand-written route, and the DAR rows, in one run.
 
 One train step = forward + backward + AdamW under bf16 autocast. For each backbone, size, batch and
-mode (eager / torch.compile) it reports the median step time, speed-up over vanilla, peak memory,
+mode it reports the median and 90th-percentile step time, speed-up over vanilla, peak memory,
 and the speed-up FLOPs alone would give (torch.utils.flop_counter on one step). The hand-written
 route (DiT only) is written here, independently of routekit, as the bar routekit must meet. The
 DAR variants (chunks of 4) replace the residual adds, alone or with the default route.
@@ -9,7 +9,13 @@ DAR variants (chunks of 4) replace the residual adds, alone or with the default 
     python benchmarks/throughput.py --backbone dit --sizes XL/2 --batches 256 --modes compile
     python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants vanilla dar_static_c4
     python benchmarks/throughput.py --backbone rwkv mamba --sizes B/2 --batches 256 --modes eager
+    python benchmarks/throughput.py --sizes B/2 XL/2 --batches 32 --modes blocks     # per-block compile
+    python benchmarks/throughput.py --sizes B/2 --batches 16 64 --modes graphs --variants vanilla routekit
     python benchmarks/throughput.py --quick      # CPU smoke run: tiny models, eager
+
+Modes: ``eager``; ``compile``, the whole model under torch.compile; ``blocks``, each block compiled on its own
+(DiT only: the official TREAD code and diffusers' regional compilation compile this way), the rest eager;
+``graphs``, the whole model under torch.compile(mode="reduce-overhead"), which replays CUDA graphs.
 
 Writes benchmarks/results/<name>.{json,md,png} (--name, default throughput_<backbones>).
 """
@@ -64,11 +70,20 @@ DAR_VARIANTS = {"dar_static_c4": ("static", False), "dar_dynamic_c4": ("dynamic"
 VARIANTS = ("vanilla", "routekit", "manual", *DAR_VARIANTS)
 
 
-def build(backbone: str, size: str, variant: str, device: str, tiny: bool = False, example_batch: int = 2) -> nn.Module:
+MODES = ("eager", "compile", "blocks", "graphs")
+
+
+def build(backbone: str, size: str, variant: str, device: str, tiny: bool = False, example_batch: int = 2,
+          compile_blocks: bool = False) -> nn.Module:
     module = importlib.import_module(f"backbones.{backbone}")
     torch.manual_seed(0)
+    overrides = dict(TINY[backbone] if tiny else {})
+    if compile_blocks:
+        if backbone != "dit":
+            raise SystemExit(f"--modes blocks: only the DiT backbone has a per-block compiled build, not {backbone!r}")
+        overrides["compile_blocks"] = True
     with torch.device(device):
-        model = module.build(size, **(TINY[backbone] if tiny else {}))
+        model = module.build(size, **overrides)
     route = rk.Route.default(model.depth, selector="random" if backbone == "dit" else "row")
     if variant == "vanilla":
         return model
@@ -106,7 +121,9 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     x, t, y = inputs_for(backbone, model, batch, device)
     model.train()
-    runner = torch.compile(model) if mode == "compile" else model
+    # "blocks": the model was built with its blocks compiled; the rest of it (and routekit's program) runs eager
+    runner = {"compile": lambda: torch.compile(model),
+              "graphs": lambda: torch.compile(model, mode="reduce-overhead")}.get(mode, lambda: model)()
 
     def step():
         train_step(runner, opt, x, t, y, cuda)
@@ -120,7 +137,8 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
         torch.cuda.reset_peak_memory_stats()
     timing = time_ms(step, steps, warmup, cuda)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    stats = {"step_ms": timing["median_ms"], "min_ms": timing["min_ms"], "peak_gib": peak, "first_step_s": first}
+    stats = {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
+             "peak_gib": peak, "first_step_s": first}
     if gpu_busy and cuda:
         stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(step)
     return stats
@@ -184,17 +202,19 @@ def run(args, device: str, save=lambda rows: None) -> list[dict]:
                         torch._dynamo.reset()
                         model = None
                         try:
-                            model = build(backbone, size, variant, device, args.quick)
+                            model = build(backbone, size, variant, device, args.quick,
+                                          compile_blocks=mode == "blocks")
                             stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy)
                         except torch.OutOfMemoryError:  # recorded as such; the other rows still run
                             nan = float("nan")
-                            stats = {"step_ms": nan, "min_ms": nan, "peak_gib": nan, "first_step_s": nan,
+                            stats = {"step_ms": nan, "p90_ms": nan, "min_ms": nan, "peak_gib": nan, "first_step_s": nan,
                                      "status": "out of memory"}
                         row = {"backbone": backbone, "size": size, "batch": batch, "mode": mode, "variant": variant,
                                "flop_limit": flops["vanilla"] / flops[variant], **stats}
                         rows.append(row)
                         save(rows)
                         print(f"{backbone} {size} b{batch} {mode:8s} {variant:9s} {stats['step_ms']:8.2f} ms "
+                              f"(p90 {stats['p90_ms']:.2f}) "
                               f"peak {stats['peak_gib']:.1f} GiB (first step {stats['first_step_s']:.1f} s)", flush=True)
                         del model
                         if device == "cuda":
@@ -203,8 +223,9 @@ def run(args, device: str, save=lambda rows: None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| backbone | size | batch | mode | variant | step ms | speed-up | vs hand-written | FLOP limit | peak GiB |",
-           "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| backbone | size | batch | mode | variant | step ms (median) | p90 ms | speed-up | vs hand-written "
+           "| FLOP limit | share of limit | peak GiB |",
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     groups = {}
     for r in rows:
         groups.setdefault((r["backbone"], r["size"], r["batch"], r["mode"]), {})[r["variant"]] = r
@@ -217,11 +238,13 @@ def table(rows: list[dict]) -> str:
             if manual and variant in ("routekit", "manual") and base:
                 rel = f"{speed / (base['step_ms'] / manual['step_ms']):.3f}"
             if r.get("status"):
-                out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['status']} | | | "
-                           f"{r['flop_limit']:.3f}× | |")
+                out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['status']} | | | | "
+                           f"{r['flop_limit']:.3f}× | | |")
                 continue
-            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | {speed:.3f}× | "
-                       f"{rel} | {r['flop_limit']:.3f}× | {r['peak_gib']:.2f} |")
+            share = f"{speed / r['flop_limit']:.3f}" if variant != "vanilla" else ""
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | "
+                       f"{r.get('p90_ms', float('nan')):.2f} | {speed:.3f}× | {rel} | {r['flop_limit']:.3f}× | {share} | "
+                       f"{r['peak_gib']:.2f} |")
     busy = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['gpu_busy_ms']:.1f} ms"
             for r in rows if "gpu_busy_ms" in r]
     if busy:
@@ -263,7 +286,10 @@ def main() -> None:
     p.add_argument("--backbone", nargs="+", default=["dit"], choices=["dit", "rwkv", "mamba"])
     p.add_argument("--sizes", nargs="+", default=["B/2", "XL/2"])
     p.add_argument("--batches", nargs="+", type=int, default=[64, 256])
-    p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
+    p.add_argument("--modes", nargs="+", default=None, choices=MODES,
+                   help="default eager and compile (--quick: eager). eager; compile (whole model); blocks (each DiT "
+                   "block compiled on its own); graphs (whole "
+                   "model, mode='reduce-overhead': CUDA graphs)")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                    help="default: vanilla, routekit and (DiT) manual, the hand-written route")
     p.add_argument("--steps", type=int, default=20)
@@ -271,10 +297,12 @@ def main() -> None:
     p.add_argument("--name", default=None, help="results file stem (default throughput_<backbones>)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--gpu-busy", action="store_true", help="also profile the GPU's kernel time per step")
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny models, batch 2, eager, two steps")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke run: tiny models, batch 2, two steps (eager unless --modes)")
     args = p.parse_args()
     if args.quick:
-        args.sizes, args.batches, args.modes, args.steps, args.warmup = ["S/2"], [2], ["eager"], 2, 0
+        args.sizes, args.batches, args.steps, args.warmup = ["S/2"], [2], 2, 0
+    args.modes = args.modes or (["eager"] if args.quick else ["eager", "compile"])
     device = device_or_exit(args.quick)
     info = machine()
     info["scan_kernels"] = {b: k for b in args.backbone if (k := scan_kernel(b, device))}
