@@ -52,11 +52,10 @@ def routed_owner(**options):
 
 
 def at_rate_zero_matches_the_original(routed: nn.Module, x: torch.Tensor) -> bool:
-    from routekit.verify import _original, _rate_zero
+    from routekit.verify import _at_rate_zero, _original
 
     routed.train()
-    with _rate_zero(routed):
-        got = routed(x)
+    got = _at_rate_zero(routed)(x)
     return torch.equal(got, _original(routed)(x))
 
 
