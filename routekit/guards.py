@@ -96,7 +96,9 @@ class Recorder:
     the module's attributes, parameters, buffers and hooks, with a submodule table of copies); the leaves (and
     what they hold) are the user's own modules, not copied: a leaf's own code runs at every call, so reads made
     while the tracer runs a leaf's real forward are not recorded either (`paused`). The user's modules keep
-    their classes, and an attribute the forward sets lands on the copy (and is refused: `writes`).
+    their classes, and a plain attribute the forward sets lands on the copy (and is refused: `writes`). A forward
+    bound to the user's module itself (accelerate's hooks replace `forward` by a partial of the module) runs on
+    that module: the modules it calls keep their paths (`originals`), but what it reads goes unrecorded.
 
     Why a subclass at all: a plain value read in a forward (`self.scale`) is a Python attribute lookup, and torch
     has no hook for one (its global module hooks see calls and the registration of parameters, buffers and
@@ -107,6 +109,7 @@ class Recorder:
     def __init__(self, model: nn.Module, leaves: set[str]):
         self.leaves = leaves
         self.paths: dict[int, str] = {}  # id of each recording copy -> the path of the module it copies
+        self.originals: dict[int, str] = {}  # id of each copied user's module -> its path
         self.reads: dict[tuple[str, str], Any] = {}
         self.writes: list[str] = []  # attributes the forward sets: a graph cannot repeat that
         self.traced_through: list[str] = []
@@ -128,7 +131,7 @@ class Recorder:
         except TypeError:  # a class that cannot be subclassed or made so (extension types)
             return module
         copies[id(module)] = copy
-        self.paths[id(copy)] = path
+        self.paths[id(copy)], self.originals[id(module)] = path, path
         copy.__dict__.update(module.__dict__)
         children = module.__dict__["_modules"]
         copy.__dict__["_modules"] = type(children)(

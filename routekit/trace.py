@@ -300,6 +300,16 @@ class _Tracer(fx.Tracer):
             return self.root.get_submodule(node.target)(*args, **kwargs)
         return None
 
+    def path_of_module(self, mod: nn.Module) -> str:
+        """fx's, and for a user's module reached past the copy the trace runs on (see `Recorder`), its path."""
+        try:
+            return super().path_of_module(mod)
+        except NameError:
+            path = self.recorder.originals.get(id(mod))
+            if path is None:
+                raise
+            return path
+
     def call_module(self, m, forward, args, kwargs):
         try:
             qualname = self.path_of_module(m)

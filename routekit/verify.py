@@ -135,6 +135,7 @@ def _at_rate_zero(routed: nn.Module) -> nn.Module:
     zero_state._modules["routes"] = nn.ModuleList(_selecting_every_token(select) for select in state.routes)
     zero = shallow_copy(routed)
     zero._modules[STATE] = zero_state
+    zero.__dict__["_compiled_call_impl"] = None  # `routed.compile()`'s call runs `routed`; verify runs eagerly
     return zero
 
 

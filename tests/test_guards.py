@@ -370,3 +370,17 @@ def test_tracing_leaves_the_users_modules_their_classes_and_attributes_even_when
             trace(model, (torch.randn(2, 10, 3),))
     assert seen and all(types == classes for types in seen)
     assert [type(m) for m in model.modules()] == classes and "steps" not in vars(model)
+
+
+def test_a_forward_bound_to_the_users_module_itself_still_calls_its_layers_by_their_paths():
+    """accelerate's hooks replace a module's forward by a partial bound to the module: the trace, which runs on a
+    copy of the module tree, reaches the user's module through it, and calls its layers by their own paths."""
+    import functools
+
+    from routekit.trace import trace
+
+    model = Watched([])
+    model.gain.forward = functools.partial(type(model.gain).forward, model.gain)
+    tr = trace(model, (torch.randn(2, 10, 3),))
+    assert "gain.lin" in {n.target for n in tr.graph.nodes if n.op == "call_module"}
+    assert "gain" in tr.assumed.traced_through
