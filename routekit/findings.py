@@ -1,5 +1,10 @@
 """What analysis finds, as frozen records: a model's stacks, blocks, their side inputs, the whole report.
 
+Frozen, its containers too, so nothing writes into a report after it is made: tuples for sequences, read-only
+mappings (`values.read_only`) for tables, and a frozen `Trace` for a block traced alone (its fx graph, mutable
+by nature, is copied by whoever rewrites it). A side input's `meta` describes a value's structure as the value
+had it (a dict input is described by a dict), so it is the one container left as found.
+
 `analyse` (analysis.py) makes a `GraphReport`; the plan, the rewrite, the hooks and `inspect` read it. The
 records sit in a module of their own, below every part of the analysis that fills them in, so each part
 (side inputs, tokens, residual adds) can name them without importing the analysis that calls it.
@@ -7,6 +12,7 @@ records sit in a module of their own, below every part of the analysis that fill
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,7 +21,7 @@ import torch.utils._pytree as pytree
 from .graphs import Slot
 from .routing import Gather
 from .trace import Trace
-from .values import TensorMeta
+from .values import TensorMeta, pickled_fields, read_only
 
 
 @dataclass(frozen=True)
@@ -109,12 +115,20 @@ class GraphReport:
     mode: Literal["graph", "boundary"]
     stacks: tuple[Stack, ...]
     blocks: tuple[BlockInfo, ...]
-    candidates: dict[str, int]
-    leafed: dict[str, str]
+    candidates: Mapping[str, int]  # every chain of blocks found, by container name: its length
+    leafed: Mapping[str, str]
     specialised: tuple[str, ...]
     requested: str | None = None  # the stack= the analysis was asked for (None: the chain it found)
     fallback: str | None = None  # why the owner forward was not traced (boundary mode)
     residual: str | None = None  # "sublayer", "block" or "mixed" granularity of the adds, or why unknown
+
+    def __post_init__(self):  # its containers frozen too: mappings read-only, sequences tuples
+        object.__setattr__(self, "candidates", read_only(self.candidates))
+        object.__setattr__(self, "leafed", read_only(self.leafed))
+        object.__setattr__(self, "specialised", tuple(self.specialised))
+
+    def __reduce__(self):
+        return type(self), pickled_fields(self)
 
     @property
     def stack(self) -> str:

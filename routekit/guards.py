@@ -91,40 +91,63 @@ def hooked(module: nn.Module) -> bool:
 class Recorder:
     """Records, while a trace runs, the plain values the forward reads off the modules it traces through.
 
-    Each module's class is swapped for a subclass whose attribute lookup notes such reads, for the duration
-    (the classes are restored after, also on failure); reads made while the tracer runs a leaf module's real
-    forward are not recorded (`paused`): a leaf's own code runs at every call."""
+    The trace runs on `root`, a copy of the model's module tree made for it: each module it traces through is
+    copied into an instance of a subclass of its own class whose attribute lookup notes such reads (sharing
+    the module's attributes, parameters, buffers and hooks, with a submodule table of copies); the leaves (and
+    what they hold) are the user's own modules, not copied: a leaf's own code runs at every call, so reads made
+    while the tracer runs a leaf's real forward are not recorded either (`paused`). The user's modules keep
+    their classes, and a plain attribute the forward sets lands on the copy (and is refused: `writes`). A forward
+    bound to the user's module itself (accelerate's hooks replace `forward` by a partial of the module) runs on
+    that module: the modules it calls keep their paths (`originals`), but what it reads goes unrecorded.
 
-    def __init__(self, root: nn.Module, leaves: set[str]):
-        self.root = root
-        self.paths = {id(m): name for name, m in root.named_modules()
-                      if not any(name == leaf or name.startswith(leaf + ".") for leaf in leaves)}
+    Why a subclass at all: a plain value read in a forward (`self.scale`) is a Python attribute lookup, and torch
+    has no hook for one (its global module hooks see calls and the registration of parameters, buffers and
+    submodules); reading the source (`assigned_attributes`) finds writes, not the reads made through helpers,
+    `getattr` and other modules' attributes.
+    """
+
+    def __init__(self, model: nn.Module, leaves: set[str]):
+        self.leaves = leaves
+        self.paths: dict[int, str] = {}  # id of each recording copy -> the path of the module it copies
+        self.originals: dict[int, str] = {}  # id of each copied user's module -> its path
         self.reads: dict[tuple[str, str], Any] = {}
         self.writes: list[str] = []  # attributes the forward sets: a graph cannot repeat that
         self.traced_through: list[str] = []
         self.batch_generic = True
         self.active = False
-        self._swapped: list[tuple[nn.Module, type]] = []
+        self.root = self._copy(model, "", {})
+
+    def _copy(self, module: nn.Module, path: str, copies: dict[int, nn.Module]) -> nn.Module:
+        """`module` as the trace sees it: a recording copy whose submodules are copied the same way (one copy per
+        module, however many paths lead to it); a leaf, or a module whose class cannot be subclassed, as itself
+        (its reads go unrecorded)."""
+        if id(module) in copies:
+            return copies[id(module)]
+        if any(path == leaf or path.startswith(leaf + ".") for leaf in self.leaves):
+            return module
+        try:
+            cls = _recording_class(type(module))
+            copy = cls.__new__(cls)
+        except TypeError:  # a class that cannot be subclassed or made so (extension types)
+            return module
+        copies[id(module)] = copy
+        self.paths[id(copy)], self.originals[id(module)] = path, path
+        copy.__dict__.update(module.__dict__)
+        children = module.__dict__["_modules"]
+        copy.__dict__["_modules"] = type(children)(
+            (name, None if child is None else self._copy(child, f"{path}.{name}" if path else name, copies))
+            for name, child in children.items())
+        return copy
 
     @contextlib.contextmanager
     def recording(self):
+        """Record the reads and writes made on `root` for the duration."""
         global _CURRENT
-        modules = {id(m): m for m in self.root.modules()}
-        for module in (modules[i] for i in self.paths):  # leaves run their own code at every call: not swapped
-            cls = type(module)
-            try:
-                module.__class__ = _recording_class(cls)
-            except TypeError:  # a class that cannot be swapped (slots, extension types): its reads go unrecorded
-                continue
-            self._swapped.append((module, cls))
         previous, _CURRENT, self.active = _CURRENT, self, True
         try:
             yield self
         finally:
             _CURRENT, self.active = previous, False
-            for module, cls in self._swapped:
-                module.__class__ = cls
-            self._swapped.clear()
 
     @contextlib.contextmanager
     def paused(self):

@@ -30,18 +30,20 @@ class Hooks:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.paths: list[str] = []  # modules the routed model holds private copies of
-        self.selects: list[nn.Module] = []
+        self.select_paths: list[str] = []  # where the routed model holds each route's selector
         self.active = False
         self._clear()
 
     def _clear(self) -> None:
+        self.selects: list[nn.Module] = []  # the selectors of the model running now
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grid_source: torch.Tensor | None = None
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """The original forward with the routes live."""
-        self.active = True
+        """The original forward with the routes live, choosing tokens with `routed`'s own selectors (verify runs a
+        copy of the routed model whose selectors keep every token)."""
+        self.active, self.selects = True, [routed.get_submodule(path) for path in self.select_paths]
         try:
             return routed._routekit_base.forward(routed, *args, **kwargs)
         finally:
@@ -49,7 +51,8 @@ class Hooks:
             self._clear()
 
     def attach(self, routed: nn.Module, selects: list[nn.Module]) -> None:
-        self.selects = selects
+        paths = {id(module): path for path, module in routed.named_modules()}
+        self.select_paths = [paths[id(select)] for select in selects]
         report = self.plan.report
         for k, route in enumerate(self.plan.placed):
             blocks = report.blocks[route.start:route.end + 1]

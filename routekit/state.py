@@ -113,8 +113,8 @@ def _tensors_in(obj: Any, depth: int = 0, seen: set | None = None):
 def shallow_copy(model: nn.Module, cls: type | None = None) -> nn.Module:
     """A module sharing `model`'s submodules, parameters and buffers, with its own attribute dict.
 
-    Tracing writes constants onto its root, and routekit adds its own submodules: neither may touch
-    the user's model.
+    routekit adds its own submodules and hooks to such copies (the routed model, boundary mode's private
+    modules, verify's run at rate 0): none may touch the user's model.
     """
     copy = (cls or type(model)).__new__(cls or type(model))
     copy.__dict__.update(model.__dict__)

@@ -22,8 +22,8 @@ import inspect
 import math
 import operator
 import os
-import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,29 +37,39 @@ from .calls import CallSpec, Input, as_called, bind_arguments, call_inputs, call
 from .errors import TraceError
 from .fxcompat import not_fx_tracing, patches_reverted
 from .guards import Assumptions, Recorder, hooked
-from .state import preserved_state, shallow_copy
-from .values import TensorMeta, describe
+from .state import preserved_state
+from .values import TensorMeta, describe, pickled_fields, read_only
 
 _ROUTEKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Trace:
     """A traced forward: graph, argument mapping, output structure and what was specialised.
 
     `constants` holds the values of get_attr targets the model does not have: tensors made by the forward
     from no input, and the state, when first used, of objects the forward made (see `_Tracer.create_arg`).
+    Frozen, its mappings read-only; the fx graph is mutable by nature, so whoever rewrites it works on a
+    copy (rewrite.py deep-copies it).
     """
 
     graph: fx.Graph
     spec: CallSpec
     out_spec: pytree.TreeSpec
-    constants: dict[str, Any]
-    leafed: dict[str, str] = field(default_factory=dict)
-    specialised: list[str] = field(default_factory=list)
+    constants: Mapping[str, Any]
+    leafed: Mapping[str, str] = field(default_factory=dict)
+    specialised: tuple[str, ...] = ()
     training: bool = True
     assumed: Assumptions = field(default_factory=Assumptions)  # what the graph took as given: see guards.py
+
+    def __post_init__(self):
+        object.__setattr__(self, "constants", read_only(self.constants))
+        object.__setattr__(self, "leafed", read_only(self.leafed))
+        object.__setattr__(self, "specialised", tuple(self.specialised))
+
+    def __reduce__(self):
+        return type(self), pickled_fields(self)
 
 
 def container_members(model: nn.Module) -> set[str]:
@@ -290,6 +300,16 @@ class _Tracer(fx.Tracer):
             return self.root.get_submodule(node.target)(*args, **kwargs)
         return None
 
+    def path_of_module(self, mod: nn.Module) -> str:
+        """fx's, and for a user's module reached past the copy the trace runs on (see `Recorder`), its path."""
+        try:
+            return super().path_of_module(mod)
+        except NameError:
+            path = self.recorder.originals.get(id(mod))
+            if path is None:
+                raise
+            return path
+
     def call_module(self, m, forward, args, kwargs):
         try:
             qualname = self.path_of_module(m)
@@ -318,8 +338,13 @@ _CHECKPOINT_DEFAULTS = {"use_reentrant": None, "determinism_check": "default", "
 def _checkpoint_around(module: nn.Module) -> dict | None:
     """The options of the `torch.utils.checkpoint.checkpoint` call that is running `module` now (the owner's
     forward checkpoints a block: `checkpoint(block, x, ...)`, or a partial of it as diffusers does), or None.
-    Read off the call's frame, so a `functools.partial` bound before tracing is seen too."""
-    frame = sys._getframe(2)
+
+    Read off the checkpoint call's frame: nothing else holds those options. The owner's forward calls torch's
+    function directly (or a `functools.partial` of it, bound before any trace, as diffusers binds
+    `_gradient_checkpointing_func`), so no argument carries them to the tracer and no wrapper routekit could
+    install would see a call through a name bound before it; torch keeps them in no state a public API reads.
+    The walk only reads frames (locals of torch's own function, found by its code object) and starts here."""
+    frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code is _CHECKPOINT_CODE:
             local = frame.f_locals
@@ -395,12 +420,11 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
     # (`torch.is_grad_enabled() and self.gradient_checkpointing`) takes the branch it trains with
     with preserved_state(model, tensors), torch.set_grad_enabled(model.training):
         while True:
-            root = shallow_copy(model)
-            recorder = Recorder(root, leaves)
+            recorder = Recorder(model, leaves)  # the trace runs on its copy of the module tree
             tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})), recorder)
             try:
                 with recorder.recording():
-                    graph = tracer.trace(root)
+                    graph = tracer.trace(recorder.root)
                 break
             except _Untraceable as err:
                 leafed[err.qualname] = _short(err.cause)

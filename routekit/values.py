@@ -2,13 +2,16 @@
 
 Tracing and recording run the model on example inputs; the analysis needs only each tensor's shape and
 dtype (`TensorMeta`, put in place of the tensor by `describe`), and checks of outputs need their leaves in
-order, inside dataclasses too (`flatten`).
+order, inside dataclasses too (`flatten`). The frozen records that hold what was found (a trace, the
+report) hold read-only mappings (`read_only`), pickled as plain dicts (`pickled_fields`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -54,3 +57,17 @@ def flatten(value: Any) -> tuple[list, list]:
         else:
             flat.append(v)
     return flat, structure
+
+
+def read_only(mapping: Mapping) -> MappingProxyType:
+    """A read-only view of a copy of `mapping`: what a frozen record holds in place of a dict, so nobody writes
+    into it after it is made."""
+    return MappingProxyType(dict(mapping))
+
+
+def pickled_fields(record: Any) -> tuple:
+    """A frozen record's fields, in order, with its read-only mappings as plain dicts: a mappingproxy does not
+    pickle (nor deep-copy), so a record's `__reduce__` hands these to its constructor, which makes them
+    read-only again."""
+    return tuple(dict(v) if isinstance(v, MappingProxyType) else v
+                 for v in (getattr(record, f.name) for f in dataclasses.fields(record)))

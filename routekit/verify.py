@@ -24,7 +24,6 @@ difference that says nothing about the rewrite. The result says so (`compiled`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 from typing import Any
@@ -36,13 +35,12 @@ from torch import nn
 from torch.func import functional_call
 
 from .calls import bind_arguments
-from .config import Route
 from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
 from .model import RoutedModel, example_call, report_of, unwrap_compiled
 from .rewrite import STATE
 from .routing import gather_tokens, route_side
 from .sides import parameter_names
-from .state import eager, fresh, is_compiled, preserved_state, training_mode
+from .state import eager, fresh, is_compiled, preserved_state, shallow_copy, training_mode
 from .trace import trace
 from .values import flatten
 
@@ -128,18 +126,23 @@ def _eval(model: nn.Module, routed: nn.Module, args: tuple, kwargs: dict, seed: 
     return (len(original) if original is not None else None), len(flatten(want)[0])
 
 
-@contextlib.contextmanager
-def _rate_zero(routed: nn.Module):
-    """Every route of `routed` keeps every token, for the duration."""
-    selects = list(getattr(routed, STATE).routes)
-    saved = [s.route for s in selects]
-    for s in selects:
-        s.route = Route(**{**s.route.model_dump(), "rate": 0.0})
-    try:
-        yield
-    finally:
-        for s, route in zip(selects, saved):
-            s.route = route
+def _at_rate_zero(routed: nn.Module) -> nn.Module:
+    """`routed` with every route keeping every token, for verify's rate-0 run: a copy that shares everything
+    with `routed` (modules, parameters, plan, executor and its programs) but routekit's route selectors, which
+    are copies at rate 0. The routed model itself is not changed, so nothing needs undoing when a run fails."""
+    state = getattr(routed, STATE)
+    zero_state = shallow_copy(state)
+    zero_state._modules["routes"] = nn.ModuleList(_selecting_every_token(select) for select in state.routes)
+    zero = shallow_copy(routed)
+    zero._modules[STATE] = zero_state
+    zero.__dict__["_compiled_call_impl"] = None  # `routed.compile()`'s call runs `routed`; verify runs eagerly
+    return zero
+
+
+def _selecting_every_token(select: nn.Module) -> nn.Module:
+    copy = shallow_copy(select)
+    copy.route = select.route.model_copy(update={"rate": 0.0})
+    return copy
 
 
 def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> str:
@@ -152,17 +155,17 @@ def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int)
                                             for r in plan.placed for i in r.blocks)
     how = ""
     with training_mode(routed, True):
-        with _rate_zero(routed):
-            try:
-                got = _run(routed, args, kwargs, seed, "the routed training graph at rate 0", TrainingChanged)
-            except TrainingChanged:
-                if not retraced:
-                    raise
-                zero = dataclasses.replace(plan, placed=tuple(
-                    dataclasses.replace(p, route=p.route.model_copy(update={"rate": 0.0})) for p in plan.placed))
-                got = _run(lambda *a, **k: executor.run_fresh(routed, a, k, plan=zero), args, kwargs, seed,
-                           "the routed training graph traced at rate 0", TrainingChanged)
-                how = " (traced at rate 0: a block's code is specialised to the kept count)"
+        try:
+            got = _run(_at_rate_zero(routed), args, kwargs, seed, "the routed training graph at rate 0",
+                       TrainingChanged)
+        except TrainingChanged:
+            if not retraced:
+                raise
+            zero = dataclasses.replace(plan, placed=tuple(
+                dataclasses.replace(p, route=p.route.model_copy(update={"rate": 0.0})) for p in plan.placed))
+            got = _run(lambda *a, **k: executor.run_fresh(routed, a, k, plan=zero), args, kwargs, seed,
+                       "the routed training graph traced at rate 0", TrainingChanged)
+            how = " (traced at rate 0: a block's code is specialised to the kept count)"
         if plan.dar is not None:
             reference = lambda *a, **k: executor.run_fresh(routed, a, k, routes=False)  # noqa: E731
         else:

@@ -39,7 +39,7 @@ from routekit.kernels import (  # noqa: E402
 from routekit.kernels.launch import DEFAULTS, AggregateLaunch, aggregate_launch, parse_launch  # noqa: E402
 
 triton = pytest.importorskip("triton")
-from routekit.kernels import aggregation, merge, weighted_sums  # noqa: E402
+from routekit.kernels import aggregation, merge, tables, weighted_sums  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(aggregation._dar_fwd_kernel).__name__ != "InterpretedFunction":
@@ -206,12 +206,12 @@ def test_source_gradients_are_right_in_one_allocation_or_one_each(shared, monkey
 def test_pointer_tables_are_built_once_per_set_of_addresses_and_stay_right(monkeypatch):
     """A backward finds its forward's table (same sources) in the cache; a table is keyed by the
     addresses it holds, so new tensors at new addresses get a new, right table, and the cache is bounded."""
-    monkeypatch.setattr(aggregation, "_TABLES", {})
-    monkeypatch.setattr(aggregation, "TABLE_CACHE_SIZE", 3)
+    monkeypatch.setattr(tables, "_TABLES", {})
+    monkeypatch.setattr(tables, "TABLE_CACHE_SIZE", 3)
     sources, query, grad = Case(4, 2, 3, 24, torch.float32, "d", True, 2.0, seed=5).tensors()
     leaves = [v.clone().requires_grad_() for v in sources]
     fused = torch.autograd.grad(triton_kernel(leaves, query), leaves, grad)
-    first = dict(aggregation._TABLES)
+    first = dict(tables._TABLES)
     # forward sources, gradient buffers (one stacked allocation)
     assert len(first) == 2
     keys = [k[1:] for k in first]
@@ -220,7 +220,7 @@ def test_pointer_tables_are_built_once_per_set_of_addresses_and_stay_right(monke
         assert table.tolist() == list(key[1:])
     again = [v.clone().requires_grad_() for v in sources]  # new addresses while the first are alive
     second = torch.autograd.grad(triton_kernel(again, query), again, grad)
-    assert len(aggregation._TABLES) <= 3
+    assert len(tables._TABLES) <= 3
     expected = torch.autograd.grad(naive.aggregate(leaves, query), leaves, grad)
     for got in (fused, second):
         assert_close(torch.stack(got), torch.stack(expected), TOLERANCE[torch.float32], "grad sources")
@@ -231,8 +231,8 @@ def test_a_captured_cuda_graph_stays_right_after_its_tables_leave_the_cache(monk
     """A forward and backward captured in a CUDA graph (as torch.compile's reduce-overhead mode
     does) replays right on new input values, even after every cached pointer table was evicted and
     the pinned host memory its table copies came from was handed out again."""
-    monkeypatch.setattr(aggregation, "_TABLES", {})
-    monkeypatch.setattr(aggregation, "_GRAPH_TABLES", [])
+    monkeypatch.setattr(tables, "_TABLES", {})
+    monkeypatch.setattr(tables, "_GRAPH_TABLES", [])
     sources, query, grad = Case(6, 2, 5, 48, torch.float32, "d", True, 2.0, seed=11).tensors()
     leaves = [v.clone().requires_grad_() for v in sources]
     q = query.clone().requires_grad_()
@@ -246,7 +246,7 @@ def test_a_captured_cuda_graph_stays_right_after_its_tables_leave_the_cache(monk
     with torch.cuda.graph(graph):
         out = triton_kernel(leaves, q)
         grads = torch.autograd.grad(out, [*leaves, q], grad)
-    aggregation._TABLES.clear()
+    tables._TABLES.clear()
     junk = [torch.full((64,), -1, dtype=torch.int64).pin_memory() for _ in range(16)]
     new_sources, new_query, _ = Case(6, 2, 5, 48, torch.float32, "d", True, 2.0, seed=12).tensors()
     with torch.no_grad():

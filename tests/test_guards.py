@@ -52,11 +52,10 @@ def routed_owner(**options):
 
 
 def at_rate_zero_matches_the_original(routed: nn.Module, x: torch.Tensor) -> bool:
-    from routekit.verify import _original, _rate_zero
+    from routekit.verify import _at_rate_zero, _original
 
     routed.train()
-    with _rate_zero(routed):
-        got = routed(x)
+    got = _at_rate_zero(routed)(x)
     return torch.equal(got, _original(routed)(x))
 
 
@@ -322,3 +321,66 @@ def test_a_forward_that_sets_attributes_when_the_mode_flips_is_found_at_apply():
     rk.verify(model, routed, (ids,))
     with pytest.raises(rk.TraceError, match="layers_are_rescaled"):
         rk.apply(model, rk.Route(start=1, end=2), example_inputs=(ids,), mode="graph")
+
+
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = 2.0
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h):
+        return self.lin(h) * self.gain
+
+
+class Watched(Owner):
+    """An owner whose forward looks at the user's own modules (`user`, not `self`: a trace runs on a copy) as
+    it runs, and can set an attribute or raise."""
+
+    def __init__(self, seen: list, fail: bool = False, write: bool = False):
+        super().__init__()
+        self.gain, self.fail, self.write, self.seen = Gain(), fail, write, seen
+        self.user = [self]  # in a list: a plain attribute, not a submodule
+
+    def forward(self, x):
+        self.seen.append([type(m) for m in self.user[0].modules()])
+        if self.write:
+            self.steps = 1
+        if self.fail:
+            raise RuntimeError("the forward fails")
+        return super().forward(self.gain(self.embed(x)) @ self.embed.weight)
+
+
+@pytest.mark.parametrize("how", ["runs", "raises", "writes"])
+def test_tracing_leaves_the_users_modules_their_classes_and_attributes_even_when_the_forward_fails(how):
+    """A trace records what the forward reads on a copy of the module tree: the user's modules keep their own
+    classes while it runs and after, an attribute the forward sets never reaches them, and the reads are
+    still recorded (a changed `gain` traces again)."""
+    from routekit.errors import TraceError
+    from routekit.trace import trace
+
+    seen: list = []
+    model = Watched(seen, fail=how == "raises", write=how == "writes")
+    classes = [type(m) for m in model.modules()]
+    if how == "runs":
+        tr = trace(model, (torch.randn(2, 10, 3),))
+        assert ("gain", "gain", 2.0) in tr.assumed.reads and ("", "scale", 1.5) in tr.assumed.reads
+    else:
+        with pytest.raises(TraceError, match="sets self.steps" if how == "writes" else "the forward fails"):
+            trace(model, (torch.randn(2, 10, 3),))
+    assert seen and all(types == classes for types in seen)
+    assert [type(m) for m in model.modules()] == classes and "steps" not in vars(model)
+
+
+def test_a_forward_bound_to_the_users_module_itself_still_calls_its_layers_by_their_paths():
+    """accelerate's hooks replace a module's forward by a partial bound to the module: the trace, which runs on a
+    copy of the module tree, reaches the user's module through it, and calls its layers by their own paths."""
+    import functools
+
+    from routekit.trace import trace
+
+    model = Watched([])
+    model.gain.forward = functools.partial(type(model.gain).forward, model.gain)
+    tr = trace(model, (torch.randn(2, 10, 3),))
+    assert "gain.lin" in {n.target for n in tr.graph.nodes if n.op == "call_module"}
+    assert "gain" in tr.assumed.traced_through

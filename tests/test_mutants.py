@@ -149,7 +149,7 @@ def test_item_assignment_into_an_object_passed_in_is_recorded_without_specialisi
             return x + 1
 
     tr = trace(built(Writes), (torch.randn(2, D), Store()))
-    assert tr.specialised == []
+    assert tr.specialised == ()
     assert any(n.target is operator.setitem for n in tr.graph.nodes)
 
 

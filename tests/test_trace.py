@@ -880,3 +880,28 @@ def test_each_block_of_a_real_model_traces_alone_as_dar_traces_it(name: str) -> 
         tr = assert_replays(block, lambda s, call=tuple(call): call if s == 0 else pytree.tree_map(second_input, call))
         assert any(n.op == "call_module" for n in tr.graph.nodes), f"{cls}: no module call recorded"
         assert set(tr.leafed) <= {"mixer"}, f"{cls}: {tr.leafed}"  # Mamba's mixer runs a scan fx cannot see through
+
+
+def test_a_trace_and_the_report_made_of_it_are_frozen_and_stay_so_through_pickle_and_deepcopy():
+    """Nothing writes into a trace or a report after it is made: their fields cannot be set, their tables are
+    read-only, their lists are tuples; a pickled or deep-copied one is as frozen."""
+    import dataclasses
+    import pickle
+
+    import routekit as rk
+    from routekit.model import report_of
+
+    model, x = Stack(), randn(0, 2, 6, DIM)
+    tr = trace(model, (x,))
+    report = report_of(rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))).report
+    for record, tables in ((tr, ("constants", "leafed")), (report, ("candidates", "leafed"))):
+        for again in (record, pickle.loads(pickle.dumps(record)), copy.deepcopy(record)):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                again.leafed = {}
+            for name in tables:
+                assert dict(getattr(again, name)) == dict(getattr(record, name))
+                with pytest.raises(TypeError):
+                    getattr(again, name)["added"] = 1
+            assert isinstance(again.specialised, tuple)
+    assert report.candidates == {"blocks": 3}
+

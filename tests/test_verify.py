@@ -177,7 +177,6 @@ def test_verify_works_on_dar_models(routes):
 def test_a_bf16_dar_model_with_a_route_left_routing_at_rate_0_fails_verify(monkeypatch):
     """DAR's rate-0 check allows rounding in the output's dtype (a few bf16 ulps: the zoo's bf16 test holds that
     real models' reordered sums pass), and no more: the routed program run at its real rate is still caught."""
-    import contextlib
     import importlib
 
     model, args = tiny_dit()
@@ -187,7 +186,7 @@ def test_a_bf16_dar_model_with_a_route_left_routing_at_rate_0_fails_verify(monke
     with torch.no_grad():
         routed.routekit.dar.query.normal_(generator=torch.Generator().manual_seed(3))
     assert rk.verify(model, routed, args)["train"] == "rate 0 matches DAR without routes (to rounding)"
-    monkeypatch.setattr(importlib.import_module("routekit.verify"), "_rate_zero", lambda r: contextlib.nullcontext())
+    monkeypatch.setattr(importlib.import_module("routekit.verify"), "_at_rate_zero", lambda routed: routed)
     with pytest.raises(rk.TrainingChanged, match="not close to DAR without routes"):
         rk.verify(model, routed, args)
 
@@ -366,3 +365,32 @@ def test_a_route_lays_the_kept_tokens_out_as_the_stream_is():
     for b in range(2):
         want[b, index[b]] *= 2
     assert torch.equal(back, want)
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_verify_runs_rate_0_on_a_copy_and_never_changes_the_routed_models_routes(mode):
+    """Verify's rate-0 run keeps every token through a copy of the routed model: the routed model's own routes
+    keep their rate while it runs, and after, also when a run fails."""
+    model, routed, args = routed_owner(mode)
+    live = routed.routekit.routes[0]
+    rates = []
+    block = routed.get_submodule("blocks.1")
+    handle = block.register_forward_pre_hook(lambda m, a: rates.append(live.route.rate) if m.training else None)
+    try:
+        assert rk.verify(model, routed, args)["train"] == "rate 0 bit-identical"
+    finally:
+        handle.remove()
+    assert rates and set(rates) == {0.5}
+
+    def fail(module, inputs):
+        if module.training:
+            raise RuntimeError("a training run fails")
+
+    handle = block.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(rk.TrainingChanged, match="a training run fails"):
+            rk.verify(model, routed, args)
+    finally:
+        handle.remove()
+    assert routed.routekit.routes[0] is live and live.route.rate == 0.5
+    assert rk.verify(model, routed, args)["train"] == "rate 0 bit-identical"

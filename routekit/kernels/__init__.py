@@ -6,10 +6,11 @@ supports (fp32/bf16/fp16, D <= 2048) when triton imports, the reference otherwis
 only when a Triton kernel is chosen, so this package imports on machines without it. Ops that pass
 each other state (a weighted sum and the merges that continue it) must use the same kernel.
 
-Modules: ``aggregation`` (the fused aggregation op and the pointer tables every kernel reads sources
-through), ``merge`` (a two-phase chunk's merge), ``weighted_sums`` (a chunk's shared part), ``logits``
-(``source_logits``), ``naive`` (the references), ``launch`` (every launch default and the parser for
-overrides). docs/kernels.md tells the design and the measurements behind it.
+Modules: ``aggregation`` (the fused aggregation op), ``merge`` (a two-phase chunk's merge),
+``weighted_sums`` (a chunk's shared part), ``logits`` (``source_logits``), ``naive`` (the references),
+``tables`` (the pointer tables every kernel reads its sources through, and their cache), ``launch``
+(every launch default and the parser for overrides). docs/kernels.md tells the design and the
+measurements behind it.
 """
 
 from __future__ import annotations

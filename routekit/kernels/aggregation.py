@@ -5,7 +5,7 @@ h = sum_s softmax_s(q . RMSNorm(v_s) / sqrt(D)) v_s with the contract of ``naive
 generic kernels give a program a block of rows (b, n) and walk the sources, a tile at a time, with an
 online softmax (running max and sum, rescaled accumulator): only the output and a per-row log-sum-exp
 are kept, and backward recomputes keys and weights from the sources. Sources are addressed through an
-int64 table of their data pointers, so a list of tensors is read in place, without a stack.
+int64 table of their data pointers (``tables``), so a list of tensors is read in place, without a stack.
 
 A two-phase chunk's merge (a ``prefix`` given: the aggregation continues a weighted sum's state) runs
 through ``merge``'s kernels where they take it, and through the generic kernels otherwise (a query
@@ -18,7 +18,6 @@ custom op's dispatch. docs/kernels.md tells the design and what measured it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 
 import torch
@@ -28,8 +27,9 @@ from torch import Tensor
 
 from routekit.kernels import merge
 from routekit.kernels.launch import AggregateLaunch, aggregate_launch, sample_split
-from routekit.kernels.merge import _add3
+from routekit.kernels.merge import add3
 from routekit.kernels.naive import DarInputError, Sources, check_dar_inputs
+from routekit.kernels.tables import contiguous, pointer_table, table_of
 
 MAX_D = 2048
 """Largest feature size: a whole row of a source lives in registers."""
@@ -169,7 +169,7 @@ def _dar_bwd_kernel(
             v = v_next.to(tl.float32)
             v_next = _load_tile(table_ptr, s0 + BLOCK_S, S, like_ptr, offs, mask, BLOCK_S, ALIGNED)
             if FUSED_REDUCE:
-                ss, qv, gv = tl.reduce((v * v, q[None, :, :] * v, g[None, :, :] * v), 2, _add3)
+                ss, qv, gv = tl.reduce((v * v, q[None, :, :] * v, g[None, :, :] * v), 2, add3)
             else:
                 ss, qv, gv = tl.sum(v * v, 2), tl.sum(q[None, :, :] * v, 2), tl.sum(g[None, :, :] * v, 2)
             r = tl.rsqrt(ss / D + eps)
@@ -187,69 +187,6 @@ def _dar_bwd_kernel(
     if not DQ_PER_ROW:
         cols = tl.arange(0, BLOCK_D)
         tl.store(dq_ptr + pid.to(tl.int64) * D + cols, tl.sum(dq, 0), mask=cols < D)
-
-
-# Pointer tables by (device, pointers): in a training loop the caching allocator hands the same
-# addresses back every step, and a backward reads the same sources as its forward, so building a
-# table (a host tensor, pinned, copied to the device) becomes a dictionary lookup. A table's content
-# depends only on its key, so a hit is always right, whatever tensor now lives at those addresses.
-_TABLES: dict[tuple, tuple[Tensor, bool]] = {}
-TABLE_CACHE_SIZE = 1024
-# What CUDA graphs read, kept for the life of the process: the cached tables a captured kernel reads,
-# and the pinned host copy of a table built during a capture (the graph replays that copy into a
-# temporary of its own pool). Freed, either could be handed out again and a replay would read its
-# pointers from someone else's data. A few hundred bytes per table a captured step uses.
-_GRAPH_TABLES: list[Tensor] = []
-_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _cached_table_storage(n: int, device: torch.device) -> Tensor:
-    """An int64 device tensor for a cached table, allocated on a helper thread: while a thread warms up
-    or captures a CUDA graph (torch.compile's reduce-overhead mode, torch.cuda.graph) its allocations
-    go to that graph's memory pool, which must hold nothing that outlives the graph's own outputs;
-    a cached table does."""
-    global _HELPER
-    if _HELPER is None:
-        _HELPER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="routekit-tables")
-    table = _HELPER.submit(torch.empty, (n,), dtype=torch.int64, device=device).result()
-    stream = torch.cuda.current_stream(device)
-    if stream != torch.cuda.default_stream(device):  # allocated for the default stream's order
-        stream.wait_stream(torch.cuda.default_stream(device))
-        table.record_stream(stream)
-    return table
-
-
-def _table_of(ptrs: list[int], device: torch.device) -> tuple[Tensor, bool]:
-    """Int64 tensor of ``ptrs`` on ``device``, and whether all are 16-byte aligned."""
-    key = (device, *ptrs)
-    hit = _TABLES.get(key)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if hit is not None:
-        if capturing:  # the graph will read this table: it must outlive an eviction
-            _GRAPH_TABLES.append(hit[0])
-        return hit
-    aligned = all(p % 16 == 0 for p in ptrs)
-    table = torch.tensor(ptrs, dtype=torch.int64)
-    if device.type == "cuda":
-        host = table.pin_memory()
-        if capturing:  # a temporary of the graph, not cached: its copy runs when the graph does
-            _GRAPH_TABLES.append(host)
-            return host.to(device, non_blocking=True), aligned
-        table = _cached_table_storage(len(ptrs), device).copy_(host, non_blocking=True)
-    if len(_TABLES) >= TABLE_CACHE_SIZE:
-        del _TABLES[next(iter(_TABLES))]  # the oldest
-    _TABLES[key] = table, aligned
-    return _TABLES[key]
-
-
-def pointer_table(tensors: list[Tensor]) -> tuple[Tensor, bool]:
-    """The data pointers of ``tensors`` as an int64 tensor on their device, and whether all are
-    16-byte aligned."""
-    return _table_of([t.data_ptr() for t in tensors], tensors[0].device)
-
-
-def contiguous(tensors: list[Tensor]) -> list[Tensor]:
-    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
 # Sources up to this size get their gradients in one (S, B, N, D) allocation, unbound into views:
@@ -272,7 +209,7 @@ def _grad_buffers(sources: list[Tensor]) -> tuple[list[Tensor], Tensor, bool]:
         return grads, *pointer_table(grads)
     stacked = torch.empty((len(sources), *like.shape), dtype=like.dtype, device=like.device)
     base, step = stacked.data_ptr(), stacked.stride(0) * stacked.element_size()
-    return [stacked], *_table_of([base + i * step for i in range(len(sources))], like.device)
+    return [stacked], *table_of([base + i * step for i in range(len(sources))], like.device)
 
 
 def _query_gradient(dq: Tensor, shape: torch.Size, b: int, n: int, splits: int, per_row: bool) -> Tensor:

@@ -4,8 +4,12 @@ arithmetic that maps rows onto lanes and programs.
 The defaults were measured on the H200 at DiT-XL/2's shapes (docs/kernels.md tells what each
 measurement found). An override is an argument of the op that launches the kernel
 (``aggregation.aggregate_triton(..., launch=)``, ``weighted_sums.weighted_sum_triton(..., launch=)``),
-made from text by ``parse_launch`` for a tuning sweep (benchmarks/dar_kernel.py --launch); nothing
-here reads the environment. No triton import: the benchmarks' command lines parse launches without it.
+made from text by ``parse_launch`` for a tuning sweep (benchmarks/dar_kernel.py --launch). One value
+follows the environment, once, at import: ``FUSED_REDUCE`` is off under ``TRITON_INTERPRET=1``, Triton's
+own switch for its CPU interpreter (see the comment there). It is read here, and nowhere else in routekit,
+so the launch defaults and the kernels agree on it; it changes how a kernel sums (one fused reduction or
+separate ones), not what it computes.
+No triton import: the benchmarks' command lines parse launches without it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from dataclasses import dataclass
 from routekit.errors import ConfigError
 
 # Triton's CPU interpreter runs a multi-operand tl.reduce element by element, far slower than separate
-# tl.sum calls (the CPU kernel tests would take minutes), so the interpreter never fuses reductions.
+# tl.sum calls (the CPU kernel tests would take minutes), so the interpreter never fuses reductions. The
+# variable is Triton's, read by Triton itself to decide whether kernels run in the interpreter; routekit
+# only follows it (asking triton instead would need a triton import here).
 FUSED_REDUCE = os.environ.get("TRITON_INTERPRET") != "1"
 
 

@@ -33,8 +33,9 @@ MAX_SOURCES = 4
 
 
 @triton.jit
-def _add3(a0, a1, a2, b0, b1, b2):
-    """tl.reduce's combine for three sums at once (the generic kernels use it too)."""
+def add3(a0, a1, a2, b0, b1, b2):
+    """tl.reduce's combine for three sums at once; the aggregation's generic kernels use it too (they import this
+    module to launch the merges, so it lives here, below them)."""
     return a0 + b0, a1 + b1, a2 + b2
 
 
@@ -78,7 +79,7 @@ def _row_lse(lse_ptr, plse_ptr, b, n, live, N):
 def _source_sums(q, g, v, FUSED_REDUCE: tl.constexpr):
     """Per source of the tile: |v|^2, q . v, g . v."""
     if FUSED_REDUCE:
-        return tl.reduce((v * v, q[None, :] * v, g[None, :] * v), 1, _add3)
+        return tl.reduce((v * v, q[None, :] * v, g[None, :] * v), 1, add3)
     return tl.sum(v * v, 1), tl.sum(q[None, :] * v, 1), tl.sum(g[None, :] * v, 1)
 
 

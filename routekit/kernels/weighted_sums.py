@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from routekit.kernels.aggregation import contiguous, pointer_table
 from routekit.kernels.launch import DEFAULTS, WeightedSumLaunch, cdiv, lane_split
 from routekit.kernels.naive import DarInputError, check_logits
+from routekit.kernels.tables import contiguous, pointer_table
 
 
 def _slices(d: int, split: int) -> tuple[int, int, int]:
