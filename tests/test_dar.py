@@ -22,6 +22,7 @@ from torch import nn
 
 import routekit as rk
 from backbones import dit, mamba, rwkv
+from routekit.model import report_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -338,7 +339,7 @@ def test_blocks_with_hidden_residual_adds_are_one_source_each(spec, chunk, data)
     spec = Spec(**{**spec.__dict__, "hidden_blocks": hidden})
     model, example = build(spec), inputs(spec)
     routed = dar(model, example, chunk=chunk)
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert [b.index for b in report.blocks if not b.adds] == sorted(hidden)
     assert report.residual == ("block" if len(hidden) == len(spec.kinds) else "mixed")
     randomise_queries(routed, spec.seed)
@@ -364,7 +365,7 @@ def test_auto_kernel_on_cpu_is_the_reference():
 def test_one_aggregation_per_sublayer(spec, query):
     model = build(spec)
     routed = dar(model, inputs(spec), query=query)
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert [len(b.adds) for b in report.blocks] == [len(k) for k in spec.kinds]
     assert report.residual == "sublayer"
     assert routed.routekit.dar.points == spec.sublayers
@@ -411,7 +412,7 @@ def test_every_residual_add_is_found_or_the_block_is_one_source(cls):
     spec = Spec(kinds=(("ffn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=4, batch=2, seed=0)
     model = build(spec)
     model.blocks = nn.ModuleList(cls(8, ("ffn", "ffn"), True) for _ in range(3))
-    report = rk.report_of(dar(model, inputs(spec)))
+    report = report_of(dar(model, inputs(spec)))
     assert all(len(b.adds) in (0, 2) for b in report.blocks), [b.adds for b in report.blocks]
 
 
@@ -443,7 +444,7 @@ def test_residual_adds_onto_a_cast_of_the_stream_are_found_and_rewritten_as_plai
     cast.blocks = nn.ModuleList(cls(8, ("ffn", "ffn"), True) for _ in range(3))
     cast.load_state_dict(plain.state_dict())
     routed = dar(cast, inputs(spec), query="dynamic")
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert report.residual == "sublayer" and [len(b.adds) for b in report.blocks] == [2, 2, 2]
     reference = dar(plain, inputs(spec), query="dynamic")
     with torch.no_grad():
@@ -473,7 +474,7 @@ def test_a_bf16_model_whose_sublayers_give_two_dtypes_runs_with_every_chunking(c
     model = model.to(torch.bfloat16)
     example = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in inputs(spec))
     routed = dar(model, example, routes=[rk.Route(start=1, end=1)], chunk=chunk)
-    assert rk.report_of(routed).residual == "sublayer"
+    assert report_of(routed).residual == "sublayer"
     out = routed.train()(*example)
     out.float().square().mean().backward()
     assert out.dtype == torch.bfloat16 and torch.isfinite(routed.routekit.dar.query.grad).all()
@@ -785,7 +786,7 @@ def test_dar_on_rwkv_and_mamba(backbone, overrides, per_block, chunk):
         model = backbone.build("S/2", depth=2, hidden=32, input_size=8, num_classes=10, **overrides)
     example = backbone.example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     routed = dar(model, example, chunk=chunk, stack="blocks")
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert [len(b.adds) for b in report.blocks] == [per_block, per_block]
     assert report.residual == "sublayer"
     assert routed.routekit.dar.query.shape == (2 * per_block, 32)

@@ -20,11 +20,11 @@ from routekit import dar as rk_dar
 from routekit.calls import bind_arguments, call_spec
 from routekit.errors import ConfigError, InferenceChanged, InputError, SelectorError
 from routekit.kernels import naive
-from routekit.model import observe
+from routekit.model import observe, report_of
 from routekit.plan import checked_grid, make_plan
 from routekit.residuals import find_residual_adds
 from routekit.routing import gather_tokens, select_tokens, with_forced
-from routekit.selectors import checked, get_selector, importance, keeps_rows, selector
+from routekit.selectors import checked, importance, selector
 from routekit.sides import _grid_axis, _token_axes
 from routekit.trace import trace
 from routekit.values import TensorMeta
@@ -686,7 +686,7 @@ def test_dar_retraces_a_block_specialised_to_its_token_count_at_the_count_a_rout
     model, x = built(Tokens, 4, Positional), tokens(n=2 * D)  # the route keeps D tokens: as many as the channels
     routed = rk.apply(model, rk.Route(start=1, end=2, rate=0.5), residual=rk.DAR(kernel="torch"), example_inputs=x,
                       generator=torch.Generator().manual_seed(0))
-    assert rk.report_of(routed).placed[0].kept == D
+    assert report_of(routed).placed[0].kept == D
     out = train_out(routed, x)
     assert out.shape == (2, 2 * D, D) and torch.isfinite(out).all()
     out.square().mean().backward()
@@ -857,7 +857,7 @@ def test_register_selector_hands_back_the_function_it_decorates():
 
 
 def test_which_selectors_keep_whole_rows():
-    assert [keeps_rows(name) for name in ("row", "window", "frame", "column", "random")] == [True] * 3 + [False] * 2
+    assert [selector(name).keeps_rows for name in ("row", "window", "frame", "column", "random")] == [True] * 3 + [False] * 2
 
 
 def test_a_selector_returning_something_other_than_a_tensor_is_refused_naming_the_contract():
@@ -888,7 +888,7 @@ def test_importance_by_default_mixes_half_chance_and_at_full_chance_is_random():
         return fn(3, 10, 0.5, generator=torch.Generator().manual_seed(7), device="cpu", **kw)
 
     assert torch.equal(picks(importance(), stream=stream), picks(importance(0.5), stream=stream))
-    assert torch.equal(picks(importance(1.0), stream=stream), picks(get_selector("random")))
+    assert torch.equal(picks(importance(1.0), stream=stream), picks(selector("random").fn))
 
 
 def test_the_column_selector_keeps_a_share_of_the_columns():
@@ -898,7 +898,7 @@ def test_the_column_selector_keeps_a_share_of_the_columns():
 
 def test_a_grid_selector_without_a_grid_asks_for_one():
     with pytest.raises(ConfigError, match="grid="):
-        get_selector("row")(2, 16, 0.5, grid=None)
+        selector("row").fn(2, 16, 0.5, grid=None)
 
 
 # ==== verify =======================================================================================================

@@ -15,8 +15,10 @@ from tiny import Residual
 from torch import nn
 
 import routekit as rk
+from routekit.model import report_of
 from routekit.routing import select_tokens
-from routekit.selectors import get_selector
+from routekit.selectors import selector as selector_spec
+from routekit.selectors import selector_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +47,7 @@ def routed_with(selector: str, batch: int = 4, tokens: int = 12, rate: float = 0
 
 
 def _register_once(name: str, fn) -> None:
-    if name not in rk.selector_names():
+    if name not in selector_names():
         rk.register_selector(name)(fn)
 
 
@@ -64,10 +66,10 @@ def test_a_selector_that_breaks_the_contract_is_refused_naming_the_rule(name, fn
 
 
 def test_built_in_selectors_cannot_be_replaced_by_accident():
-    before = get_selector("random")
+    before = selector_spec("random").fn
     with pytest.raises(rk.ConfigError, match="override=True"):
         rk.register_selector("random")(lambda b, n, rate, **kw: torch.arange(n).expand(b, -1))
-    assert get_selector("random") is before
+    assert selector_spec("random").fn is before
     _register_once("t_first", lambda b, n, rate, **kw: torch.arange(n // 2).expand(b, -1))
     with pytest.raises(rk.ConfigError, match="already registered"):
         rk.register_selector("t_first")(lambda b, n, rate, **kw: torch.arange(n // 2).expand(b, -1))
@@ -76,7 +78,7 @@ def test_built_in_selectors_cannot_be_replaced_by_accident():
         return torch.arange(n - n // 2, n).expand(b, -1)
 
     rk.register_selector("t_first", override=True)(second)
-    assert get_selector("t_first") is second
+    assert selector_spec("t_first").fn is second
 
 
 def test_random_selects_per_sample():
@@ -128,9 +130,9 @@ def test_negative_block_indices_count_from_the_end():
     model = Net(depth=4)
     x = torch.randn(2, 12, DIM)
     routed = rk.apply(model, rk.Route(start=1, end=-2), example_inputs=(x,))
-    placed = rk.report_of(routed).placed[0]
+    placed = report_of(routed).placed[0]
     assert (placed.start, placed.end) == (1, 2)
-    assert "route 0: blocks 1→2" in str(rk.report_of(routed))
+    assert "route 0: blocks 1→2" in str(report_of(routed))
     explicit = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
     for r in (routed, explicit):
         r.routekit.routes[0].generator = torch.Generator().manual_seed(4)
@@ -170,7 +172,7 @@ def test_video_grids_are_read_off_a_conv3d_and_grid_selectors_keep_whole_lines(s
     video = torch.randn(2, 3, 4, 6, 8)  # T=4 frames of 3×4 patches
     routed = rk.apply(model, rk.Route(start=1, end=2, selector=selector), example_inputs=(video,),
                       generator=torch.Generator().manual_seed(1))
-    assert rk.report_of(routed).grid == (4, 3, 4)
+    assert report_of(routed).grid == (4, 3, 4)
     routed.train()
     routed(video)
     kept = ~rk.last_route_mask(routed).reshape(2, 4, 3, 4)  # (B, T, H, W)
