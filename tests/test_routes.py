@@ -33,6 +33,7 @@ from torch import nn
 import routekit as rk
 from backbones import dit
 from routekit.model import RoutedModel, report_of
+from routekit.routing import gather_tokens
 from routekit.selectors import selector as selector_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -396,3 +397,9 @@ def test_per_sample_condition_as_wide_as_the_token_count_is_not_gathered() -> No
     assert report.tokens == 64 and [s.kind for s in report.blocks[0].side_inputs] == ["per-sample"]
     routed = rk.apply(model, routes=rk.Route(start=2, end=3, rate=0.5), example_inputs=(x, t, y))
     assert run(routed, (x, t, y), train=True).shape == x.shape
+
+
+def test_a_table_shared_by_the_batch_is_gathered_per_sample():
+    for count, index in ((5, torch.tensor([[0, 2], [1, 4], [3, 4]])), (3, torch.tensor([[0], [2], [1]]))):
+        table = torch.arange(float(count))[None, :, None].expand(1, count, 2)
+        assert torch.equal(gather_tokens(table, index)[..., 0], index.float())

@@ -11,14 +11,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import Residual
+from tiny import D, Registers, Residual, Tokens, built, image, tokens, train_out
 from torch import nn
 
 import routekit as rk
+from routekit.errors import ConfigError, InputError, SelectorError
 from routekit.model import report_of
-from routekit.routing import select_tokens
+from routekit.routing import select_tokens, with_forced
+from routekit.selectors import checked, importance, selector_names
 from routekit.selectors import selector as selector_spec
-from routekit.selectors import selector_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -244,3 +245,79 @@ def test_force_keep_refuses_what_it_cannot_honour():
     with pytest.raises(rk.SelectorError, match="batch"):
         with rk.force_keep(routed, torch.ones(3, 12, dtype=torch.bool)):
             routed(x)
+
+
+def test_force_keep_refuses_a_mask_that_is_not_batch_by_tokens_at_once():
+    routed = rk.apply(built(Tokens), rk.Route(start=1, end=2, rate=0.5), example_inputs=tokens())
+    with pytest.raises(InputError, match="bool"):
+        with rk.force_keep(routed, torch.ones(6, dtype=torch.bool)):
+            pass
+
+
+def test_at_rate_zero_a_force_keep_mask_changes_nothing_whatever_the_selector():
+    model = built(Registers)
+    routed = rk.apply(model, rk.Route(start=0, end=1, rate=0.0, selector="row", keep=[0, 1]), example_inputs=image())
+    with rk.force_keep(routed, torch.ones(2, 26, dtype=torch.bool)):
+        train_out(routed, image())
+    assert not rk.last_route_mask(routed).any()
+
+
+def test_a_force_keep_mask_must_be_bool_and_cover_the_stream():
+    index = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(SelectorError, match="bool"):
+        with_forced(index, torch.ones(2, 4), "random", None, 4)
+    with pytest.raises(SelectorError, match=r"here \(2, 4\); got torch.bool \(2, 5\)"):
+        with_forced(index, torch.ones(2, 5, dtype=torch.bool), "random", None, 4)
+
+
+def test_register_selector_hands_back_the_function_it_decorates():
+    def halves(batch, n, rate, **kw):
+        return torch.arange(n - n // 2).expand(batch, -1)
+
+    assert rk.register_selector("t_halves_decorated", override=True)(halves) is halves
+
+
+def test_which_selectors_keep_whole_rows():
+    names = ("row", "window", "frame", "column", "random")
+    assert [selector_spec(name).keeps_rows for name in names] == [True] * 3 + [False] * 2
+
+
+def test_a_selector_returning_something_other_than_a_tensor_is_refused_naming_the_contract():
+    rk.register_selector("t_list", override=True)(lambda batch, n, rate, **kw: [[0, 1]] * batch)
+    with pytest.raises(SelectorError, match="LongTensor"):
+        select_tokens("t_list", 2, 4, 0.5, grid=None, generator=None, device="cpu")
+
+
+def test_a_selection_of_one_token_per_sample_is_valid():
+    one = torch.zeros(3, 1, dtype=torch.long)
+    assert checked("random", one, 3, 4) is one
+
+
+def test_a_custom_selector_returning_a_valid_selection_routes_and_one_index_past_the_end_is_refused():
+    rk.register_selector("t_last_two", override=True)(lambda batch, n, rate, **kw: torch.arange(n - 2, n).expand(
+        batch, -1))
+    rk.register_selector("t_past_end", override=True)(lambda batch, n, rate, **kw: torch.arange(n - 1, n + 1).expand(
+        batch, -1))
+    assert select_tokens("t_last_two", 2, 5, 0.5, grid=None, generator=None, device="cpu").tolist() == [[3, 4]] * 2
+    with pytest.raises(SelectorError, match="sorted, unique and within"):
+        select_tokens("t_past_end", 2, 5, 0.5, grid=None, generator=None, device="cpu")
+
+
+def test_importance_by_default_mixes_half_chance_and_at_full_chance_is_random():
+    stream = torch.randn(3, 10, D, generator=torch.Generator().manual_seed(0))
+
+    def picks(fn, **kw):
+        return fn(3, 10, 0.5, generator=torch.Generator().manual_seed(7), device="cpu", **kw)
+
+    assert torch.equal(picks(importance(), stream=stream), picks(importance(0.5), stream=stream))
+    assert torch.equal(picks(importance(1.0), stream=stream), picks(selector_spec("random").fn))
+
+
+def test_the_column_selector_keeps_a_share_of_the_columns():
+    assert selector_spec("column").kept_grid((4, 6), 0.5) == (4, 3)
+    assert selector_spec("column").kept_grid((2, 4, 6), 0.25) == (2, 4, 5)
+
+
+def test_a_grid_selector_without_a_grid_asks_for_one():
+    with pytest.raises(ConfigError, match="grid="):
+        selector_spec("row").fn(2, 16, 0.5, grid=None)
