@@ -18,7 +18,7 @@ import routekit as rk
 from routekit.errors import ConfigError, InputError, SelectorError
 from routekit.model import report_of
 from routekit.routing import select_tokens, with_forced
-from routekit.selectors import checked, importance, selector_names
+from routekit.selectors import SelectorSpec, checked, importance, selector_names
 from routekit.selectors import selector as selector_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -321,3 +321,47 @@ def test_the_column_selector_keeps_a_share_of_the_columns():
 def test_a_grid_selector_without_a_grid_asks_for_one():
     with pytest.raises(ConfigError, match="grid="):
         selector_spec("row").fn(2, 16, 0.5, grid=None)
+
+
+# ---- laws the first mutmut run found unheld (docs/mutation.md) ----------------------------------------------------
+
+
+def test_a_registered_selector_keeps_the_flags_it_was_registered_with_and_none_it_was_not():
+    def fn(batch, n, rate, **kw):
+        return torch.arange(n - n // 2).expand(batch, -1)
+
+    def kept_grid(grid, rate):
+        return grid
+
+    rk.register_selector("t_flagged", needs_grid=True, keeps_rows=True, needs_stream=True, kept_grid=kept_grid,
+                         override=True)(fn)
+    rk.register_selector("t_plain", override=True)(fn)
+    assert selector_spec("t_flagged") == SelectorSpec(fn, True, True, True, kept_grid)
+    assert selector_spec("t_plain") == SelectorSpec(fn)
+
+
+@pytest.mark.parametrize("name", ["", 3, None])
+def test_a_selector_name_that_is_not_a_non_empty_string_is_refused(name):
+    with pytest.raises(rk.ConfigError, match="non-empty string"):
+        rk.register_selector(name)
+
+
+def test_a_custom_selection_may_start_at_token_zero_and_may_not_start_below_it():
+    rk.register_selector("t_first_two", override=True)(lambda batch, n, rate, **kw: torch.arange(2).expand(batch, -1))
+    rk.register_selector("t_negative", override=True)(
+        lambda batch, n, rate, **kw: torch.tensor([-1, 0, 1]).expand(batch, -1))
+    assert select_tokens("t_first_two", 2, 5, 0.5, grid=None, generator=None, device="cpu").tolist() == [[0, 1]] * 2
+    with pytest.raises(SelectorError, match="sorted, unique and within"):
+        select_tokens("t_negative", 2, 5, 0.5, grid=None, generator=None, device="cpu")
+
+
+def test_importance_scales_each_samples_norms_to_the_unit_range_before_mixing_in_chance():
+    """Samples whose norms differ in offset and spread are ranked alike: each is scaled by its own min and max."""
+    base = torch.randn(1, 10, D, generator=torch.Generator().manual_seed(0))
+    stream = torch.cat([base, 100 * base + 7, 0.01 * base])  # one ranking by norm, three ranges
+    draw = torch.rand(3, 10, generator=torch.Generator().manual_seed(7))
+    norm = stream.abs().sum(-1)
+    low, high = norm.amin(1, keepdim=True), norm.amax(1, keepdim=True)
+    want = (0.7 * (norm - low) / (high - low) + 0.3 * draw).topk(5, dim=1).indices.sort(1).values
+    got = importance(0.3)(3, 10, 0.5, stream=stream, generator=torch.Generator().manual_seed(7), device="cpu")
+    assert torch.equal(got, want)
