@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
 
 import routekit as rk  # noqa: E402
 from benchmarks.common import RESULTS, device_or_exit, figure, machine, time_ms, write  # noqa: E402
+from routekit.model import report_of  # noqa: E402
 
 FULL = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 128, "num_attention_heads": 24,
         "joint_attention_dim": 4096, "pooled_projection_dim": 768, "in_channels": 64, "axes_dims_rope": (16, 56, 56)}
@@ -276,7 +277,7 @@ def main() -> None:
                 stats = measure(model, *batch_inputs, mode, args.steps, args.warmup)
                 if name.startswith("routekit"):
                     stats["host_ms"] = host_ms(model, *batch_inputs)
-                    shared[name] = rk.report_of(model).placed[0].shared
+                    shared[name] = report_of(model).placed[0].shared
                 rows.append({"batch": batch, "mode": mode, "variant": name,
                              "flop_limit": flops["vanilla"] / flops[name], **stats})
                 print(f"batch {batch} {mode:7s} {name:28s} median {stats['step_ms']:8.2f} ms  p90 "

@@ -3,6 +3,11 @@
     routed = routekit.apply(model, routes="default", example_inputs=(x, t, y))
     routed.train()  # blocks 2..depth-4 see half the tokens (TREAD)
     routed.eval()   # the original forward, bit for bit
+
+The package exports what a user calls; the rest lives in its own module: the plan a routed model carries
+(`routekit.model.report_of`, `routekit.plan.Plan`), the analysis (`routekit.findings.GraphReport`), the
+selector registry (`routekit.selectors`: `selector_names`, `uniform` for selectors of your own) and FSDP2's
+unit list (`routekit.sharding.fsdp_units`).
 """
 
 from .config import DAR, Route
@@ -18,19 +23,15 @@ from .errors import (
     TrainingChanged,
     VerificationError,
 )
-from .findings import GraphReport
 from .inspection import inspect
-from .model import FallbackWarning, RoutedModel, apply, force_keep, last_route_mask, report_of, strip
-from .plan import Plan
-from .selectors import register_selector, selector_names, uniform
-from .sharding import fsdp_units, shard
+from .model import FallbackWarning, apply, force_keep, last_route_mask, strip
+from .selectors import register_selector
+from .sharding import shard
 from .verify import verify
 
 __all__ = [
-    "DAR", "AnalysisError", "ConfigError", "FallbackWarning", "GraphReport", "InferenceChanged", "InputError",
-    "NonFiniteError", "Plan", "Route", "RoutedModel", "RoutekitError", "SelectorError", "TraceError", "TrainingChanged",
-    "VerificationError", "apply",
-    "force_keep", "fsdp_units", "inspect", "last_route_mask", "register_selector", "report_of", "selector_names",
-    "shard", "strip", "uniform", "verify",
+    "DAR", "Route", "apply", "force_keep", "inspect", "last_route_mask", "register_selector", "shard", "strip", "verify",
+    "AnalysisError", "ConfigError", "FallbackWarning", "InferenceChanged", "InputError", "NonFiniteError",
+    "RoutekitError", "SelectorError", "TraceError", "TrainingChanged", "VerificationError",
 ]
 __version__ = "0.1.0"

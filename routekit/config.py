@@ -13,7 +13,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from .errors import ConfigError
-from .selectors import get_selector
+from .selectors import selector as selector_spec
 
 
 class _Config(BaseModel):
@@ -78,7 +78,7 @@ class Route(_Config):
     @classmethod
     def _known_selector(cls, v: str) -> str:
         try:
-            get_selector(v)
+            selector_spec(v)
         except ConfigError as err:
             raise ValueError(str(err)) from None
         return v

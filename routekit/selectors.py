@@ -84,21 +84,13 @@ def selector(name: str) -> SelectorSpec:
     return _REGISTRY[name]
 
 
-def get_selector(name: str) -> Selector:
-    """The selector function registered as `name`."""
-    return selector(name).fn
-
-
 def selector_names() -> list[str]:
+    """The registered selectors' names, sorted: the choices `Route(selector=...)` takes."""
     return sorted(_REGISTRY)
 
 
 def needs_grid(name: str) -> bool:
     return selector(name).needs_grid
-
-
-def keeps_rows(name: str) -> bool:
-    return selector(name).keeps_rows
 
 
 def checked(name: str, index, batch: int, tokens: int) -> torch.Tensor:

@@ -108,7 +108,7 @@ def check_sharding(routed: nn.Module, called: frozenset[str]) -> None:
     layers, and with DAR the blocks and their non-leaf layers), so a module whose own forward no longer runs
     cannot carry an FSDP unit (its parameters would never be gathered: FSDP2
     fails deep inside a matmul on mixed Tensor/DTensor, FSDP1 on a missing attribute) nor an activation
-    checkpoint (nothing would be recomputed). Accepted: `routekit.shard`'s units (`routekit.fsdp_units`:
+    checkpoint (nothing would be recomputed). Accepted: `routekit.shard`'s units (`routekit.sharding.fsdp_units`:
     per block, the layers DAR calls in it, grouped), single called layers, and the whole model. Any other
     group of several modules is refused too: FSDP gathers a group at its first module's forward and frees
     it after its last, which only routekit's units are checked to fit."""
@@ -129,8 +129,9 @@ def _check_units(routed: nn.Module, called: frozenset[str]) -> None:
             module = module._checkpoint_wrapped_module
             runs.add(id(module))
     fix = ("use routekit.shard(model) before accelerate.prepare: one unit per block, made of the layers DAR calls "
-           "in it (routekit.fsdp_units(model) lists them). Shard the whole model as one unit (fully_shard(model); "
-           "accelerate: fsdp_auto_wrap_policy NO_WRAP) or single leaf layers such as nn.Linear to shard it yourself")
+           "in it (routekit.sharding.fsdp_units(model) lists them). Shard the whole model as one unit "
+           "(fully_shard(model); accelerate: fsdp_auto_wrap_policy NO_WRAP) or single leaf layers such as nn.Linear "
+           "to shard it yourself")
     units = None
     for name, module in routed.named_modules():
         if isinstance(module, ActivationWrapper) and id(module) not in runs:

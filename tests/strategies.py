@@ -317,7 +317,7 @@ def cases(draw: st.DrawFn, arch: st.SearchStrategy[Arch] | None = None, **plan_o
     return Case(a, build(a), example_inputs(a, seed=a.seed), routes, a.grid if given else None, mode)
 
 
-def kept_count(route: rk.Route, grid: tuple[int, int]) -> int:
+def kept_tokens(route: rk.Route, grid: tuple[int, int]) -> int:
     """How many tokens blocks inside `route` see: N - int(N * rate), or whole rows / columns."""
     (h, w), rate = grid, route.rate
     if route.selector in ("row", "window"):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import routekit as rk
+from routekit.model import RoutedModel, report_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,7 +111,7 @@ def test_apply_falls_back_to_boundary_mode_when_the_owner_does_not_trace_and_say
     with pytest.raises(rk.TraceError, match="Owner.forward"):
         route(untraceable, mode="graph")
     routed = route(untraceable)
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert report.mode == "boundary" and "control flow depends on" in report.fallback
     assert "boundary mode" in str(report) and report.grid == GRID and report.grid_node == "embed"
     assert [s.kind for s in report.blocks[0].side_inputs if s.node] == ["per-token", "per-sample"]
@@ -132,7 +133,7 @@ def test_boundary_mode_routes_exactly_like_graph_mode() -> None:
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         results.append((out, grads, [rk.last_route_mask(routed, k) for k in range(len(ROUTES))],
-                        rk.report_of(routed).mode))
+                        report_of(routed).mode))
     assert [r[3] for r in results] == ["boundary", "graph", "boundary"]
     for out, grads, masks, _ in results[1:]:
         torch.testing.assert_close(out.sample, results[0][0].sample, rtol=0, atol=0)
@@ -172,7 +173,7 @@ def test_a_users_forward_hook_on_a_routes_last_block_sees_its_own_output_in_both
 
         for i in (2, 3):  # the last blocks of the two routes; registered after apply, as a user would
             routed.blocks[i].register_forward_hook(lambda m, a, o, i=i: double(o, i))
-        results.append((routed(*args, **kwargs).sample, seen, rk.report_of(routed).mode))
+        results.append((routed(*args, **kwargs).sample, seen, report_of(routed).mode))
     assert [r[2] for r in results] == ["boundary", "graph"]
     assert results[0][1] == results[1][1] == {2: 8, 3: 12}
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
@@ -220,7 +221,7 @@ def test_a_routed_model_round_trips_through_torch_save_pickle_and_deepcopy(mode:
     buffer.seek(0)
     copies = [torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(routed)), copy.deepcopy(routed)]
     for loaded in copies:
-        assert type(loaded) is type(routed) and rk.report_of(loaded).mode == mode
+        assert type(loaded) is type(routed) and report_of(loaded).mode == mode
         assert loaded.state_dict().keys() == routed.state_dict().keys()
         assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), routed.state_dict().values()))
         for module in (routed, loaded):
@@ -237,7 +238,7 @@ def test_owner_forwards_with_keywords_none_defaults_and_tuple_or_dataclass_outpu
     args, kwargs = call()
     for options in ({}, {"return_dict": False}, {"scale": None}, {"mask": kwargs["mask"]}):
         routed = rk.apply(traceable, ROUTES, example_inputs=args, example_kwargs=options)
-        assert rk.report_of(routed).mode == "graph"
+        assert report_of(routed).mode == "graph"
         assert rk.verify(traceable, routed, args, options)["mode"] == "graph"
         out = routed.train()(*args, **options)
         assert type(out) is (tuple if options.get("return_dict") is False else Output)
@@ -255,7 +256,7 @@ def test_dict_outputs_and_compiled_blocks_route_in_graph_mode() -> None:
     model.blocks = nn.ModuleList([torch.compile(b, backend="eager") for b in model.blocks])
     args, kwargs = call()
     routed = rk.apply(model, ROUTES, example_inputs=args, example_kwargs=kwargs)
-    assert rk.report_of(routed).mode == "graph" and rk.report_of(routed).blocks[0].cls == "OptimizedModule"
+    assert report_of(routed).mode == "graph" and report_of(routed).blocks[0].cls == "OptimizedModule"
     assert rk.verify(model, routed, args, kwargs)["mode"] == "graph"
     out = routed.train()(*args, **kwargs)
     assert set(out) == {"sample", "aux"} and out["sample"].shape == (2, 16, 3)
@@ -266,11 +267,11 @@ def test_a_torch_compiled_model_is_routed_inside_and_comes_back_compiled_the_sam
     args, kwargs = call()
     compiled = torch.compile(traceable, backend="eager")
     routed = route(compiled)
-    assert type(routed) is type(compiled) and isinstance(routed._orig_mod, rk.RoutedModel)
+    assert type(routed) is type(compiled) and isinstance(routed._orig_mod, RoutedModel)
     assert routed.dynamo_ctx is compiled.dynamo_ctx
     assert rk.verify(compiled, routed, args, kwargs)["mode"] == "graph"
     routed.train()(*args, **kwargs).sample.sum().backward()
-    assert rk.last_route_mask(routed).shape == (2, 16) and rk.report_of(routed).depth == 5
+    assert rk.last_route_mask(routed).shape == (2, 16) and report_of(routed).depth == 5
     assert type(rk.strip(routed)) is type(compiled) and type(rk.strip(routed)._orig_mod) is Owner
     assert rk.inspect(routed).routes == ROUTES
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from zoo import ZOO, Missing
 
 import routekit as rk
+from routekit.model import report_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,7 +27,7 @@ def build(name: str):
 
 def test_route_ends_count_over_the_chain_from_either_end_or_by_stack_and_index():
     model, args, kwargs = build("diffusers Chroma (across both stacks)")  # 4 double + 6 single blocks
-    plans = [rk.report_of(rk.apply(model, route, example_inputs=args, example_kwargs=kwargs)).placed[0]
+    plans = [report_of(rk.apply(model, route, example_inputs=args, example_kwargs=kwargs)).placed[0]
              for route in (rk.Route(start=2, end=-2), rk.Route(start=2, end=8),
                            rk.Route(start="transformer_blocks.2", end="single_transformer_blocks.-2"),
                            rk.Route(start="transformer_blocks.-2", end="single_transformer_blocks.4"))]
@@ -97,7 +98,7 @@ def test_a_flux_whose_attention_reads_the_key_shape_routes_its_double_stack():
     model, args, kwargs = build("diffusers Flux")
     model.set_attn_processor(KeyShapeProcessor())
     routed = rk.apply(model, rk.Route(start=1, end=4), example_inputs=args, example_kwargs=kwargs)
-    table = next(s for s in rk.report_of(routed).blocks[1].side_inputs if s.slot == "image_rotary_emb")
+    table = next(s for s in report_of(routed).blocks[1].side_inputs if s.slot == "image_rotary_emb")
     assert [g.rest_first for g in table.tokens] == [True, True]  # the text's rows first, read off the block's cat
     rk.verify(model, routed, args, kwargs)
 
@@ -107,9 +108,9 @@ def test_simpletuners_tread_config_goes_into_apply_as_it_is():
     over the double- and single-stream blocks, negative from the end."""
     model, args, kwargs = build("diffusers Flux (across both stacks)")
     tread_config = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
-    ours = rk.report_of(rk.apply(model, rk.Route(start=2, end=-2, rate=0.5), example_inputs=args,
+    ours = report_of(rk.apply(model, rk.Route(start=2, end=-2, rate=0.5), example_inputs=args,
                                  example_kwargs=kwargs)).placed[0]
-    theirs = rk.report_of(rk.apply(model, tread_config, example_inputs=args, example_kwargs=kwargs)).placed[0]
+    theirs = report_of(rk.apply(model, tread_config, example_inputs=args, example_kwargs=kwargs)).placed[0]
     assert (theirs.start, theirs.end, theirs.route.rate, theirs.kept) == (ours.start, ours.end, 0.5, 8) == (2, 10, 0.5, 8)
     for bad in ({"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2}]}, {"routes": {"start_layer_idx": 2}}):
         with pytest.raises(rk.ConfigError, match="tread_config"):

@@ -18,6 +18,7 @@ import torch._inductor.config
 
 import routekit as rk
 from backbones import dit
+from routekit.model import report_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,7 +182,7 @@ def test_blocks_compiled_one_by_one_are_compiled_once_per_token_count_and_stay_s
     assert counters["stats"]["unique_graphs"] == 2  # one per token count, for all four blocks
     assert rk.last_route_mask(routed).sum(1).tolist() == [8, 8]  # routed in boundary mode too (the private copy
     # of a block.compile()'d block once ran the original's compiled call, which skipped the copy's routing hooks)
-    plan = rk.report_of(routed)
+    plan = report_of(routed)
     assert "compiled: 16 and 8 tokens, each static" in str(plan)
     rk.verify(model, routed, args)
     torch._dynamo.reset()

@@ -4,6 +4,8 @@ The models here are pre-norm stacks whose blocks expose their sublayers (`Block.
 run DAR's forward as a plain loop: history = [v_0]; for each sublayer v = branch(h), history gets v (with
 chunk=S every S outputs become their sum), h = softmax-mix of the history keyed by q·RMSNorm(v)/√D; after
 the last block h goes to the output layer. Nothing here calls routekit's aggregation or its route ops.
+The laws at the end hold DAR with routes against the same loop written out by hand on tests/tiny.py's models, and
+the layer norm DAR folds into a merge against F.layer_norm of the merge.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny import D, Mlp, Tokens, TupleBlock, built, tokens, train_out
 from torch import nn
 
 import routekit as rk
 from backbones import dit, mamba, rwkv
+from routekit import dar as rk_dar
+from routekit.kernels import naive
+from routekit.model import report_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -338,7 +344,7 @@ def test_blocks_with_hidden_residual_adds_are_one_source_each(spec, chunk, data)
     spec = Spec(**{**spec.__dict__, "hidden_blocks": hidden})
     model, example = build(spec), inputs(spec)
     routed = dar(model, example, chunk=chunk)
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert [b.index for b in report.blocks if not b.adds] == sorted(hidden)
     assert report.residual == ("block" if len(hidden) == len(spec.kinds) else "mixed")
     randomise_queries(routed, spec.seed)
@@ -364,7 +370,7 @@ def test_auto_kernel_on_cpu_is_the_reference():
 def test_one_aggregation_per_sublayer(spec, query):
     model = build(spec)
     routed = dar(model, inputs(spec), query=query)
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert [len(b.adds) for b in report.blocks] == [len(k) for k in spec.kinds]
     assert report.residual == "sublayer"
     assert routed.routekit.dar.points == spec.sublayers
@@ -411,7 +417,7 @@ def test_every_residual_add_is_found_or_the_block_is_one_source(cls):
     spec = Spec(kinds=(("ffn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=4, batch=2, seed=0)
     model = build(spec)
     model.blocks = nn.ModuleList(cls(8, ("ffn", "ffn"), True) for _ in range(3))
-    report = rk.report_of(dar(model, inputs(spec)))
+    report = report_of(dar(model, inputs(spec)))
     assert all(len(b.adds) in (0, 2) for b in report.blocks), [b.adds for b in report.blocks]
 
 
@@ -443,7 +449,7 @@ def test_residual_adds_onto_a_cast_of_the_stream_are_found_and_rewritten_as_plai
     cast.blocks = nn.ModuleList(cls(8, ("ffn", "ffn"), True) for _ in range(3))
     cast.load_state_dict(plain.state_dict())
     routed = dar(cast, inputs(spec), query="dynamic")
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert report.residual == "sublayer" and [len(b.adds) for b in report.blocks] == [2, 2, 2]
     reference = dar(plain, inputs(spec), query="dynamic")
     with torch.no_grad():
@@ -473,7 +479,7 @@ def test_a_bf16_model_whose_sublayers_give_two_dtypes_runs_with_every_chunking(c
     model = model.to(torch.bfloat16)
     example = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in inputs(spec))
     routed = dar(model, example, routes=[rk.Route(start=1, end=1)], chunk=chunk)
-    assert rk.report_of(routed).residual == "sublayer"
+    assert report_of(routed).residual == "sublayer"
     out = routed.train()(*example)
     out.float().square().mean().backward()
     assert out.dtype == torch.bfloat16 and torch.isfinite(routed.routekit.dar.query.grad).all()
@@ -785,7 +791,7 @@ def test_dar_on_rwkv_and_mamba(backbone, overrides, per_block, chunk):
         model = backbone.build("S/2", depth=2, hidden=32, input_size=8, num_classes=10, **overrides)
     example = backbone.example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     routed = dar(model, example, chunk=chunk, stack="blocks")
-    report = rk.report_of(routed)
+    report = report_of(routed)
     assert [len(b.adds) for b in report.blocks] == [per_block, per_block]
     assert report.residual == "sublayer"
     assert routed.routekit.dar.query.shape == (2 * per_block, 32)
@@ -939,3 +945,118 @@ def test_dar_on_blocks_with_no_residual_add_is_refused_by_name():
 
     with pytest.raises(rk.ConfigError, match=r"blocks\.0 \(and 3 more blocks\) has none: its output is not its input"):
         rk.apply(Net(), residual=rk.DAR(), example_inputs=(torch.randn(2, 6, 8),))
+
+
+class TwoSublayers(nn.Module):
+    """Two token-wise residual sublayers: DAR's aggregation points."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(2))
+        self.fcs = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def branch(self, j, x):
+        return self.fcs[j](self.norms[j](x))
+
+    def forward(self, x):
+        for j in range(2):
+            x = x + self.branch(j, x)
+        return x
+
+
+def dar_mean_by_hand(model: Tokens, x, chunk, spans) -> torch.Tensor:
+    """DAR with zero queries (each aggregation the mean of its sources), token-wise blocks; per route (start,
+    end, routed (B, N) bool): a routed token's sublayer outputs inside the route are 0 and its stream keeps its
+    route-start value."""
+    h = model.embed(x)
+    closed, current, frozen = [h], [], None
+    for i, block in enumerate(model.blocks):
+        routed = next((m[..., None] for s, e, m in spans if s <= i <= e), None)
+        if any(s == i for s, _, _ in spans):
+            frozen = h
+        for j in range(2):
+            v = block.branch(j, h)
+            if routed is not None:
+                v = torch.where(routed, torch.zeros_like(v), v)
+            current.append(v)
+            if chunk and len(current) == chunk:
+                closed.append(sum(current[1:], current[0]))
+                current = []
+            h = torch.stack(closed + current).mean(0)
+            if routed is not None:
+                h = torch.where(routed, frozen, h)
+    return h
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_dar_with_two_routes_gives_routed_tokens_zero_sources_and_keeps_every_other_source(chunk):
+    """Sources made before a route (v_0 included) and between routes come back whole after it; a chunk begun
+    before a route keeps its pre-route part for the routed tokens."""
+    model, x = built(Tokens, 4, TwoSublayers), tokens(n=8)
+    routes = [rk.Route(start=0, end=0, rate=0.5), rk.Route(start=2, end=2, rate=0.5)]
+    routed = rk.apply(model, routes, residual=rk.DAR(chunk=chunk, kernel="torch"), example_inputs=x,
+                      generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = train_out(routed, x)
+        spans = [(r.start, r.end, rk.last_route_mask(routed, route=k)) for k, r in enumerate(routes)]
+        assert all(m.any() for _, _, m in spans)
+        torch.testing.assert_close(out, dar_mean_by_hand(model, x, chunk, spans), atol=1e-5, rtol=0)
+
+
+class Positional(Mlp):
+    """Specialised to its token count: a position ramp made from the count as a Python int (a trace-time
+    constant inside the block)."""
+
+    def forward(self, x):
+        n = int(x.shape[1])
+        ramp = torch.arange(n, dtype=torch.float32)[:, None] / n
+        return x + self.fc(self.norm(x)) * (1 + ramp)
+
+
+def test_dar_retraces_a_block_specialised_to_its_token_count_at_the_count_a_route_gives_it():
+    model, x = built(Tokens, 4, Positional), tokens(n=2 * D)  # the route keeps D tokens: as many as the channels
+    routed = rk.apply(model, rk.Route(start=1, end=2, rate=0.5), residual=rk.DAR(kernel="torch"), example_inputs=x,
+                      generator=torch.Generator().manual_seed(0))
+    assert report_of(routed).placed[0].kept == D
+    out = train_out(routed, x)
+    assert out.shape == (2, 2 * D, D) and torch.isfinite(out).all()
+    out.square().mean().backward()
+    assert routed.routekit.dar.query.grad.abs().sum() > 0
+
+
+def test_dar_inlines_blocks_that_return_tuples():
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(3, D)
+            self.blocks = nn.ModuleList(TupleBlock() for _ in range(3))
+
+        def forward(self, x):
+            h, aux = self.embed(x), 0
+            for block in self.blocks:
+                h, a = block(h)
+                aux = aux + a
+            return h, aux
+
+    model, x = built(Owner), tokens()
+    routed = rk.apply(model, residual=rk.DAR(kernel="torch"), example_inputs=x)
+    assert rk.verify(model, routed, x)["outputs"] == 2
+    with torch.no_grad():  # zero queries: each of the three aggregations is the mean of its sources
+        h = model.embed(x)
+        sources = [h]
+        for block in model.blocks:
+            sources.append(block.fc(h))
+            h = torch.stack(sources).mean(0)
+        torch.testing.assert_close(train_out(routed, x)[0], h, atol=1e-5, rtol=0)
+
+
+def test_the_norm_folded_into_a_merge_is_the_layer_norm_of_the_merge_where_the_kernel_gives_the_statistics(
+        monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(2, 5, D, generator=g) for _ in range(3)]
+    query, mix, lse = torch.randn(D, generator=g), torch.randn(2, 5, D, generator=g), torch.randn(2, 5, generator=g)
+    want = F.layer_norm(rk_dar.merge(sources, query, mix, lse, 1e-6, "torch"), (D,), eps=1e-5)
+    monkeypatch.setattr(rk_dar, "merge_with_stats", lambda s, q, eps, kernel, prefix, norm_eps: naive.merge_with_stats(
+        s, q, eps, prefix=prefix, norm_eps=norm_eps))
+    got = rk_dar.layer_norm_of_merge(sources, query, mix, lse, 1e-5, 1e-6, "torch")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

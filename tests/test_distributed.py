@@ -28,6 +28,8 @@ from torch import nn
 
 import routekit as rk
 from backbones import dit
+from routekit.model import report_of
+from routekit.sharding import fsdp_units
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -221,7 +223,7 @@ def _train(rank: int, strategy: str, kind: str) -> dict:
         return out
     averaged.gather(net)
     out["ema"] = {k: v.detach() for k, v in ema.state_dict().items()}
-    out["units"] = [len(unit) for unit in rk.fsdp_units(model)] if kind != "vanilla" else None
+    out["units"] = [len(unit) for unit in fsdp_units(model)] if kind != "vanilla" else None
     weights, opt_state = full_state(net, opt)
     out["weights"] = weights
     # the checkpoint path: the full state loaded into a freshly sharded model gives the same weights back
@@ -313,15 +315,15 @@ def test_routes_and_dar_gather_each_block_once_per_pass_like_the_unrouted_model(
 def test_dar_units_are_the_layers_dar_calls_in_each_block_and_routes_units_the_blocks():
     routed, _ = build("static+route")
     names = {id(m): n for n, m in routed.named_modules()}
-    units = [[names[id(m)] for m in unit] for unit in rk.fsdp_units(routed)]
+    units = [[names[id(m)] for m in unit] for unit in fsdp_units(routed)]
     assert units == [[f"blocks.{i}.{layer}" for layer in ("adaLN_modulation.1", "attn.qkv", "attn.proj", "mlp.fc1",
                                                             "mlp.fc2")] for i in range(3)]
     routes, _ = build("route")
-    assert [unit for unit in rk.fsdp_units(routes)] == [[block] for block in routes.blocks]
+    assert [unit for unit in fsdp_units(routes)] == [[block] for block in routes.blocks]
     gated, _ = build("gated")
-    assert rk.fsdp_units(gated) == [[getattr(b, n)] for b in gated.blocks for n in ("fc1", "fc2", "gate")]
+    assert fsdp_units(gated) == [[getattr(b, n)] for b in gated.blocks for n in ("fc1", "fc2", "gate")]
     with pytest.raises(rk.InputError, match="routekit.apply"):
-        rk.fsdp_units(tiny_dit())
+        fsdp_units(tiny_dit())
 
 
 @pytest.fixture
@@ -402,7 +404,7 @@ def _compiled_worker(rank: int, kinds: list[str], folder: str) -> None:
         out = {}
         for kind in kinds:
             model, generator = build(kind)
-            if rk.report_of(model).dar is None:
+            if report_of(model).dar is None:
                 _wrap_blocks_for_checkpointing(model)
                 for wrapper in model.blocks:
                     fully_shard(wrapper._checkpoint_wrapped_module)

@@ -20,6 +20,8 @@ from strategies import Arch, MlpBlock, build, example_inputs
 from torch import nn
 
 import routekit as rk
+from routekit.model import report_of
+from routekit.selectors import selector_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,8 +82,8 @@ def test_an_unknown_selector_lists_the_registered_ones() -> None:
     with pytest.raises(rk.ConfigError) as err:
         rk.Route(start=0, end=1, selector="nope")
     assert "unknown selector 'nope'" in str(err.value)
-    assert all(name in str(err.value) for name in rk.selector_names())
-    assert {"random", "row", "window", "column"} <= set(rk.selector_names())
+    assert all(name in str(err.value) for name in selector_names())
+    assert {"random", "row", "window", "column"} <= set(selector_names())
 
 
 @pytest.mark.parametrize("selector", ["row", "window", "column"])
@@ -175,7 +177,7 @@ def test_data_dependent_control_flow_raises_trace_error_naming_file_and_line() -
     with pytest.raises(rk.TraceError) as err:
         rk.apply(DataDependent(), routes=rk.Route(start=0, end=1), example_inputs=x, mode="graph")
     assert where in str(err.value) and "control flow depends on" in str(err.value)
-    fallback = rk.report_of(rk.apply(DataDependent(), routes=rk.Route(start=0, end=1), example_inputs=x)).fallback
+    fallback = report_of(rk.apply(DataDependent(), routes=rk.Route(start=0, end=1), example_inputs=x)).fallback
     assert where in fallback
 
 
@@ -295,7 +297,7 @@ def test_the_other_verbs_refuse_models_routekit_did_not_route() -> None:
     model, inputs = build(LINEAR), example_inputs(LINEAR)
     with pytest.raises(rk.InputError, match="takes an nn.Module"):
         rk.apply(lambda x: x, routes=rk.Route(start=0, end=1), example_inputs=inputs)
-    for verb in (rk.strip, rk.report_of, rk.last_route_mask):
+    for verb in (rk.strip, report_of, rk.last_route_mask):
         with pytest.raises(rk.InputError):
             verb(model)
     with pytest.raises(rk.InputError, match="verify compares"):
@@ -320,7 +322,7 @@ def plan_is_valid(routes: list[dict], depth: int, has_grid: bool) -> bool:
         if not all(-depth <= r[k] < depth for k in ("start", "end")):
             return False
         start, end = r["start"] % depth, r["end"] % depth  # negative indices count from the end
-        if not (start <= end and 0 <= r["rate"] < 1 and r["selector"] in rk.selector_names()):
+        if not (start <= end and 0 <= r["rate"] < 1 and r["selector"] in selector_names()):
             return False
         if r["selector"] in ("row", "window", "column") and not has_grid:
             return False
@@ -380,7 +382,7 @@ def test_a_rope_lm_whose_token_count_equals_its_head_dim_routes():
                                       num_attention_heads=2, num_key_value_heads=2)
     model, ids = transformers.LlamaModel(config), torch.randint(0, 64, (2, 16))
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(ids,))
-    table = rk.report_of(routed).blocks[1].side_inputs
+    table = report_of(routed).blocks[1].side_inputs
     assert [g.axes for s in table if s.slot == "position_embeddings" for g in s.tokens] == [(1,), (1,)]
     rk.verify(model, routed, (ids,))
 

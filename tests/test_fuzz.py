@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import routekit as rk
+from routekit.model import report_of
+from routekit.selectors import selector_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,7 +121,7 @@ def corrupt_route(route: dict, cls_token: bool):
         "start": bad_index, "end": bad_index | st.integers(-DEPTH, -1).filter(lambda e: e % DEPTH < route["start"]),
         "rate": st.one_of(st.floats(max_value=-1e-9), st.floats(min_value=1.0), st.just(math.nan), st.text(max_size=3)
                           .filter(lambda t: not _is_number(t)), st.none()),
-        "selector": st.text(max_size=8).filter(lambda t: t not in rk.selector_names()) | st.none() | st.integers(),
+        "selector": st.text(max_size=8).filter(lambda t: t not in selector_names()) | st.none() | st.integers(),
         "keep": bad_keep,
         "extra": garbage,
     }
@@ -239,7 +241,7 @@ def _valid_grid(value) -> bool:
 
 GARBAGE_CALLS = {  # entry point and option: (the call with `value`, which values are valid there)
     "strip": (lambda v: rk.strip(v), lambda v: False),
-    "report_of": (lambda v: rk.report_of(v), lambda v: False),
+    "report_of": (lambda v: report_of(v), lambda v: False),
     "last_route_mask route": (lambda v: rk.last_route_mask(ROUTED, route=v),
                               lambda v: v is None or (type(v) is int and v == 0)),
     "last_route_mask model": (lambda v: rk.last_route_mask(v), lambda v: False),
@@ -260,7 +262,7 @@ GARBAGE_CALLS = {  # entry point and option: (the call with `value`, which value
     "inspect routes": (lambda v: rk.inspect(MODELS[False], (IMAGE,), routes=v), lambda v: v is None or v == []),
     "inspect stack": (lambda v: rk.inspect(MODELS[False], (IMAGE,), stack=v), lambda v: v is None or v == "blocks"),
     "Route": (lambda v: rk.Route(**v) if isinstance(v, dict) else rk.Route(start=0, end=1, selector=v),
-              lambda v: v in rk.selector_names()),
+              lambda v: v in selector_names()),
     "DAR": (lambda v: rk.DAR(query=v) if not isinstance(v, dict) else rk.DAR(**v),
             lambda v: v == {} or v in ("static", "static_t", "dynamic")),
 }

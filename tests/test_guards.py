@@ -17,6 +17,7 @@ from torch import nn
 
 import routekit as rk
 import routekit.guards
+from routekit.model import report_of
 from routekit.programs import Programs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,7 +94,7 @@ def test_a_forward_that_sets_attributes_is_not_traced():
         rk.apply(model, rk.Route(start=1, end=3), example_inputs=(x,), mode="graph")
     with pytest.warns(rk.FallbackWarning):
         routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(x,))
-    assert rk.report_of(routed).mode == "boundary"  # the forward itself runs: its side effects with it
+    assert report_of(routed).mode == "boundary"  # the forward itself runs: its side effects with it
 
 
 def test_a_value_that_changes_at_every_call_is_refused_by_name():

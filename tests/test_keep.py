@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import routekit as rk
+from routekit.model import report_of
 from routekit.plan import kept_tokens, resolve_keep
 from routekit.routing import select_tokens
 
@@ -86,15 +87,15 @@ def test_tokens_joined_to_the_patch_grid_are_found_and_kept(prefix: int, suffix:
     assert sorted(i % report.tokens for i in report.special) == sorted(i % report.tokens for i in special)
     assert "routes keep them" in str(report)
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=inputs, mode=mode)
-    placed = rk.report_of(routed).placed[0]
+    placed = report_of(routed).placed[0]
     assert placed.keep == tuple(sorted(i % report.tokens for i in special))
-    assert "(found: class/register/text tokens" in str(rk.report_of(routed))
+    assert "(found: class/register/text tokens" in str(report_of(routed))
     routed.train()
     for _ in range(3):
         routed(*inputs)
         assert not rk.last_route_mask(routed)[:, list(special)].any()
     everything = rk.apply(model, rk.Route(start=1, end=2, keep=[]), example_inputs=inputs, mode=mode)
-    assert rk.report_of(everything).placed[0].keep == ()  # routing them too, when asked
+    assert report_of(everything).placed[0].keep == ()  # routing them too, when asked
 
 
 @pytest.mark.parametrize("selector", ["random", "row", "window", "column"])
@@ -114,7 +115,7 @@ def test_routed_models_never_set_the_kept_tokens_aside_and_grid_selectors_keep_g
             assert (grid.all(2) | ~grid.any(2)).all()  # whole rows of the 4×6 grid
         if selector == "column":
             assert (grid.all(1) | ~grid.any(1)).all()
-    assert (~routed_mask).sum(1).tolist() == [rk.report_of(routed).placed[0].kept] * 2
+    assert (~routed_mask).sum(1).tolist() == [report_of(routed).placed[0].kept] * 2
 
 
 def test_grid_selectors_need_keep_to_be_exactly_the_tokens_beside_the_grid() -> None:

@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from zoo import ZOO, Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
+from routekit.model import report_of  # noqa: E402
+from routekit.plan import Plan  # noqa: E402
 from routekit.routing import gather_tokens, route_side  # noqa: E402
 from routekit.state import fresh  # noqa: E402
 
@@ -54,7 +56,7 @@ def reached(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
 
 
-def planned_flops(model: nn.Module, plan: rk.Plan, args: tuple, kwargs: dict) -> int:
+def planned_flops(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> int:
     """What a routed step should cost: the original step's FLOPs, less what each routed block saves on the kept
     tokens (each block run alone on its own inputs, the stream and side inputs cut to the kept count)."""
     report, placed = plan.report, plan.placed[0]
@@ -102,7 +104,7 @@ def check(name: str) -> dict:
     for mode in ("graph", "boundary") if entry.mode == "graph" else ("boundary",):
         routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, mode=mode, **entry.options)
         rk.verify(model, routed, args, kwargs)
-        placed = rk.report_of(routed).placed[0]
+        placed = report_of(routed).placed[0]
         assert placed.keep == tuple(i % plan.tokens for i in entry.special), mode
         routed.train()
         torch.manual_seed(0)
@@ -121,7 +123,7 @@ def check(name: str) -> dict:
         routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, **entry.options).train()
     measured = step_flops(routed, args, kwargs)
     assert reached(routed) == before, f"gradients stopped reaching {sorted(before - reached(routed))[:5]}"
-    plan_ratio = planned_flops(model, rk.report_of(routed), args, kwargs) / original
+    plan_ratio = planned_flops(model, report_of(routed), args, kwargs) / original
     ratio = measured / original
     assert abs(ratio / plan_ratio - 1) < 0.05, \
         f"{name}: a routed step costs {ratio:.4f} of the original FLOPs, the plan {plan_ratio:.4f}"
@@ -134,7 +136,7 @@ def check(name: str) -> dict:
                        **entry.options).train()
         loss_of(dar(*args, **kwargs)).backward()
         assert dar.routekit.dar.query.grad is not None and torch.isfinite(dar.routekit.dar.query.grad).all()
-        row["dar"] = f"{rk.report_of(dar).dar.points} points"
+        row["dar"] = f"{report_of(dar).dar.points} points"
     else:
         with pytest.raises(rk.ConfigError, match="needs graph mode"):
             rk.apply(model, residual=rk.DAR(), example_inputs=args, example_kwargs=kwargs, **entry.options)
@@ -243,7 +245,7 @@ def test_a_video_model_routes_whole_rows_frames_or_tubes(selector: str) -> None:
         pytest.skip(str(err))
     torch.set_num_threads(1)
     routed = rk.apply(model, rk.Route(start=1, end=4, selector=selector), example_inputs=args, example_kwargs=kwargs)
-    assert rk.report_of(routed).grid == (2, 4, 4)
+    assert report_of(routed).grid == (2, 4, 4)
     rk.verify(model, routed, args, kwargs)
     routed.train()
     routed(*args, **kwargs)

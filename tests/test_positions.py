@@ -16,6 +16,7 @@ from strategies import POSITION_DIM, position_cases
 from torch import nn
 
 import routekit as rk
+from routekit.model import report_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +29,7 @@ def test_a_routed_block_computes_what_the_original_computes_on_the_kept_tokens(c
     model, (x, text) = case.build(), case.inputs()
     routed = rk.apply(model, rk.Route(start=case.start, end=case.end, rate=0.5), example_inputs=(x, text),
                       mode=case.mode, generator=torch.Generator().manual_seed(case.seed))
-    plan = rk.report_of(routed)
+    plan = report_of(routed)
     assert plan.blocks[case.start].side_inputs[0].kind == "per-token", plan
     seen = {}
     handle = routed.get_submodule(f"blocks.{case.start}").register_forward_hook(
@@ -36,7 +37,7 @@ def test_a_routed_block_computes_what_the_original_computes_on_the_kept_tokens(c
     routed.train()
     out = routed(x, text)
     handle.remove()
-    placed = rk.report_of(routed).placed[0]
+    placed = report_of(routed).placed[0]
     kept_index = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(case.batch, -1)
     stream_in = x  # the stream entering the route's first block, run by hand
     for block in model.blocks[:case.start]:
@@ -76,7 +77,7 @@ def test_a_table_the_block_cannot_take_per_sample_gets_one_selection_for_the_bat
     torch.manual_seed(0)
     model, x = SharedOwner(), torch.randn(3, 8, DIM)
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
-    plan = rk.report_of(routed)
+    plan = report_of(routed)
     assert plan.placed[0].shared and "one selection for the batch" in str(plan)
     routed.train()
     routed(x)

@@ -6,9 +6,7 @@ a distance."""
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -54,34 +52,6 @@ TINY = {  # per backbone: a model that trains a step in milliseconds (patch 4: a
 }
 
 
-@functools.cache
-def _missing(residual: bool) -> str | None:
-    """Why routed (or DAR) training cannot run with the routekit in this tree, or None when it can."""
-    import routekit as rk
-    from backbones import dit
-
-    if not hasattr(rk, "apply"):
-        return "routekit.apply is not implemented yet"
-    if not residual:
-        return None
-    model = dit.build("S/2", depth=2, hidden=32, heads=2, input_size=8, in_channels=1, num_classes=2)
-    try:
-        rk.apply(model, residual=rk.DAR(query="static", chunk=2), example_inputs=dit.example_inputs(model, 2))
-    except rk.ConfigError as error:
-        return f"routekit has no DAR yet: {error}"
-    return None
-
-
-def needs_engine(config) -> None:
-    """Skip (naming the reason) when the config needs parts of routekit that are not there yet."""
-    reason = _missing(True) if config.dar is not None else _missing(False) if config.routed else None
-    if reason:
-        pytest.skip(reason)
-    backbone = config.model.backbone
-    if importlib.util.find_spec(f"backbones.{backbone}") is None:
-        pytest.skip(f"backbones.{backbone} is not written yet")
-
-
 def tiny(name: str, tmp_path: Path, **overrides):
     """A shipped recipe shrunk for CPU: tiny model, batch 4, synthetic data, nothing periodic."""
     config = load_config(CONFIG_DIR / f"{name}.yaml")
@@ -98,8 +68,6 @@ def tiny(name: str, tmp_path: Path, **overrides):
 def test_every_shipped_config_loads_and_its_backbone_builds(path):
     config = load_config(path)
     assert config.data.name == "mnist" and config.routed == ("vanilla" not in path.stem)
-    if importlib.util.find_spec(f"backbones.{config.model.backbone}") is None:
-        pytest.skip(f"backbones.{config.model.backbone} is not written yet")
     backbone = importlib.import_module(f"backbones.{config.model.backbone}")
     with torch.device("meta"):
         model = backbone.build(config.model.size, input_size=32, in_channels=1, num_classes=10,
@@ -429,7 +397,6 @@ VARIANTS = {  # shipped recipes with routes scaled to a 4-block model
 def test_resume_takes_the_bit_identical_next_step(tmp_path, variant):
     name, overrides = VARIANTS[variant]
     config = tiny(name, tmp_path, **overrides)
-    needs_engine(config)
     whole = train(config, tmp_path / "whole", progress=False)
     assert len(whole["losses"]) == 4 and all(math.isfinite(v) for v in whole["losses"])
     with pytest.raises(FileExistsError, match="already holds a run"):
@@ -448,7 +415,6 @@ def test_resume_takes_the_bit_identical_next_step(tmp_path, variant):
 def test_rf_training_with_warmup_and_a_routed_model_runs(tmp_path):
     config = tiny("dit_s2_tread", tmp_path, routes=[{"start": 1, "end": 2}], objective={"kind": "rf"},
                   **{"optimiser.warmup_steps": 4, "steps": 3, "checkpoint.final": False})
-    needs_engine(config)
     stats = train(config, tmp_path / "run", progress=False)
     assert stats["step"] == 3 and stats["checkpoint"] is None
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]

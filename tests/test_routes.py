@@ -26,13 +26,15 @@ from strategies import (
     build,
     cases,
     example_inputs,
-    kept_count,
+    kept_tokens,
 )
 from torch import nn
 
 import routekit as rk
 from backbones import dit
-from routekit.selectors import get_selector
+from routekit.model import RoutedModel, report_of
+from routekit.routing import gather_tokens
+from routekit.selectors import selector as selector_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -195,7 +197,7 @@ def test_blocks_inside_a_route_see_the_kept_count_and_blocks_outside_see_every_t
     grid = case.arch.grid
     want = [case.arch.tokens] * case.arch.depth
     for r in case.routes:
-        want[r.start:r.end + 1] = [kept_count(r, grid)] * (r.end - r.start + 1)
+        want[r.start:r.end + 1] = [kept_tokens(r, grid)] * (r.end - r.start + 1)
     assert [args["x"].shape[1] for _, args in calls] == want
     assert [calls[r.start][1]["x"].shape[1] for r in case.routes] == [i.shape[1] for i in indices_of(routed)]
 
@@ -231,10 +233,10 @@ def test_forward_and_gradients_equal_a_hand_written_gather_scatter_reference(cas
 def test_selectors_return_sorted_unique_in_range_indices_of_the_kept_count(
         name: str, batch: int, height: int, width: int, rate: float, seed: int) -> None:
     tokens = height * width
-    select = get_selector(name)
+    select = selector_spec(name).fn
     index = select(batch, tokens, rate, grid=(height, width), generator=torch.Generator().manual_seed(seed),
                    device=torch.device("cpu"))
-    keep = kept_count(rk.Route(start=0, end=0, rate=rate, selector=name), (height, width))
+    keep = kept_tokens(rk.Route(start=0, end=0, rate=rate, selector=name), (height, width))
     assert index.dtype == torch.long and index.shape == (batch, keep)
     assert bool((index[:, 1:] > index[:, :-1]).all()), "sorted and unique"
     assert bool((index >= 0).all() and (index < tokens).all())
@@ -300,7 +302,7 @@ def test_several_routes_compose_as_successive_gather_scatter_pairs(case: Case) -
 @given(cases())
 def test_strip_returns_the_original_class_computing_the_original_outputs(case: Case) -> None:
     plain = rk.strip(route(case))
-    assert type(plain) is type(case.model) and not isinstance(plain, rk.RoutedModel)
+    assert type(plain) is type(case.model) and not isinstance(plain, RoutedModel)
     assert list(plain.state_dict()) == list(case.model.state_dict())
     for train in (False, True):
         assert identical(run(plain, case.inputs, train, seed=2), run(case.model, case.inputs, train, seed=2))
@@ -362,9 +364,9 @@ def test_the_block_stack_is_the_longest_chain_carrying_a_token_stream() -> None:
     model = tiny_dit(depth=3)
     x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     explicit = rk.apply(model, routes=rk.Route(start=0, end=1), example_inputs=(x, t, y), stack="blocks")
-    assert rk.report_of(explicit).stack == "blocks"
+    assert report_of(explicit).stack == "blocks"
     routed = rk.apply(model, routes=rk.Route(start=0, end=1), example_inputs=(x, t, y))
-    assert rk.report_of(routed).stack == "blocks"
+    assert report_of(routed).stack == "blocks"
 
 
 def test_per_token_float_mask_as_wide_as_the_channels_is_gathered() -> None:
@@ -395,3 +397,9 @@ def test_per_sample_condition_as_wide_as_the_token_count_is_not_gathered() -> No
     assert report.tokens == 64 and [s.kind for s in report.blocks[0].side_inputs] == ["per-sample"]
     routed = rk.apply(model, routes=rk.Route(start=2, end=3, rate=0.5), example_inputs=(x, t, y))
     assert run(routed, (x, t, y), train=True).shape == x.shape
+
+
+def test_a_table_shared_by_the_batch_is_gathered_per_sample():
+    for count, index in ((5, torch.tensor([[0, 2], [1, 4], [3, 4]])), (3, torch.tensor([[0], [2], [1]]))):
+        table = torch.arange(float(count))[None, :, None].expand(1, count, 2)
+        assert torch.equal(gather_tokens(table, index)[..., 0], index.float())

@@ -11,12 +11,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import Residual
+from tiny import D, Registers, Residual, Tokens, built, image, tokens, train_out
 from torch import nn
 
 import routekit as rk
-from routekit.routing import select_tokens
-from routekit.selectors import get_selector
+from routekit.errors import ConfigError, InputError, SelectorError
+from routekit.model import report_of
+from routekit.routing import select_tokens, with_forced
+from routekit.selectors import SelectorSpec, checked, importance, selector_names
+from routekit.selectors import selector as selector_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +48,7 @@ def routed_with(selector: str, batch: int = 4, tokens: int = 12, rate: float = 0
 
 
 def _register_once(name: str, fn) -> None:
-    if name not in rk.selector_names():
+    if name not in selector_names():
         rk.register_selector(name)(fn)
 
 
@@ -64,10 +67,10 @@ def test_a_selector_that_breaks_the_contract_is_refused_naming_the_rule(name, fn
 
 
 def test_built_in_selectors_cannot_be_replaced_by_accident():
-    before = get_selector("random")
+    before = selector_spec("random").fn
     with pytest.raises(rk.ConfigError, match="override=True"):
         rk.register_selector("random")(lambda b, n, rate, **kw: torch.arange(n).expand(b, -1))
-    assert get_selector("random") is before
+    assert selector_spec("random").fn is before
     _register_once("t_first", lambda b, n, rate, **kw: torch.arange(n // 2).expand(b, -1))
     with pytest.raises(rk.ConfigError, match="already registered"):
         rk.register_selector("t_first")(lambda b, n, rate, **kw: torch.arange(n // 2).expand(b, -1))
@@ -76,7 +79,7 @@ def test_built_in_selectors_cannot_be_replaced_by_accident():
         return torch.arange(n - n // 2, n).expand(b, -1)
 
     rk.register_selector("t_first", override=True)(second)
-    assert get_selector("t_first") is second
+    assert selector_spec("t_first").fn is second
 
 
 def test_random_selects_per_sample():
@@ -128,9 +131,9 @@ def test_negative_block_indices_count_from_the_end():
     model = Net(depth=4)
     x = torch.randn(2, 12, DIM)
     routed = rk.apply(model, rk.Route(start=1, end=-2), example_inputs=(x,))
-    placed = rk.report_of(routed).placed[0]
+    placed = report_of(routed).placed[0]
     assert (placed.start, placed.end) == (1, 2)
-    assert "route 0: blocks 1→2" in str(rk.report_of(routed))
+    assert "route 0: blocks 1→2" in str(report_of(routed))
     explicit = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
     for r in (routed, explicit):
         r.routekit.routes[0].generator = torch.Generator().manual_seed(4)
@@ -170,7 +173,7 @@ def test_video_grids_are_read_off_a_conv3d_and_grid_selectors_keep_whole_lines(s
     video = torch.randn(2, 3, 4, 6, 8)  # T=4 frames of 3×4 patches
     routed = rk.apply(model, rk.Route(start=1, end=2, selector=selector), example_inputs=(video,),
                       generator=torch.Generator().manual_seed(1))
-    assert rk.report_of(routed).grid == (4, 3, 4)
+    assert report_of(routed).grid == (4, 3, 4)
     routed.train()
     routed(video)
     kept = ~rk.last_route_mask(routed).reshape(2, 4, 3, 4)  # (B, T, H, W)
@@ -242,3 +245,123 @@ def test_force_keep_refuses_what_it_cannot_honour():
     with pytest.raises(rk.SelectorError, match="batch"):
         with rk.force_keep(routed, torch.ones(3, 12, dtype=torch.bool)):
             routed(x)
+
+
+def test_force_keep_refuses_a_mask_that_is_not_batch_by_tokens_at_once():
+    routed = rk.apply(built(Tokens), rk.Route(start=1, end=2, rate=0.5), example_inputs=tokens())
+    with pytest.raises(InputError, match="bool"):
+        with rk.force_keep(routed, torch.ones(6, dtype=torch.bool)):
+            pass
+
+
+def test_at_rate_zero_a_force_keep_mask_changes_nothing_whatever_the_selector():
+    model = built(Registers)
+    routed = rk.apply(model, rk.Route(start=0, end=1, rate=0.0, selector="row", keep=[0, 1]), example_inputs=image())
+    with rk.force_keep(routed, torch.ones(2, 26, dtype=torch.bool)):
+        train_out(routed, image())
+    assert not rk.last_route_mask(routed).any()
+
+
+def test_a_force_keep_mask_must_be_bool_and_cover_the_stream():
+    index = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(SelectorError, match="bool"):
+        with_forced(index, torch.ones(2, 4), "random", None, 4)
+    with pytest.raises(SelectorError, match=r"here \(2, 4\); got torch.bool \(2, 5\)"):
+        with_forced(index, torch.ones(2, 5, dtype=torch.bool), "random", None, 4)
+
+
+def test_register_selector_hands_back_the_function_it_decorates():
+    def halves(batch, n, rate, **kw):
+        return torch.arange(n - n // 2).expand(batch, -1)
+
+    assert rk.register_selector("t_halves_decorated", override=True)(halves) is halves
+
+
+def test_which_selectors_keep_whole_rows():
+    names = ("row", "window", "frame", "column", "random")
+    assert [selector_spec(name).keeps_rows for name in names] == [True] * 3 + [False] * 2
+
+
+def test_a_selector_returning_something_other_than_a_tensor_is_refused_naming_the_contract():
+    rk.register_selector("t_list", override=True)(lambda batch, n, rate, **kw: [[0, 1]] * batch)
+    with pytest.raises(SelectorError, match="LongTensor"):
+        select_tokens("t_list", 2, 4, 0.5, grid=None, generator=None, device="cpu")
+
+
+def test_a_selection_of_one_token_per_sample_is_valid():
+    one = torch.zeros(3, 1, dtype=torch.long)
+    assert checked("random", one, 3, 4) is one
+
+
+def test_a_custom_selector_returning_a_valid_selection_routes_and_one_index_past_the_end_is_refused():
+    rk.register_selector("t_last_two", override=True)(lambda batch, n, rate, **kw: torch.arange(n - 2, n).expand(
+        batch, -1))
+    rk.register_selector("t_past_end", override=True)(lambda batch, n, rate, **kw: torch.arange(n - 1, n + 1).expand(
+        batch, -1))
+    assert select_tokens("t_last_two", 2, 5, 0.5, grid=None, generator=None, device="cpu").tolist() == [[3, 4]] * 2
+    with pytest.raises(SelectorError, match="sorted, unique and within"):
+        select_tokens("t_past_end", 2, 5, 0.5, grid=None, generator=None, device="cpu")
+
+
+def test_importance_by_default_mixes_half_chance_and_at_full_chance_is_random():
+    stream = torch.randn(3, 10, D, generator=torch.Generator().manual_seed(0))
+
+    def picks(fn, **kw):
+        return fn(3, 10, 0.5, generator=torch.Generator().manual_seed(7), device="cpu", **kw)
+
+    assert torch.equal(picks(importance(), stream=stream), picks(importance(0.5), stream=stream))
+    assert torch.equal(picks(importance(1.0), stream=stream), picks(selector_spec("random").fn))
+
+
+def test_the_column_selector_keeps_a_share_of_the_columns():
+    assert selector_spec("column").kept_grid((4, 6), 0.5) == (4, 3)
+    assert selector_spec("column").kept_grid((2, 4, 6), 0.25) == (2, 4, 5)
+
+
+def test_a_grid_selector_without_a_grid_asks_for_one():
+    with pytest.raises(ConfigError, match="grid="):
+        selector_spec("row").fn(2, 16, 0.5, grid=None)
+
+
+# ---- laws the first mutmut run found unheld (docs/mutation.md) ----------------------------------------------------
+
+
+def test_a_registered_selector_keeps_the_flags_it_was_registered_with_and_none_it_was_not():
+    def fn(batch, n, rate, **kw):
+        return torch.arange(n - n // 2).expand(batch, -1)
+
+    def kept_grid(grid, rate):
+        return grid
+
+    rk.register_selector("t_flagged", needs_grid=True, keeps_rows=True, needs_stream=True, kept_grid=kept_grid,
+                         override=True)(fn)
+    rk.register_selector("t_plain", override=True)(fn)
+    assert selector_spec("t_flagged") == SelectorSpec(fn, True, True, True, kept_grid)
+    assert selector_spec("t_plain") == SelectorSpec(fn)
+
+
+@pytest.mark.parametrize("name", ["", 3, None])
+def test_a_selector_name_that_is_not_a_non_empty_string_is_refused(name):
+    with pytest.raises(rk.ConfigError, match="non-empty string"):
+        rk.register_selector(name)
+
+
+def test_a_custom_selection_may_start_at_token_zero_and_may_not_start_below_it():
+    rk.register_selector("t_first_two", override=True)(lambda batch, n, rate, **kw: torch.arange(2).expand(batch, -1))
+    rk.register_selector("t_negative", override=True)(
+        lambda batch, n, rate, **kw: torch.tensor([-1, 0, 1]).expand(batch, -1))
+    assert select_tokens("t_first_two", 2, 5, 0.5, grid=None, generator=None, device="cpu").tolist() == [[0, 1]] * 2
+    with pytest.raises(SelectorError, match="sorted, unique and within"):
+        select_tokens("t_negative", 2, 5, 0.5, grid=None, generator=None, device="cpu")
+
+
+def test_importance_scales_each_samples_norms_to_the_unit_range_before_mixing_in_chance():
+    """Samples whose norms differ in offset and spread are ranked alike: each is scaled by its own min and max."""
+    base = torch.randn(1, 10, D, generator=torch.Generator().manual_seed(0))
+    stream = torch.cat([base, 100 * base + 7, 0.01 * base])  # one ranking by norm, three ranges
+    draw = torch.rand(3, 10, generator=torch.Generator().manual_seed(7))
+    norm = stream.abs().sum(-1)
+    low, high = norm.amin(1, keepdim=True), norm.amax(1, keepdim=True)
+    want = (0.7 * (norm - low) / (high - low) + 0.3 * draw).topk(5, dim=1).indices.sort(1).values
+    got = importance(0.3)(3, 10, 0.5, stream=stream, generator=torch.Generator().manual_seed(7), device="cpu")
+    assert torch.equal(got, want)

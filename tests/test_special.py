@@ -13,6 +13,7 @@ from torch import nn
 from zoo import ZOO, Missing
 
 import routekit as rk
+from routekit.model import report_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,7 +48,7 @@ def test_tokens_joined_in_front_of_the_image_are_kept_in_both_modes(mode):
     torch.manual_seed(0)
     model, inputs = Joined(), joined_inputs()
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=inputs, mode=mode)
-    plan = rk.report_of(routed)
+    plan = report_of(routed)
     assert plan.special == tuple(range(7)) and plan.grid == (4, 4)
     routed.train()
     routed(*inputs)
@@ -113,14 +114,14 @@ def test_a_grid_given_for_the_image_tokens_of_a_joined_stream_is_taken():
         pytest.skip(str(err))
     route = rk.Route(start="single_transformer_blocks.1", end="single_transformer_blocks.4", selector="row")
     routed = rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, grid=(4, 4))
-    assert rk.report_of(routed).grid == (4, 4)
+    assert report_of(routed).grid == (4, 4)
     routed.train()
     routed(*args, **kwargs)
     mask = rk.last_route_mask(routed)
     assert not mask[:, :13].any() and mask[:, 13:].view(2, 4, 4).all(2).sum(1).tolist() == [2, 2]  # whole rows
     alone = rk.apply(model, rk.Route(start=1, end=4, selector="row"), example_inputs=args, example_kwargs=kwargs,
                      grid=(4, 4), stack="single_transformer_blocks")  # the stack alone: 13 + 16 tokens
-    assert rk.report_of(alone).grid == (4, 4) and rk.report_of(alone).tokens == 29
+    assert report_of(alone).grid == (4, 4) and report_of(alone).tokens == 29
     with pytest.raises(rk.ConfigError, match="without its 13 special tokens, 16"):
         rk.apply(model, route, example_inputs=args, example_kwargs=kwargs, grid=(5, 5), stack="single_transformer_blocks")
 
@@ -162,7 +163,7 @@ def test_grid_sizes_shrink_by_the_grids_share_not_by_all_kept_tokens():
     model = TextThenGrid()
     inputs = (torch.randn(2, 3, 8, 8), torch.randn(2, 77, 5))
     routed = rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=inputs)
-    plan = rk.report_of(routed)
+    plan = report_of(routed)
     assert plan.special == tuple(range(77)) and plan.placed[0].kept == 77 + 8
     for block in model.blocks:
         block.seen.clear()

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from tiny import D, built
 from torch import nn
 
 import routekit.fxcompat as fxcompat
@@ -905,3 +906,102 @@ def test_a_trace_and_the_report_made_of_it_are_frozen_and_stay_so_through_pickle
             assert isinstance(again.specialised, tuple)
     assert report.candidates == {"blocks": 3}
 
+
+def test_dtypes_slices_and_generators_passed_to_a_forward_are_constants_not_graph_inputs():
+    class Casts(nn.Module):
+        def forward(self, x, dtype, part, generator):
+            return x[part].to(dtype)
+
+    bound = bind_arguments(Casts.forward, (torch.ones(4, 2), torch.float16, slice(0, 2), torch.Generator()), {})
+    spec = call_spec(bound)
+    assert spec.names == ("x",)
+    assert set(spec.constants) == {"dtype", "part", "generator"}
+
+
+def test_every_graph_input_gets_its_own_identifier_however_the_names_of_leaves_collide():
+    class Many(nn.Module):
+        def forward(self, a, a_0, a_0_0, a_0_1, x, x_a):
+            return a[0] + a_0 + a_0_0 + a_0_1 + x["a_b"] + x_a["b"]
+
+    t = torch.ones(2)
+    spec = call_spec(bind_arguments(Many.forward, ([t], t, t, t, {"a_b": t}, {"b": t}), {}))
+    assert len(spec.names) == len(set(spec.names)) == 6
+    assert all(name.isidentifier() for name in spec.names), spec.names
+
+
+class Store:
+    """An object the forward writes into (a cache): a graph input, not a constant."""
+
+    def __init__(self):
+        self.items = {}
+
+    def __setitem__(self, key, value):
+        self.items[key] = value
+
+
+def test_item_assignment_into_an_object_passed_in_is_recorded_without_specialising():
+    class Writes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x, store):
+            store["h"] = self.fc(x)
+            return x + 1
+
+    tr = trace(built(Writes), (torch.randn(2, D), Store()))
+    assert tr.specialised == ()
+    assert any(n.target is operator.setitem for n in tr.graph.nodes)
+
+
+class Counter:
+    """An object passed in whose state the forward advances (a cache's length)."""
+
+    def __init__(self):
+        self.n = 1
+
+    def bump(self):
+        self.n += 1
+
+
+def test_an_attribute_keeps_the_value_it_had_when_the_forward_read_it():
+    class Reads(nn.Module):
+        def forward(self, x, counter):
+            n = counter.n
+            y = x * n  # n is a graph value now
+            counter.bump()
+            return y * {1: 10.0, 2: 20.0}[n]  # eager: n is still 1
+
+    tr = trace(Reads(), (torch.ones(2), Counter()))
+    assert any(s.startswith("bool() = True") for s in tr.specialised), tr.specialised
+
+
+def test_the_forward_sees_fx_tracing_throughout_the_trace_as_under_fx():
+    class Peeks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.seen = nn.Linear(D, D), []
+
+        def forward(self, x):
+            self.seen.append(torch.fx._symbolic_trace.is_fx_symbolic_tracing())
+            h = self.fc(x) + 1
+            self.seen.append(torch.fx._symbolic_trace.is_fx_symbolic_tracing())
+            return h
+
+    model = built(Peeks)
+    trace(model, (torch.randn(2, D),))
+    assert model.seen == [True, True]
+    assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
+def test_shape_arithmetic_the_graph_does_not_use_is_dropped():
+    class Square(nn.Module):
+        def forward(self, x):
+            b, n, d = x.shape
+            side = int(n ** 0.5)
+            return x.reshape(b, side, side, d).sum(2)
+
+    tr = trace(Square(), (torch.randn(2, 9, 4),))
+    unused = [n.name for n in tr.graph.nodes if n.op in ("call_function", "call_method") and not n.users]
+    assert unused == []
+    assert any("int()" in s for s in tr.specialised)

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import D, Tokens, built, tokens
 from torch import nn
 
 import routekit as rk
 import routekit.rewrite
 import routekit.routing
 from backbones import dit
+from routekit.errors import InferenceChanged
 from routekit.routing import gather_tokens
+from routekit.verify import _compare
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -394,3 +397,38 @@ def test_verify_runs_rate_0_on_a_copy_and_never_changes_the_routed_models_routes
         handle.remove()
     assert routed.routekit.routes[0] is live and live.route.rate == 0.5
     assert rk.verify(model, routed, args)["train"] == "rate 0 bit-identical"
+
+def test_verify_holds_the_routed_model_to_the_original_forward_over_its_own_current_weights():
+    class Shifted(Tokens):
+        def __init__(self):
+            super().__init__()
+            self.shift = nn.Parameter(torch.zeros(D))  # the owner's own: not in a module the copies share
+
+        def forward(self, x):
+            h = self.embed(x) + self.shift
+            for block in self.blocks:
+                h = block(h)
+            return h
+
+    model = built(Shifted)
+    routed = rk.apply(model, rk.Route(start=1, end=2, rate=0.5), example_inputs=tokens())
+    routed.shift = nn.Parameter(torch.ones(D))  # the routed model's own parameter now differs from the model's
+    assert rk.verify(model, routed, tokens())["outputs"] == 1
+
+
+def test_verify_reports_a_tensor_output_that_became_another_value():
+    with pytest.raises(InferenceChanged, match="output 0"):
+        _compare((torch.ones(2),), (3,), "original", "routed")
+
+
+def test_verify_compares_output_objects_by_their_own_equality_where_they_have_one():
+    class Meta:
+        def __init__(self, n, note):
+            self.n, self.note = n, note
+
+        def __eq__(self, other):
+            return self.n == other.n
+
+    _compare((Meta(1, "a"),), (Meta(1, "b"),), "original", "routed")
+    with pytest.raises(InferenceChanged):
+        _compare((Meta(1, "a"),), (Meta(2, "a"),), "original", "routed")

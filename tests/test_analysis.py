@@ -1,0 +1,319 @@
+"""Laws of analysis (routekit/analysis.py, tokens.py, sides.py, residuals.py, record.py): which chain is the block
+stack, what its stream and side inputs are, which tokens are special and what grid the rest form, which adds are
+residual. Small deterministic models (tests/tiny.py), one behaviour each, as users meet it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tiny import D, Mlp, Patches, Registers, Tokens, TupleBlock, built, image, tokens, train_out
+from torch import nn
+
+import routekit as rk
+from routekit.errors import ConfigError
+from routekit.residuals import find_residual_adds
+from routekit.sides import _grid_axis, _token_axes
+from routekit.trace import trace
+from routekit.values import TensorMeta
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Mixer(nn.Module):
+    """A block that mixes tokens (each output token reads the mean of all): where a token comes from is
+    lost after it."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(x).mean(1, keepdim=True)
+
+
+def test_a_side_input_holding_a_tensor_among_numbers_is_per_sample():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x, cond):
+            c, weight = cond
+            return x + weight * self.fc(x + c[:, None])
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Scaled() for _ in range(3))
+
+        def forward(self, x, c):
+            for block in self.blocks:
+                x = block(x, (c, 0.5))
+            return x
+
+    report = rk.inspect(built(Owner), (torch.randn(2, 5, D), torch.randn(2, D)))
+    (side,) = report.blocks[0].side_inputs
+    assert side.kind == "per-sample", side
+
+
+def test_the_report_is_frozen():
+    report = rk.inspect(built(Tokens), tokens()).report
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.stack = "elsewhere"
+
+
+def test_the_stack_is_the_chain_carrying_the_tokens_even_when_a_longer_chain_of_other_modules_exists():
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cond = nn.ModuleList(nn.Linear(D, D) for _ in range(4))  # a longer chain, on a (B, D) vector
+            self.blocks = nn.ModuleList(TupleBlock() for _ in range(3))
+
+        def forward(self, x, c):
+            for layer in self.cond:
+                c = layer(c)
+            aux = 0
+            for block in self.blocks:
+                x, a = block(x)
+                aux = aux + a
+            return x + c[:, None], aux
+
+    report = rk.inspect(built(Owner), (torch.randn(2, 5, D), torch.randn(2, D)))
+    assert (report.stack, report.depth, report.stream_out_index) == ("blocks", 3, 0)
+
+
+def test_a_stack_nested_two_modules_deep_is_found():
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Mlp() for _ in range(3))
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.body = nn.Linear(3, D), Body()
+
+        def forward(self, x):
+            h = self.embed(x)
+            for block in self.body.blocks:
+                h = block(h)
+            return h
+
+    report = rk.inspect(built(Owner), tokens())
+    assert (report.stack, report.depth) == ("body.blocks", 3)
+
+
+def test_a_stack_of_image_blocks_is_refused_with_an_analysis_error_naming_its_stream():
+    class Convs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    with pytest.raises(rk.AnalysisError, match="batch, tokens, channels"):
+        rk.inspect(built(Convs), (torch.randn(2, 4, 6, 6),))
+
+
+def test_the_stream_out_of_a_tuple_block_is_its_stream_item_whatever_else_reads_the_tuple():
+    class Tap(nn.Module):
+        """A leaf the owner hands a block's whole output to, with an axis."""
+
+        def forward(self, out, axis):
+            return out[1].sum() * 0 + axis
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(3, D)
+            self.blocks = nn.ModuleList(TupleBlock() for _ in range(3))
+            self.taps = nn.ModuleList([Tap()])
+
+        def forward(self, x):
+            h, aux = self.embed(x), 0
+            for block in self.blocks:
+                out = block(h)
+                aux = aux + out[1]  # the aux item read first
+                aux = aux + self.taps[0](out, 0)
+                h = out[0]
+            return h, aux
+
+    model, x = built(Owner), tokens(n=8)
+    routed = rk.apply(model, rk.Route(start=1, end=1, rate=0.5), example_inputs=x,
+                      generator=torch.Generator().manual_seed(0))
+    assert rk.verify(model, routed, x)["outputs"] == 2
+    assert train_out(routed, x)[0].shape == (2, 8, D)
+
+
+def test_a_zero_dimensional_tensor_handed_to_the_blocks_is_a_per_sample_input():
+    class Scaled(Mlp):
+        def forward(self, x, scale):
+            return x + scale * self.fc(self.norm(x))
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Scaled() for _ in range(3))
+
+        def forward(self, x, scale):
+            for block in self.blocks:
+                x = block(x, scale)
+            return x
+
+    report = rk.inspect(built(Owner), (torch.randn(2, 5, D), torch.tensor(0.5)))
+    assert [s.kind for s in report.blocks[0].side_inputs] == ["per-sample"]
+
+
+def test_a_table_as_long_as_the_stream_joined_with_another_input_is_a_joint_table():
+    assert _token_axes(TensorMeta((2, 3 + 6, D), torch.float32), 2, 6, D, {3}) == ((1,), True, True)
+    assert _token_axes(TensorMeta((2, 6, D), torch.float32), 2, 6, D, {3}) == ((1,), True, False)
+
+
+@pytest.mark.parametrize(("name", "axis"), [("rows", -2), ("cols", -1), ("columns", -1), ("t", -3), ("time", -3),
+                                            ("height", -2), ("grid_w", -1), ("num_frames", -3), ("scale", None)])
+def test_numbers_handed_to_blocks_are_grid_sizes_by_their_names(name, axis):
+    assert _grid_axis(name, ()) == axis
+
+
+class JointBlock(nn.Module):
+    """MMDiT-like: joins text tokens before the stream, reads a joint (B, text + N, D) table. Rotates half of
+    the stream's features first (a cat of the stream with itself, as rotary embeddings do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, text, table, c):
+        rotated = torch.cat([x[..., D // 2:], x[..., :D // 2]], -1)
+        joint = torch.cat([text, x + rotated], 1) * table
+        return x + self.fc(joint)[:, text.shape[1]:] * c[:, None]
+
+
+def test_a_joint_table_is_ordered_from_the_blocks_own_join_beside_other_side_inputs():
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(JointBlock() for _ in range(3))
+
+        def forward(self, x, text, table, c):
+            for block in self.blocks:
+                x = block(x, text, table, c)
+            return x
+
+    inputs = (torch.randn(2, 6, D), torch.randn(2, 3, D), torch.randn(2, 9, D), torch.randn(2, D))
+    report = rk.inspect(built(Owner), inputs)
+    table = report.blocks[0].side_inputs[1]
+    assert table.unordered == ()
+    assert [(g.axes, g.rest_first) for g in table.tokens] == [((1,), True)]
+
+
+def test_tokens_not_made_from_the_image_are_measured_special_and_the_grid_is_the_image_over_the_patch():
+    model = built(Registers)
+    head_runs = []
+    model.head.register_forward_hook(lambda *_: head_runs.append(1))
+    report = rk.inspect(model, (image(),))
+    assert (report.special, report.grid) == ((0, 1), (4, 6))
+    assert head_runs == [1]  # in the trace; measuring runs the model up to the first block, no further
+
+
+def test_a_model_whose_patch_grid_holds_every_token_is_not_run_again_to_measure():
+    model = built(Patches)
+    embeds = []
+    model.embed.register_forward_hook(lambda *_: embeds.append(1))
+    report = rk.inspect(model, (image(),))
+    assert (report.grid, report.special) == ((4, 6), ())
+    assert embeds == [1]  # in the trace, and no more
+
+
+def test_without_a_patch_embedding_or_special_tokens_no_grid_is_guessed():
+    class Patchify(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(12, D)
+            self.blocks = nn.ModuleList(Mlp() for _ in range(3))
+
+        def forward(self, image):
+            b = image.shape[0]
+            patches = image.reshape(b, 3, 4, 2, 6, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, 24, 12)
+            h = self.embed(patches)
+            for block in self.blocks:
+                h = block(h)
+            return h
+
+    report = rk.inspect(built(Patchify), (image(),))
+    assert (report.grid, report.special) == (None, ())
+    with pytest.raises(ConfigError, match="grid"):
+        rk.inspect(built(Patchify), (image(),), routes=rk.Route(start=0, end=1, selector="row"))
+
+
+class OnePatch(nn.Module):
+    """Boundary mode: one patch token (a 1×1 grid) after two learned tokens, a second image input (a control
+    image: the call has no one image), a number, and blocks that mix tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, D, 4, 4)
+        self.registers = nn.Parameter(torch.randn(1, 2, D))
+        self.blocks = nn.ModuleList(Mixer() for _ in range(3))
+
+    def forward(self, image, control, scale):
+        patch = self.embed(image).flatten(2).transpose(1, 2) * scale + control.mean()
+        h = torch.cat([self.registers.expand(image.shape[0], -1, -1), patch], 1)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_a_recording_measures_the_tokens_not_made_from_its_patch_embedding_at_the_first_block():
+    inputs = (torch.randn(2, 3, 4, 4), torch.randn(2, 1, 4, 4), 2.0)
+    report = rk.inspect(built(OnePatch), inputs, mode="boundary")
+    assert (report.mode, report.grid, report.grid_node, report.special) == ("boundary", (1, 1), "embed", (0, 1))
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.norm, self.fc = how, nn.LayerNorm(D), nn.Linear(D, D)
+
+    def forward(self, x):
+        branch = self.fc(self.norm(x))
+        if self.how == "times":
+            return x * branch
+        if self.how == "mul":
+            return x.mul(branch)
+        if self.how == "add":
+            return x.add(branch)
+        return x + branch
+
+
+def residual_adds(block: nn.Module, with_output: bool = True) -> list[str]:
+    tr = trace(block, (torch.randn(2, 5, D),))
+    start = next(n for n in tr.graph.nodes if n.op == "placeholder")
+    (out,) = next(n for n in tr.graph.nodes if n.op == "output").args[0]
+    return [n.target.__name__ if callable(n.target) else n.target
+            for n in find_residual_adds(tr.graph, start, out if with_output else None)]
+
+
+@pytest.mark.parametrize(("how", "adds"), [("times", []), ("mul", []), ("add", ["add"]), ("plus", ["add"])])
+def test_residual_adds_are_sums_with_the_stream_in_any_spelling_and_never_products(how, adds):
+    assert residual_adds(built(GatedBlock, how)) == adds
+
+
+def test_residual_adds_without_an_output_to_end_at_are_the_chain_found():
+    class PostNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm = nn.Linear(D, D), nn.LayerNorm(D)
+
+        def forward(self, x):
+            return self.norm(x + self.fc(x))
+
+    block = built(PostNorm)
+    assert residual_adds(block, with_output=True) == []  # the chain does not end at the output
+    assert residual_adds(block, with_output=False) == ["add"]
