@@ -231,7 +231,8 @@ def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tup
     if rate == 0:
         return torch.arange(tokens, device=device).expand(batch, tokens)
     spec = selector_spec(selector)
-    others = [i for i in range(tokens) if i not in set(keep)]
+    fixed = set(keep)
+    others = [i for i in range(tokens) if i not in fixed]
     extra = {}
     if spec.needs_stream:
         extra["stream"] = stream[:, others] if keep else stream
