@@ -54,7 +54,7 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
     sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 CACHE = Path(os.environ.get("RK_MUTATION_CACHE", Path(tempfile.gettempdir()) / "routekit-mutation"))
-CORE = ("trace", "calls", "fxcompat", "values", "analysis", "graphs", "findings", "sides", "tokens", "probes", "residuals",
+CORE = ("trace", "calls", "fxcompat", "values", "analysis", "graphs", "findings", "sides", "tokens", "probe", "residuals",
         "plan", "rewrite", "model", "programs", "routing", "selectors", "verify", "dar", "hooks", "record")
 TESTS = ("test_trace", "test_routes", "test_errors", "test_boundary", "test_dar", "test_fuzz", "test_keep",
          "test_positions", "test_selectors", "test_verify", "test_backbones_shared", "test_mutants")

@@ -7,7 +7,7 @@ block's stream output feeds the next block's stream input. The token stream is t
 
 `analyse` finds the stacks and their blocks here and hands each other question to the module that answers
 it: what each block's other inputs are (sides.py), which tokens were made from the image and on what grid
-(tokens.py), and with `residual=True` each block traced alone (probes.py) and its residual adds found
+(tokens.py), and with `residual=True` each block traced alone (probe.py) and its residual adds found
 (residuals.py, what DAR rewrites). It returns a frozen `GraphReport` (findings.py): every fact is settled
 when it is made, nobody writes into it.
 """
@@ -26,7 +26,7 @@ from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
 from .graphs import Slot, between, slot_value, slots
 from .guards import hooked
-from .probes import trace_block
+from .probe import trace_block
 from .record import Image, token_offset
 from .sides import joint_order, meta_of, parameter_names, resolved, side_input
 from .state import is_compiled

@@ -22,7 +22,7 @@ from torch import nn
 from .config import DAR, Route
 from .errors import ConfigError
 from .findings import GraphReport
-from .probes import block_runs, run_block
+from .probe import block_runs, run_block
 from .report import draw_plan, format_plan
 from .residuals import find_timestep_embedding, without_residual
 from .routing import Shrink, select_tokens

@@ -3,7 +3,7 @@
 DAR replaces each add that carries the residual stream by an aggregation over every earlier source, so it
 must find them in a block's own trace: an add whose one operand is the stream so far and whose other is
 computed from it through a sublayer. These are patterns read off a graph, nothing more; tracing the block
-to get that graph is probes.py's, and deciding per block is the analysis's. DAR's `static_t` queries also
+to get that graph is probe.py's, and deciding per block is the analysis's. DAR's `static_t` queries also
 need the model's own timestep embedding, found here by the same kind of reading.
 """
 

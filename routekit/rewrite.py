@@ -37,7 +37,7 @@ from .findings import BlockInfo
 from .graphs import between, descends, slot_value
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
-from .probes import trace_block
+from .probe import trace_block
 from .residuals import uncast
 from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 from .trace import Trace

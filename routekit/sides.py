@@ -3,7 +3,7 @@
 Other block inputs are per-token (they carry the token axis and must be gathered with a route's indices,
 wherever their token axes are), per-sample, or constants; numbers named like the grid's sizes shrink with
 grid selectors. The shapes decide most of it; what they leave open (a (B, X) tensor with X both the
-tokens and the channels, a last axis as long as the stream) is settled by probing the block (probes.py),
+tokens and the channels, a last axis as long as the stream) is settled by probing the block (probe.py),
 and the layout of a joint table (text and image tokens along one axis) is read off the block's own code.
 """
 
@@ -22,7 +22,7 @@ from torch import nn
 from .errors import RoutekitError
 from .findings import BlockInfo, SideInput
 from .graphs import CATS, Slot, to_networkx
-from .probes import block_runs, trace_block
+from .probe import block_runs, trace_block
 from .routing import Gather, is_opaque, keys
 from .trace import Trace
 from .values import TensorMeta
