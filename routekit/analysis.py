@@ -7,9 +7,9 @@ block's stream output feeds the next block's stream input. The token stream is t
 
 `analyse` finds the stacks and their blocks here and hands each other question to the module that answers
 it: what each block's other inputs are (sides.py), which tokens were made from the image and on what grid
-(tokens.py), and with `residual=True` each block traced alone (probe.py) and its residual adds found
-(residuals.py, what DAR rewrites). It returns a frozen `GraphReport` (findings.py): every fact is settled
-when it is made, nobody writes into it.
+(tokens.py), and with `residual=True` each block traced alone (probe.py), its residual adds found
+(residuals.py, what DAR rewrites) and the model's timestep embedding e(t) (DAR's static_t queries). It
+returns a frozen `GraphReport` (findings.py): every fact is settled when it is made, nobody writes into it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .graphs import Slot, between, slot_value, slots
 from .guards import hooked
 from .probe import trace_block
 from .record import Image, token_offset
+from .residuals import timestep_embeddings, without_residual
 from .sides import joint_order, meta_of, parameter_names, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
@@ -134,7 +135,7 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
 
     The blocks are those of the chain of stacks the stream passes through (`_chain`), or of `stack` alone.
     `call`: the example call, to measure what the graph does not show (special tokens of a recording).
-    `residual`: also trace each block alone and find its residual adds.
+    `residual`: also trace each block alone and find its residual adds, and (graph mode) the model's e(t).
     """
     chosen, chains = _stack(tr, model, stack)
     measure = None  # a recording shows no owner code: where it joins two stacks is measured on the example call
@@ -165,13 +166,15 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     decided: dict = {}
     blocks = [resolved(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream, _fewer(stacks[b.stack]),
                        decided) for b in blocks]
-    granularity = None
+    granularity, timestep, embeddings = None, None, ()
     if residual:
         blocks, granularity = _with_residual_adds(model, blocks, stacks)
+        if mode == "graph":  # e(t), for DAR's static_t queries: read off the owner's graph, so the plan needs none
+            timestep, embeddings = timestep_embeddings(tr.graph, stacks[0].stream.shape[0], stacks[0].stream.shape[2])
     return GraphReport(
         model=type(model).__name__, mode=mode, stacks=tuple(stacks), blocks=tuple(blocks), candidates=
         {k: len(v[0]) for k, v in chains.items()}, leafed=dict(tr.leafed), specialised=tuple(tr.specialised),
-        requested=stack, fallback=fallback, residual=granularity,
+        requested=stack, fallback=fallback, residual=granularity, timestep=timestep, embeddings=embeddings,
     )
 
 
@@ -289,4 +292,5 @@ def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo],
     traced = [(tr, () if hooked(model.get_submodule(b.qualname)) else adds) for b, (tr, adds) in zip(blocks, traced)]
     found = [bool(adds) for _, adds in traced]
     granularity = "sublayer" if all(found) else "block" if not any(found) else "mixed"
-    return [replace(b, adds=adds, body=tr) for b, (tr, adds) in zip(blocks, traced)], granularity
+    blocks = [replace(b, adds=adds, body=tr) for b, (tr, adds) in zip(blocks, traced)]
+    return [replace(b, residual_free=without_residual(model, b)) for b in blocks], granularity

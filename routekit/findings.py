@@ -8,14 +8,16 @@ records sit in a module of their own, below every part of the analysis that fill
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.utils._pytree as pytree
 
 from .graphs import Slot
-from .routing import Gather
-from .trace import Trace
 from .values import TensorMeta
+
+if TYPE_CHECKING:  # named in annotations only: the records import nothing that routes or traces
+    from .routing import Gather
+    from .trace import Trace
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class SideInput:
     unordered: tuple[tuple, ...] = ()  # joint tables whose layout (other tokens first or last) the block hides
     collided: tuple[tuple, ...] = ()  # tensors whose last axis is as long as the stream: tokens or features, untold
     sealed: tuple[tuple, ...] = ()  # objects a route does not look into (see `is_opaque`) that hold per-token tensors
+    argument: str | int | None = None  # the block's parameter it binds to, by name where the signature tells
 
     @property
     def kind(self) -> str:
@@ -98,6 +101,7 @@ class BlockInfo:
     checkpointed: bool = False  # the owner runs it under torch.utils.checkpoint
     stack: int = 0  # which stack of the chain it belongs to
     compiled: bool = False  # it runs under torch.compile on its own (its token axes are marked static in a route)
+    residual_free: bool = False  # `body` shows no residual connection and hides none (DAR has nothing to replace)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class GraphReport:
     requested: str | None = None  # the stack= the analysis was asked for (None: the chain it found)
     fallback: str | None = None  # why the owner forward was not traced (boundary mode)
     residual: str | None = None  # "sublayer", "block" or "mixed" granularity of the adds, or why unknown
+    timestep: str | None = None  # the node of the model's own e(t) (DAR's static_t queries), where one was found
+    embeddings: tuple[tuple[str, str], ...] = ()  # (module, node) of each module call giving a (batch, channels) value
 
     @property
     def stack(self) -> str:
@@ -132,6 +138,21 @@ class GraphReport:
         if name.startswith("__") or name == "stacks":
             raise AttributeError(name)
         return getattr(self.stacks[0], name)
+
+    def embedding(self, module: str | None) -> str | None:
+        """The node of e(t): the last call of `module` (or of a module inside it) giving a (batch, channels) value,
+        or with None the one analysis found; None where there is none."""
+        if module is None:
+            return self.timestep
+        hits = [node for target, node in self.embeddings if target == module or target.startswith(module + ".")]
+        return hits[-1] if hits else None
+
+    def joined_counts(self, start: int, end: int, count: int) -> tuple[int, ...]:
+        """`count` tokens in block `start`'s stack carried through each stack up to block `end`'s: a later stack's
+        stream also holds what the owner joins in before it (text in front), which a route keeps."""
+        first = self.blocks[start].stack
+        return tuple(count + self.stacks[t].tokens - self.stacks[first].tokens
+                     for t in range(first, self.blocks[end].stack + 1))
 
     def block_listing(self) -> str:
         return ", ".join(f"{b.index}: {b.qualname}" for b in self.blocks)

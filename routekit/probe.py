@@ -1,13 +1,17 @@
-"""Running one block alone, as a route's blocks would see their inputs: to probe it, or to trace it.
+"""The probe stage: running or tracing blocks (and selectors) on made-up inputs, to settle what a graph leaves open.
 
 What the owner's graph leaves open about a block (does it still run on fewer tokens? with a side input cut
 or whole? what does its own code do with the stream?) is settled by calling the block by itself on
-made-up inputs shaped like its recorded ones (`fake_block_inputs`), without lasting side effects.
-The side-input analysis, the plan and the rewrite all ask these questions.
+made-up inputs shaped like its recorded ones (`fake_block_inputs`), without lasting side effects. The
+analysis asks while it classifies side inputs and finds residual adds; the plan asks through a `Probe`, one
+question per route (`Probe.route`), and gets a frozen `RouteAnswer`, so planning itself never runs the model
+and the rewrite reads everything it needs (a block traced again at a route's kept count) off the plan.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,10 +19,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .calls import bind_arguments
-from .findings import BlockInfo
+from .config import Route
+from .findings import BlockInfo, GraphReport
 from .graphs import Slot
 from .residuals import find_residual_adds
-from .routing import Shrink, gather_tokens, route_side
+from .routing import Shrink, gather_tokens, route_side, select_tokens
+from .selectors import needs_grid, selector
 from .state import fresh, preserved_state
 from .trace import Trace, trace
 from .values import TensorMeta
@@ -93,3 +99,80 @@ def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: T
     out = pytree.tree_unflatten(list(leaves), tr.out_spec)
     out = out if out_index is None else out[out_index]
     return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out)), start.name
+
+
+def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
+    """How many tokens a route's blocks see: the kept positions plus the selector's share of the others. Asked of
+    the selector itself (once, on CPU), for a selector of the user's may keep any count it likes."""
+    others = tokens - len(keep)
+    if needs_grid(selector) and (grid is None or math.prod(grid) != others):
+        return len(keep) + others - int(others * rate)
+    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid, generator=torch.Generator().manual_seed(0),
+                          device="cpu", stream=torch.zeros(1, tokens, 1))
+    return index.shape[1]
+
+
+@dataclass(frozen=True)
+class RouteAnswer:
+    """What probing one route's blocks told, for the plan to judge: plain values, nothing live."""
+
+    kept: int  # tokens the selector keeps (in the route's first stack)
+    fails: tuple[int, ...] = ()  # blocks that fail on the kept tokens (asked where they form a smaller grid)
+    rows: tuple[int, ...] = ()  # blocks that fail on a token count that is not whole grid rows
+    shared: bool = False  # one selection for the batch: a block computes otherwise with a table made per sample
+    bodies: tuple[BlockInfo, ...] = ()  # blocks traced again at the kept count (DAR), where their trace was shape-bound
+
+
+class Probe:
+    """The one place the plan's questions about a model are answered by running it (`route`). The plan holds it
+    only as a `plan.Prober`: it knows what to ask, never how a block is run."""
+
+    def __init__(self, model: nn.Module, report: GraphReport):
+        self.model, self.report = model, report
+
+    def route(self, route: Route, start: int, end: int, keep: tuple[int, ...], grid, shrink: tuple[int, ...],
+              bodies: bool = False) -> RouteAnswer:
+        """Probe the blocks `start..end` as route `route` hands them their inputs (`keep` always kept, grid sizes
+        shrunk along `shrink`): the kept count, the blocks that fail on it or on a count that is not whole rows,
+        whether the route must share one selection by the batch, and with `bodies` (DAR) the blocks traced again
+        at the kept count where their own trace was specialised to the full one."""
+        report, model = self.report, self.model
+        kept = kept_tokens(route.selector, route.rate, keep, report.stack_of(start).tokens, grid)
+        counts = report.joined_counts(start, end, kept)
+        first = report.blocks[start].stack
+        blocks = [(b, report.stack_of(b.index), counts[b.stack - first]) for b in report.blocks[start:end + 1]]
+        fails, rows = [], []
+        for block, stack, count in blocks:
+            if selector(route.selector).kept_grid is not None:  # the kept tokens form a smaller grid: run on it
+                if not block_runs(model, block, stack.stream_slot, stack.stream, count, shrink):
+                    fails.append(block.index)
+            elif grid is not None and grid[-1] != 1 and not block_runs(model, block, stack.stream_slot,
+                                                                         stack.stream, stack.tokens - 1, shrink):
+                rows.append(block.index)  # one token fewer than the grid breaks it: it reshapes to rows
+        shared = any(self._shared(block, stack, count, shrink) for block, stack, count in blocks)
+        traced = ()
+        if bodies:
+            traced = tuple(self._body(block, stack, count, shrink, shared) for block, stack, count in blocks
+                           if block.adds and block.body is not None and block.body.specialised
+                           and count != stack.tokens)
+        return RouteAnswer(kept, tuple(fails), tuple(rows), shared, traced)
+
+    def _shared(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...]) -> bool:
+        """Whether the block reads a table without a batch axis (a RoPE table (N, d)) and does not compute the same
+        with it made one per sample (B, N', d): probed on random inputs at the kept count, each way."""
+        if not any(not g.batched for s in block.side_inputs for g in s.tokens):
+            return False
+        args = (self.model, block, stack.stream_slot, stack.stream, count, shrink, True)
+        one, per_sample = run_block(*args, shared=True), run_block(*args, shared=False)
+        if one is None or per_sample is None:
+            return per_sample is None
+        same = [a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in
+                zip(pytree.tree_leaves(one), pytree.tree_leaves(per_sample)) if isinstance(a, torch.Tensor)]
+        return not same or not all(same)
+
+    def _body(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...], shared: bool) -> BlockInfo:
+        """The block traced alone as the route hands it its inputs (the kept count, grid sizes shrunk, tables as
+        the route cuts them), with its residual adds there: what DAR inlines into a routed graph."""
+        body, adds, _ = trace_block(self.model, block, stack.stream_slot, stack.stream, stack.stream_out_index,
+                                    count, shrink, shared)
+        return replace(block, body=body, adds=adds)

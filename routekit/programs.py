@@ -20,6 +20,7 @@ from .calls import bind_arguments, call_inputs, call_spec
 from .errors import ConfigError
 from .guards import Assumptions
 from .plan import Plan
+from .probe import Probe
 from .rewrite import compile_graph, constants_to_inputs, rewrite
 from .sharding import check_sharding
 from .state import eager
@@ -141,7 +142,7 @@ def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: boo
     with eager():
         tr = trace(original, args, kwargs)
         report = analyse(tr, original, stack=plan.report.requested, residual=plan.dar is not None)
-    return build_program(tr, plan.with_report(report, original, tr.graph), original, routed.training, routes)
+    return build_program(tr, plan.with_report(report, Probe(original, report)), original, routed.training, routes)
 
 
 def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict) -> Program:

@@ -49,8 +49,8 @@ def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chann
             axis = _grid_axis(names.get(slot, str(slot)), keys(path))
             if axis is not None:
                 grid.append((keys(path), axis))
-    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), sealed=tuple(sealed)),
-            tuple(joint))
+    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), sealed=tuple(sealed),
+                      argument=names.get(slot, slot)), tuple(joint))
 
 
 def parameter_names(module: nn.Module) -> dict:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import routekit as rk
-from routekit.plan import kept_tokens, resolve_keep
+from routekit.plan import resolve_keep
+from routekit.probe import kept_tokens
 from routekit.routing import select_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")

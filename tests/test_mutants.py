@@ -22,6 +22,7 @@ from routekit.errors import ConfigError, InferenceChanged, InputError, SelectorE
 from routekit.kernels import naive
 from routekit.model import observe
 from routekit.plan import checked_grid, make_plan
+from routekit.probe import Probe
 from routekit.residuals import find_residual_adds
 from routekit.routing import gather_tokens, select_tokens, with_forced
 from routekit.selectors import checked, get_selector, importance, keeps_rows, selector
@@ -568,7 +569,7 @@ def test_a_grid_selector_takes_a_keep_of_exactly_the_tokens_outside_the_grid_whe
     model = built(Registers)
     report = rk.inspect(model, (image(),)).report
     report = dataclasses.replace(report, stacks=(dataclasses.replace(report.stacks[0], special=()),))
-    plan = make_plan(report, [rk.Route(start=0, end=1, selector="row", keep=[0, 1])], None, model)
+    plan = make_plan(report, [rk.Route(start=0, end=1, selector="row", keep=[0, 1])], None, Probe(model, report))
     assert plan.placed[0].keep == (0, 1)
 
 
@@ -608,9 +609,9 @@ def test_a_route_shares_one_selection_where_a_block_cannot_take_a_table_per_samp
 
 def test_dar_on_a_report_whose_blocks_were_not_traced_alone_is_a_config_error():
     model = built(Tokens)
-    tr, report = observe(model, (tokens(),), {}, residual=False)
+    _, report = observe(model, (tokens(),), {}, residual=False)
     with pytest.raises(ConfigError, match="traced alone"):
-        make_plan(report, [], rk.DAR(kernel="torch"), model, graph=tr.graph)
+        make_plan(report, [], rk.DAR(kernel="torch"), Probe(model, report))
 
 
 # ==== rewrite (DAR) ================================================================================================
