@@ -54,3 +54,12 @@ def flatten(value: Any) -> tuple[list, list]:
         else:
             flat.append(v)
     return flat, structure
+
+
+def same(a: Any, b: Any) -> bool:
+    """`a == b` for recorded values (TensorMeta, plain values, containers of them); False where they do not
+    compare (a tensor's `==` is elementwise, an object's may raise): then they are not known to be the same."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
