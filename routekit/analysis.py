@@ -26,8 +26,8 @@ from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
 from .graphs import Slot, between, slot_value, slots
 from .guards import hooked
-from .probe import trace_block
-from .record import Image, token_offset
+from .probe import token_offset, trace_block
+from .record import Image
 from .residuals import timestep_embeddings, without_residual
 from .sides import joint_order, meta_of, parameter_names, resolved, side_input
 from .state import is_compiled

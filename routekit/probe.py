@@ -5,7 +5,10 @@ or whole? what does its own code do with the stream?) is settled by calling the 
 made-up inputs shaped like its recorded ones (`fake_block_inputs`), without lasting side effects. The
 analysis asks while it classifies side inputs and finds residual adds; the plan asks through a `Probe`, one
 question per route (`Probe.route`), and gets a frozen `RouteAnswer`, so planning itself never runs the model
-and the rewrite reads everything it needs (a block traced again at a route's kept count) off the plan.
+and the rewrite reads everything it needs (a block traced again at a route's kept count) off the plan. What
+the graph cannot show about the stream's tokens (which were not made from the image, where a later stack
+holds an earlier one's) is measured here too, running the model up to a block (`tokens_not_from`,
+`token_offset`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from .graphs import Slot
 from .residuals import find_residual_adds
 from .routing import Shrink, gather_tokens, route_side, select_tokens
 from .selectors import needs_grid, selector
-from .state import fresh, preserved_state
+from .state import fresh, preserved_state, training_mode
 from .trace import Trace, trace
 from .values import TensorMeta
 
@@ -57,6 +60,10 @@ def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, d
             values[side.slot] = route_side(values[side.slot], full, index, side.tokens + sizes, shared=shared)
     args = [values[i] for i in sorted(s for s in values if isinstance(s, int))]
     return args, {k: v for k, v in values.items() if isinstance(k, str)}
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _device(model: nn.Module):
@@ -100,6 +107,95 @@ def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: T
     out = out if out_index is None else out[out_index]
     return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out)), start.name
 
+
+# ---- the model run up to a block: which stream tokens come from what -----------------------------------------
+
+def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, *, module: str | None = None,
+                    image: torch.Tensor | None = None) -> tuple[int, ...]:
+    """Positions of the stream entering `block` that depend neither on module `module`'s output nor on the
+    input tensor `image` (the one given): class, register and text tokens, made from something else.
+
+    The model runs twice in eval mode up to `block` (which is not run): once as it is, once with that output
+    (or input) replaced by other values. A token that comes out the same both times was not made from it.
+    Positions are counted from the start for the first half of the stream, from the end (negative) after.
+    """
+    seen: list[torch.Tensor] = []
+
+    class _Stop(Exception):
+        pass
+
+    def capture(mod, a, kw):
+        seen.append(a[slot] if isinstance(slot, int) else kw[slot])
+        raise _Stop
+
+    def other(t: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator(t.device).manual_seed(0)
+        return torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * 3 + 1
+
+    calls = [(args, kwargs), (args, kwargs)]
+    if image is not None:
+        calls[1] = pytree.tree_map(lambda v: other(v) if v is image else v, (args, kwargs))
+    stop = model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
+            for run, (a, kw) in enumerate(calls):
+                handle = None
+                if run and module is not None:
+                    handle = model.get_submodule(module).register_forward_hook(lambda m, i, out: other(out))
+                torch.manual_seed(0)  # the same random draws in both runs (preserved_state restores the streams)
+                try:
+                    model(*a, **kw)
+                except _Stop:
+                    pass
+                finally:
+                    if handle is not None:
+                        handle.remove()
+    finally:
+        stop.remove()
+    if len(seen) != 2 or seen[0].shape != seen[1].shape or seen[0].dim() != 3:
+        return ()
+    same = (seen[0] == seen[1]).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
+    tokens = same.shape[0]
+    return tuple(i if i < tokens / 2 else i - tokens for i in same.nonzero().flatten().tolist())
+
+
+def token_offset(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, source: str,
+                 index: int | None) -> int | None:
+    """Where the stream entering `block` holds the tokens `source` (a block called before it) handed on, as one
+    run of positions: their offset, where a slice of the stream equals that output exactly (output `index` of a
+    tuple); None where none does. The stream joins them with others (the text of a joint stack)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    class _Stop(Exception):
+        pass
+
+    def capture(mod, a, kw):
+        seen["stream"] = a[slot] if isinstance(slot, int) else kw[slot]
+        raise _Stop
+
+    def output(mod, a, out):
+        seen["source"] = out if index is None else out[index]
+
+    handles = [model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True),
+               model.get_submodule(source).register_forward_hook(output)]
+    try:
+        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
+            torch.manual_seed(0)
+            model(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    stream, part = seen.get("stream"), seen.get("source")
+    if not isinstance(stream, torch.Tensor) or not isinstance(part, torch.Tensor) or stream.dim() != part.dim() \
+            or stream.shape[0] != part.shape[0] or part.shape[1] > stream.shape[1]:
+        return None
+    length = part.shape[1]
+    return next((o for o in range(stream.shape[1] - length + 1) if torch.equal(stream[:, o:o + length], part)), None)
+
+
+# ---- a route's blocks, for the plan ------------------------------------------------------------------------------
 
 def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
     """How many tokens a route's blocks see: the kept positions plus the selector's share of the others. Asked of
