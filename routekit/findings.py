@@ -1,4 +1,5 @@
-"""What analysis finds, as frozen records: a model's stacks, blocks, their side inputs, the whole report.
+"""What analysis finds, as frozen records: a model's stacks, blocks, their side inputs, the whole report, and how
+a route cuts a side input (`Gather` a tensor's token axes, `Shrink` a grid size).
 
 `analyse` (analysis.py) makes a `GraphReport`; the plan, the rewrite, the hooks and `inspect` read it. The
 records sit in a module of their own, below every part of the analysis that fills them in, so each part
@@ -8,16 +9,42 @@ records sit in a module of their own, below every part of the analysis that fill
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch.utils._pytree as pytree
 
 from .graphs import Slot
 from .values import TensorMeta
 
-if TYPE_CHECKING:  # named in annotations only: the records import nothing that routes or traces
-    from .routing import Gather
+if TYPE_CHECKING:  # named in annotations only: the records import nothing that traces
     from .trace import Trace
+
+
+class Gather(NamedTuple):
+    """A tensor inside a block argument that carries the stream's tokens, at `path` (the keys and indices leading
+    to it inside the argument's value; () for the argument itself). A NamedTuple of plain values, so a
+    rewritten graph can hold it as a constant.
+
+    axes: its token axes (an attention mask (B, 1, N, N) has two). batched: its first axis is the batch
+    (of size B, or 1 for a table shared by the batch); otherwise it is one table for every sample, e.g. a
+    RoPE table (N, d). rest_first: the token axes are longer than the stream, other tokens first (a joint
+    text + image table: text rows, then image rows); otherwise the stream's tokens come first.
+    """
+
+    path: tuple
+    axes: tuple[int, ...]
+    batched: bool = True
+    rest_first: bool = False
+
+
+class Shrink(NamedTuple):
+    """A number inside a block argument that a route changes: a grid size (height, width or frames) along the
+    axis whose lines the route's selector keeps a share of (`row` keeps rows: the height shrinks). It becomes
+    the kept count, read off the call: the kept grid cells (the kept tokens but the `fixed` positions every
+    selection holds) over all of them, times the number passed."""
+
+    path: tuple
+    fixed: int = 0
 
 
 @dataclass(frozen=True)

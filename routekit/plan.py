@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from .config import DAR, Route
 from .errors import ConfigError
-from .findings import BlockInfo, GraphReport
+from .findings import BlockInfo, GraphReport, Shrink
 from .report import draw_plan, format_plan
-from .routing import Shrink
 from .selectors import needs_grid, selector
 
 if TYPE_CHECKING:

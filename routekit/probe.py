@@ -23,10 +23,10 @@ from torch import nn
 
 from .calls import bind_arguments
 from .config import Route
-from .findings import BlockInfo, GraphReport
+from .findings import BlockInfo, GraphReport, Shrink
 from .graphs import Slot
 from .residuals import find_residual_adds
-from .routing import Shrink, gather_tokens, route_side, select_tokens
+from .routing import gather_tokens, route_side, select_tokens
 from .selectors import needs_grid, selector
 from .state import fresh, preserved_state, training_mode
 from .trace import Trace, trace

@@ -34,12 +34,12 @@ from torch import nn
 from . import dar
 from .calls import bind_arguments, call_inputs
 from .errors import ConfigError
-from .findings import BlockInfo
+from .findings import BlockInfo, Gather
 from .graphs import between, descends, slot_value
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
 from .residuals import uncast
-from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
+from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 
 if TYPE_CHECKING:
     from .trace import Trace

@@ -20,10 +20,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import RoutekitError
-from .findings import BlockInfo, SideInput
+from .findings import BlockInfo, Gather, SideInput
 from .graphs import CATS, Slot, to_networkx
 from .probe import block_runs, trace_block
-from .routing import Gather, is_opaque, keys
+from .routing import is_opaque, keys
 from .trace import Trace
 from .values import TensorMeta
 
