@@ -37,16 +37,17 @@ def specialise(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, *, carry
         report = analyse(tr, model, stack=plan.report.requested, residual=plan.dar is not None,
                          known=plan.report if carry else None)
     probe = Probe(model, report)
-    return tr, plan.with_report(report, Recalled(plan, report, probe) if carry else probe)
+    return tr, plan.with_report(report, Recalled(plan, report, probe, model) if carry else probe)
 
 
 class Recalled:
     """A `plan.Prober` that answers a route's question from an earlier plan of the same request where the
-    route's blocks see the same inputs in both reports, and asks `probe` otherwise: what a block does with
-    inputs of the same shapes does not depend on the call that fed them."""
+    route's blocks see the same inputs in both reports (and what the blocks' traces it holds assumed about
+    `model` still holds), and asks `probe` otherwise: what a block does with inputs of the same shapes does not
+    depend on the call that fed them."""
 
-    def __init__(self, earlier: Plan, report: GraphReport, probe: Prober):
-        self.earlier, self.report, self.probe = earlier, report, probe
+    def __init__(self, earlier: Plan, report: GraphReport, probe: Prober, model: nn.Module):
+        self.earlier, self.report, self.probe, self.model = earlier, report, probe, model
 
     def route(self, route: Route, start: int, end: int, keep: tuple[int, ...], grid, shrink: tuple[int, ...],
               bodies: bool = False) -> RouteAnswer:
@@ -54,7 +55,8 @@ class Recalled:
             asked = (route, start, end, keep, grid, shrink, bodies)
             answered = (placed.route, placed.start, placed.end, placed.keep, self.earlier.grid, placed.shrink,
                         self.earlier.dar is not None)
-            if asked == answered and same(_inputs(self.earlier.report, start, end), _inputs(self.report, start, end)):
+            if asked == answered and same(_inputs(self.earlier.report, start, end), _inputs(self.report, start, end)) \
+                    and not any(b.body.assumed.broken(self.model.get_submodule(b.qualname)) for b in placed.bodies):
                 return RouteAnswer(placed.kept, shared=placed.shared, bodies=placed.bodies)
         return self.probe.route(route, start, end, keep, grid, shrink, bodies)
 

@@ -171,3 +171,26 @@ def test_a_call_whose_blocks_see_other_shapes_asks_the_probe_again(monkeypatch):
     out = routed(tokens(n=8))
     assert out.shape == (2, 8, D) and counted.asked == 1
     assert rk.report_of(routed).placed[0].kept == 3  # the plan apply made stays the example's
+
+
+def test_a_new_signature_after_a_block_changed_traces_that_block_again_not_the_plans_stale_trace():
+    class Gained(Positional):
+        def __init__(self):
+            super().__init__()
+            self.gain = 1.0  # read as a plain number by the block's own trace, which DAR inlines
+
+        def forward(self, x):
+            n = int(x.shape[1])
+            return x + self.fc(self.norm(x)) * self.gain * (1 + torch.arange(n, dtype=torch.float32)[:, None] / n)
+
+    model, x = built(Gained), tokens(n=2 * D)
+    routed = rk.apply(model, rk.Route(start=1, end=2, rate=0.5), residual=rk.DAR(kernel="torch"), example_inputs=x)
+    assert [b.index for b in rk.report_of(routed).placed[0].bodies] == [1, 2]
+    routed.train()
+    for block in model.blocks:
+        block.gain = 2.0
+    torch.manual_seed(0)
+    got = routed(x, shift=0.5)
+    torch.manual_seed(0)
+    want = routed._routekit_executor.run_fresh(routed, (x,), {"shift": 0.5})
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
