@@ -7,9 +7,9 @@ block's stream output feeds the next block's stream input. The token stream is t
 
 `analyse` finds the stacks and their blocks here and hands each other question to the module that answers
 it: what each block's other inputs are (sides.py), which tokens were made from the image and on what grid
-(tokens.py), and with `residual=True` each block traced alone (probes.py) and its residual adds found
-(residuals.py, what DAR rewrites). It returns a frozen `GraphReport` (findings.py): every fact is settled
-when it is made, nobody writes into it.
+(tokens.py), and with `residual=True` each block traced alone (probe.py), its residual adds found
+(residuals.py, what DAR rewrites) and the model's timestep embedding e(t) (DAR's static_t queries). It
+returns a frozen `GraphReport` (findings.py): every fact is settled when it is made, nobody writes into it.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
 from .graphs import Slot, between, slot_value, slots
 from .guards import hooked
-from .probes import trace_block
-from .record import Image, token_offset
+from .probe import token_offset, trace_block
+from .record import Image
+from .residuals import timestep_embeddings, without_residual
 from .sides import joint_order, meta_of, parameter_names, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
 from .trace import Trace
-from .values import TensorMeta
+from .values import TensorMeta, same
 
 
 def _link(prev: fx.Node, nxt: fx.Node) -> tuple[Slot, int | None] | None:
@@ -129,12 +130,14 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
 
 def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Literal["graph", "boundary"] = "graph",
             fallback: str | None = None, images: list[Image] | None = None, call: tuple[tuple, dict] | None = None,
-            residual: bool = False) -> GraphReport:
+            residual: bool = False, known: GraphReport | None = None) -> GraphReport:
     """The report of `tr` (a trace, or with `images` a recording); AnalysisError says what is missing.
 
     The blocks are those of the chain of stacks the stream passes through (`_chain`), or of `stack` alone.
     `call`: the example call, to measure what the graph does not show (special tokens of a recording).
-    `residual`: also trace each block alone and find its residual adds.
+    `residual`: also trace each block alone and find its residual adds, and (graph mode) the model's e(t).
+    `known`: an earlier report of the model (another call of it), whose blocks' own traces are taken over where
+    the block sees inputs of the same shapes and what its trace assumed still holds (`_carried_body`).
     """
     chosen, chains = _stack(tr, model, stack)
     measure = None  # a recording shows no owner code: where it joins two stacks is measured on the example call
@@ -165,13 +168,15 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     decided: dict = {}
     blocks = [resolved(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream, _fewer(stacks[b.stack]),
                        decided) for b in blocks]
-    granularity = None
+    granularity, timestep, embeddings = None, None, ()
     if residual:
-        blocks, granularity = _with_residual_adds(model, blocks, stacks)
+        blocks, granularity = _with_residual_adds(model, blocks, stacks, known)
+        if mode == "graph":  # e(t), for DAR's static_t queries: read off the owner's graph, so the plan needs none
+            timestep, embeddings = timestep_embeddings(tr.graph, stacks[0].stream.shape[0], stacks[0].stream.shape[2])
     return GraphReport(
         model=type(model).__name__, mode=mode, stacks=tuple(stacks), blocks=tuple(blocks), candidates=
         {k: len(v[0]) for k, v in chains.items()}, leafed=dict(tr.leafed), specialised=tuple(tr.specialised),
-        requested=stack, fallback=fallback, residual=granularity,
+        requested=stack, fallback=fallback, residual=granularity, timestep=timestep, embeddings=embeddings,
     )
 
 
@@ -275,18 +280,40 @@ def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: 
     return result
 
 
-def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo],
-                        stacks: list[Stack]) -> tuple[list[BlockInfo], str]:
-    """Each block traced alone with its residual adds, and the granularity: "sublayer" when every block's
-    adds were found, "block" when none were (each block is one source, v = output - input), "mixed"
-    otherwise; or why the blocks could not be traced. A block with hooks stays one call (its adds hidden), so
-    its hooks run."""
+def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], stacks: list[Stack],
+                        known: GraphReport | None = None) -> tuple[list[BlockInfo], str]:
+    """Each block traced alone with its residual adds (or its trace in `known`, `_carried_body`), and the
+    granularity: "sublayer" when every block's adds were found, "block" when none were (each block is one source,
+    v = output - input), "mixed" otherwise; or why the blocks could not be traced. A block with hooks stays one
+    call (its adds hidden), so its hooks run."""
     try:
-        traced = [trace_block(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream,
+        traced = [_carried_body(model, b, stacks, known) or
+                  trace_block(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream,
                               stacks[b.stack].stream_out_index, stacks[b.stack].tokens)[:2] for b in blocks]
     except RoutekitError as err:
         return blocks, f"unknown ({err})"
     traced = [(tr, () if hooked(model.get_submodule(b.qualname)) else adds) for b, (tr, adds) in zip(blocks, traced)]
     found = [bool(adds) for _, adds in traced]
     granularity = "sublayer" if all(found) else "block" if not any(found) else "mixed"
-    return [replace(b, adds=adds, body=tr) for b, (tr, adds) in zip(blocks, traced)], granularity
+    blocks = [replace(b, adds=adds, body=tr) for b, (tr, adds) in zip(blocks, traced)]
+    return [replace(b, residual_free=without_residual(model, b)) for b in blocks], granularity
+
+
+def _carried_body(model: nn.Module, block: BlockInfo, stacks: list[Stack],
+                  known: GraphReport | None) -> tuple[Trace, tuple[str, ...]] | None:
+    """The block's own trace and residual adds from `known`, where tracing it again would give the same: the
+    same module fed the same stream and side inputs (slots, shapes and values: its trace is made of those
+    alone), what that trace assumed about the module still holding, no hooks on it now and adds found then
+    (a block with hooks is made one call, so `known` would not show whether its own code has adds)."""
+    if known is None or block.index >= known.depth:
+        return None
+    was, stack = known.blocks[block.index], stacks[block.stack]
+    module = model.get_submodule(block.qualname)
+    if was.qualname != block.qualname or not was.adds or was.body is None or hooked(module):
+        return None
+    then, now = known.stack_of(block.index), (stack.stream_slot, stack.stream, stack.stream_out_index)
+    if not same((then.stream_slot, then.stream, then.stream_out_index), now) or not same(
+            [(s.slot, s.meta) for s in was.side_inputs], [(s.slot, s.meta) for s in block.side_inputs]):
+        return None
+    return (was.body, was.adds) if was.body.assumed.broken(module) is None else None
+

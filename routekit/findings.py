@@ -1,4 +1,5 @@
-"""What analysis finds, as frozen records: a model's stacks, blocks, their side inputs, the whole report.
+"""What analysis finds, as frozen records: a model's stacks, blocks, their side inputs, the whole report, and how
+a route cuts a side input (`Gather` a tensor's token axes, `Shrink` a grid size).
 
 Frozen, its containers too, so nothing writes into a report after it is made: tuples for sequences, read-only
 mappings (`values.read_only`) for tables, and a frozen `Trace` for a block traced alone (its fx graph, mutable
@@ -14,14 +15,42 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch.utils._pytree as pytree
 
 from .graphs import Slot
-from .routing import Gather
-from .trace import Trace
 from .values import TensorMeta, pickled_fields, read_only
+
+if TYPE_CHECKING:  # named in annotations only: the records import nothing that traces
+    from .trace import Trace
+
+
+class Gather(NamedTuple):
+    """A tensor inside a block argument that carries the stream's tokens, at `path` (the keys and indices leading
+    to it inside the argument's value; () for the argument itself). A NamedTuple of plain values, so a
+    rewritten graph can hold it as a constant.
+
+    axes: its token axes (an attention mask (B, 1, N, N) has two). batched: its first axis is the batch
+    (of size B, or 1 for a table shared by the batch); otherwise it is one table for every sample, e.g. a
+    RoPE table (N, d). rest_first: the token axes are longer than the stream, other tokens first (a joint
+    text + image table: text rows, then image rows); otherwise the stream's tokens come first.
+    """
+
+    path: tuple
+    axes: tuple[int, ...]
+    batched: bool = True
+    rest_first: bool = False
+
+
+class Shrink(NamedTuple):
+    """A number inside a block argument that a route changes: a grid size (height, width or frames) along the
+    axis whose lines the route's selector keeps a share of (`row` keeps rows: the height shrinks). It becomes
+    the kept count, read off the call: the kept grid cells (the kept tokens but the `fixed` positions every
+    selection holds) over all of them, times the number passed."""
+
+    path: tuple
+    fixed: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,6 +71,7 @@ class SideInput:
     unordered: tuple[tuple, ...] = ()  # joint tables whose layout (other tokens first or last) the block hides
     collided: tuple[tuple, ...] = ()  # tensors whose last axis is as long as the stream: tokens or features, untold
     sealed: tuple[tuple, ...] = ()  # objects a route does not look into (see `is_opaque`) that hold per-token tensors
+    argument: str | int | None = None  # the block's parameter it binds to, by name where the signature tells
 
     @property
     def kind(self) -> str:
@@ -104,6 +134,7 @@ class BlockInfo:
     checkpointed: bool = False  # the owner runs it under torch.utils.checkpoint
     stack: int = 0  # which stack of the chain it belongs to
     compiled: bool = False  # it runs under torch.compile on its own (its token axes are marked static in a route)
+    residual_free: bool = False  # `body` shows no residual connection and hides none (DAR has nothing to replace)
 
 
 @dataclass(frozen=True)
@@ -121,6 +152,8 @@ class GraphReport:
     requested: str | None = None  # the stack= the analysis was asked for (None: the chain it found)
     fallback: str | None = None  # why the owner forward was not traced (boundary mode)
     residual: str | None = None  # "sublayer", "block" or "mixed" granularity of the adds, or why unknown
+    timestep: str | None = None  # the node of the model's own e(t) (DAR's static_t queries), where one was found
+    embeddings: tuple[tuple[str, str], ...] = ()  # (module, node) of each module call giving a (batch, channels) value
 
     def __post_init__(self):  # its containers frozen too: mappings read-only, sequences tuples
         object.__setattr__(self, "candidates", read_only(self.candidates))
@@ -146,6 +179,21 @@ class GraphReport:
         if name.startswith("__") or name == "stacks":
             raise AttributeError(name)
         return getattr(self.stacks[0], name)
+
+    def embedding(self, module: str | None) -> str | None:
+        """The node of e(t): the last call of `module` (or of a module inside it) giving a (batch, channels) value,
+        or with None the one analysis found; None where there is none."""
+        if module is None:
+            return self.timestep
+        hits = [node for target, node in self.embeddings if target == module or target.startswith(module + ".")]
+        return hits[-1] if hits else None
+
+    def joined_counts(self, start: int, end: int, count: int) -> tuple[int, ...]:
+        """`count` tokens in block `start`'s stack carried through each stack up to block `end`'s: a later stack's
+        stream also holds what the owner joins in before it (text in front), which a route keeps."""
+        first = self.blocks[start].stack
+        return tuple(count + self.stacks[t].tokens - self.stacks[first].tokens
+                     for t in range(first, self.blocks[end].stack + 1))
 
     def block_listing(self) -> str:
         return ", ".join(f"{b.index}: {b.qualname}" for b in self.blocks)

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .findings import BlockInfo
+from .findings import BlockInfo, Gather
 from .graphs import Slot
 from .plan import Plan
-from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
+from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 from .state import shallow_copy
 
 

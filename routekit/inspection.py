@@ -9,6 +9,7 @@ from .config import DAR, Route, coerce_routes
 from .errors import ConfigError
 from .model import Mode, RoutedModel, example_call, observe, report_of, unwrap_compiled
 from .plan import Plan, make_plan
+from .probe import Probe
 from .state import eager
 
 
@@ -29,6 +30,5 @@ def inspect(model: nn.Module, example_inputs: tuple | torch.Tensor = (), example
         raise ConfigError(f"residual must be routekit.DAR(...) or None, got {residual!r}")
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     with eager():
-        tr, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=True)
-        return make_plan(report, coerce_routes(routes, report.depth), residual, model, grid=grid,
-                         graph=tr.graph if tr is not None else None)
+        _, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=True)
+        return make_plan(report, coerce_routes(routes, report.depth), residual, Probe(model, report), grid=grid)

@@ -28,6 +28,7 @@ from .findings import GraphReport
 from .guards import assigned_attributes
 from .hooks import Hooks
 from .plan import Plan, make_plan
+from .probe import Probe
 from .programs import Programs, build_program
 from .record import record
 from .rewrite import STATE
@@ -254,8 +255,7 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     with eager():
         tr, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=residual is not None)
-        plan = make_plan(report, coerce_routes(routes, report.depth), residual, model, grid=grid,
-                         graph=tr.graph if tr is not None else None)
+        plan = make_plan(report, coerce_routes(routes, report.depth), residual, Probe(model, report), grid=grid)
         routed = assemble(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
         _dry_run(routed, plan, tr, args, kwargs)
     return rewrap(routed)  # in the model's modes, module by module (they are the same modules)

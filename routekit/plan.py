@@ -5,32 +5,32 @@
 rewrite and the block-call hooks read and nobody writes. Every check lives here: routes against the
 stack, `keep` against the stream and its special tokens, blocks a route cannot contain or pass
 through, selectors against the grid and the blocks (whole rows), DAR's sources and chunks.
+
+Planning runs nothing: what only running the model can tell (how many tokens a selector keeps, which blocks
+fail on them) it asks a `Prober` (probe.py's `Probe`), one question per route, and judges the answer here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
-import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch import nn
+from typing import TYPE_CHECKING, Protocol
 
 from .config import DAR, Route
 from .errors import ConfigError
-from .findings import GraphReport
-from .probes import block_runs, run_block
+from .findings import BlockInfo, GraphReport, Shrink
 from .report import draw_plan, format_plan
-from .residuals import find_timestep_embedding, without_residual
-from .routing import Shrink, select_tokens
-from .selectors import needs_grid, selector
-from .sides import parameter_names
+from .selectors import selector
 
 if TYPE_CHECKING:
-    from .findings import BlockInfo
+    from .probe import RouteAnswer
+
+
+class Prober(Protocol):
+    """What the plan asks of a model: one question per route (probe.py's `Probe` answers it by running blocks)."""
+
+    def route(self, route: Route, start: int, end: int, keep: tuple[int, ...], grid, shrink: tuple[int, ...],
+              bodies: bool = False) -> RouteAnswer: ...
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class RoutePlan:
     stacks: tuple[int, ...] = (0,)  # the stacks the route runs through, in order
     kept_in: tuple[int, ...] = ()  # tokens its blocks see in each of them
     fixed_in: tuple[int, ...] = ()  # of those, the always-kept ones (its keep, and what each join adds)
+    bodies: tuple[BlockInfo, ...] = ()  # DAR: its blocks whose own trace was shape-bound, traced at its kept count
 
     @property
     def blocks(self) -> range:
@@ -116,11 +117,11 @@ class Plan:
         tokens = [report.stack_of(i).tokens for i in range(report.depth)]
         return sum(kept.get(i, n) for i, n in enumerate(tokens)) / sum(tokens)
 
-    def with_report(self, report: GraphReport, model: nn.Module, graph: fx.Graph | None = None) -> Plan:
+    def with_report(self, report: GraphReport, probe: Prober) -> Plan:
         """The same request planned on another analysis of the model (another call signature or shape);
         refuses one that would not keep DAR's parameters' shapes."""
-        plan = make_plan(report, self.routes, self.dar.config if self.dar else None, model,
-                         grid=self.grid if self.grid_given else None, graph=graph)
+        plan = make_plan(report, self.routes, self.dar.config if self.dar else None, probe,
+                         grid=self.grid if self.grid_given else None)
         if (plan.dar and plan.dar.points) != (self.dar and self.dar.points):
             raise ConfigError(
                 f"this call gives {plan.dar.points if plan.dar else 0} DAR aggregation points where the example "
@@ -130,11 +131,11 @@ class Plan:
         return plan
 
 
-def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, model: nn.Module, *,
-              grid: tuple[int, int] | None = None, graph: fx.Graph | None = None) -> Plan:
+def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, probe: Prober, *,
+              grid: tuple[int, int] | None = None) -> Plan:
     """Check the request against the analysis and freeze it; ConfigError names what is wrong and what would be valid.
 
-    `graph`: the traced owner graph (where DAR looks up the timestep embedding).
+    `probe` answers what the report cannot (`Prober`): `probe.Probe(model, report)` for the model analysed.
     """
     given = grid is not None
     grid = checked_grid(grid, report.tokens, len(report.special)) if given else report.grid
@@ -151,22 +152,16 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, mo
         ) from None
     planned = []
     for k, (route, (start, end)) in enumerate(zip(routes, spans)):
-        first = report.stack_of(start)
-        keep = _checked_keep(k, route, first, grid)
-        kept = kept_tokens(route.selector, route.rate, keep, first.tokens, grid)
+        keep = _checked_keep(k, route, report.stack_of(start), grid)
+        shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
+        _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid)
+        answer = probe.route(route, start, end, keep, grid, shrink, bodies=residual is not None)
+        _check_answer(k, route, report.blocks[start:end + 1], answer, grid)
         stacks = tuple(range(report.blocks[start].stack, report.blocks[end].stack + 1))
-        kept_in, fixed_in = [kept], [len(keep)]
-        for t in stacks[1:]:  # what the owner joins in at each stack boundary is kept with the route's tokens
-            added = report.stacks[t].tokens - report.stacks[t - 1].tokens
-            kept_in.append(kept_in[-1] + added)
-            fixed_in.append(fixed_in[-1] + added)
-        placed = RoutePlan(route, start, end, keep, kept, stacks=stacks, kept_in=tuple(kept_in),
-                           fixed_in=tuple(fixed_in))
-        shrink = _shrink(k, route, report.blocks[start:end + 1], grid, model)
-        placed = dataclasses.replace(placed, shrink=shrink)
-        _check_blocks_of(k, placed, report, grid, model)
-        planned.append(dataclasses.replace(placed, shared=_shared(model, report, placed)))
-    dar = _dar_plan(residual, report, planned, graph, model) if residual is not None else None
+        planned.append(RoutePlan(route, start, end, keep, answer.kept, shared=answer.shared, shrink=shrink,
+                                 stacks=stacks, kept_in=report.joined_counts(start, end, answer.kept),
+                                 fixed_in=report.joined_counts(start, end, len(keep)), bodies=answer.bodies))
+    dar = _dar_plan(residual, report, planned) if residual is not None else None
     return Plan(report, tuple(planned), dar, grid, given)
 
 
@@ -260,7 +255,7 @@ def _checked_keep(k: int, route: Route, report, grid) -> tuple[int, ...]:
         keep = resolve_keep(report.special if route.keep is None else route.keep, tokens)
     except ConfigError as err:
         raise ConfigError(f"route {k}: {err}") from None
-    if needs_grid(route.selector) and grid is not None:
+    if selector(route.selector).needs_grid and grid is not None:
         special = resolve_keep(report.special, tokens)
         if tokens - len(keep) != math.prod(grid) or (special and keep != special):
             fix = f"; keep exactly the special tokens: {suggestion(report.special)}" if report.special else ""
@@ -271,10 +266,9 @@ def _checked_keep(k: int, route: Route, report, grid) -> tuple[int, ...]:
     return keep
 
 
-def _check_blocks_of(k: int, placed: RoutePlan, report: GraphReport, grid, model: nn.Module) -> None:
-    """Refuse blocks the route cannot contain or pass through, and selectors its blocks cannot take."""
-    route, start, end, shrink = placed.route, placed.start, placed.end, placed.shrink
-    blocks = report.blocks[start:end + 1]
+def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport, grid) -> None:
+    """Refuse blocks the route cannot contain or pass through, as the report shows them, and a grid selector
+    without a grid."""
     for block in blocks:
         hidden = [s for s in block.side_inputs if s.unordered]
         if hidden:
@@ -317,38 +311,30 @@ def _check_blocks_of(k: int, placed: RoutePlan, report: GraphReport, grid, model
                 f"{block.escapes[0].split(' → ')[1]}, outside the chain; end the route at block {block.index} "
                 "or start it after"
             )
-    if needs_grid(route.selector) and grid is None:
+    if selector(route.selector).needs_grid and grid is None:
         raise ConfigError(
             f"route {k}: selector {route.selector!r} needs the token grid, and none was found (no 4-D patch "
             "embedding output upstream of the stream); pass grid=(H, W) to routekit.apply"
         )
-    spec = selector(route.selector)
+
+
+def _check_answer(k: int, route: Route, blocks: tuple[BlockInfo, ...], answer: RouteAnswer, grid) -> None:
+    """Refuse the selector where the probe found a block of the route that cannot take what it keeps."""
     for block in blocks:
-        stack = report.stack_of(block.index)
-        kept = placed.kept_at(block.stack)
-        if spec.kept_grid is not None:  # the kept tokens form a smaller grid: the block must run on it
-            if not block_runs(model, block, stack.stream_slot, stack.stream, kept, shrink):
-                raise ConfigError(
-                    f"route {k}: {block.qualname} ({block.cls}) fails on the {kept} tokens selector "
-                    f"{route.selector!r} keeps of the {'×'.join(map(str, grid))} grid; try another grid selector "
-                    "('row', 'column', 'window', 'frame') or end the route before this block"
-                )
-        elif _needs_whole_rows(model, stack, grid, block, shrink):
+        if block.index in answer.fails:
+            raise ConfigError(
+                f"route {k}: {block.qualname} ({block.cls}) fails on the {answer.kept} tokens selector "
+                f"{route.selector!r} keeps of the {'×'.join(map(str, grid))} grid; try another grid selector "
+                "('row', 'column', 'window', 'frame') or end the route before this block"
+            )
+        if block.index in answer.rows:
             raise ConfigError(
                 f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
                 f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
             )
 
 
-def _needs_whole_rows(model: nn.Module, stack, grid, block: BlockInfo, shrink: tuple[int, ...]) -> bool:
-    """Probe: does the block fail when given one token fewer than the full grid? Then it reshapes to rows.
-    `stack`: the block's (its stream)."""
-    if grid is None or grid[-1] == 1:
-        return False
-    return not block_runs(model, block, stack.stream_slot, stack.stream, stack.tokens - 1, shrink)
-
-
-def _shrink(k: int, route: Route, blocks, grid, model: nn.Module) -> tuple[int, ...]:
+def _shrink(k: int, route: Route, blocks, grid) -> tuple[int, ...]:
     """The grid axes (negative) whose sizes the route's blocks are handed and its selector shrinks; refuses a
     selector whose kept tokens form no grid, where a block takes the grid's sizes."""
     takers = [b for b in blocks if any(s.grid for s in b.side_inputs)]
@@ -357,8 +343,7 @@ def _shrink(k: int, route: Route, blocks, grid, model: nn.Module) -> tuple[int, 
     spec = selector(route.selector)
     kept = spec.kept_grid(grid, route.rate) if spec.kept_grid else None
     if kept is None:
-        params = parameter_names(model.get_submodule(takers[0].qualname))
-        names = [params.get(s.slot, s.slot) for s in takers[0].side_inputs if s.grid]
+        names = [s.slot if s.argument is None else s.argument for s in takers[0].side_inputs if s.grid]
         raise ConfigError(
             f"route {k}: {takers[0].qualname} is handed the token grid's sizes as numbers (arguments "
             f"{', '.join(map(repr, names))}), so the tokens it keeps must form a grid smaller than the "
@@ -368,37 +353,7 @@ def _shrink(k: int, route: Route, blocks, grid, model: nn.Module) -> tuple[int, 
     return tuple(axis - len(grid) for axis in range(len(grid)) if kept[axis] != grid[axis])
 
 
-def _shared(model: nn.Module, report: GraphReport, placed: RoutePlan) -> bool:
-    """Whether the route must select one set of tokens for the whole batch: where a block reads a table without
-    a batch axis (a RoPE table (N, d)) and does not compute the same with it made one per sample (B, N', d):
-    probed on random inputs at the kept count, each way."""
-    for block in report.blocks[placed.start:placed.end + 1]:
-        if not any(not g.batched for s in block.side_inputs for g in s.tokens):
-            continue
-        stack = report.stack_of(block.index)
-        args = (model, block, stack.stream_slot, stack.stream, placed.kept_at(block.stack), placed.shrink, True)
-        one, per_sample = run_block(*args, shared=True), run_block(*args, shared=False)
-        if one is None or per_sample is None:
-            return per_sample is None
-        same = [a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in
-                zip(pytree.tree_leaves(one), pytree.tree_leaves(per_sample)) if isinstance(a, torch.Tensor)]
-        if not same or not all(same):
-            return True
-    return False
-
-
-def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
-    """How many tokens a route's blocks see: the kept positions plus the selector's share of the others."""
-    others = tokens - len(keep)
-    if needs_grid(selector) and (grid is None or math.prod(grid) != others):
-        return len(keep) + others - int(others * rate)
-    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid, generator=torch.Generator().manual_seed(0),
-                          device="cpu", stream=torch.zeros(1, tokens, 1))
-    return index.shape[1]
-
-
-def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: fx.Graph | None,
-              model: nn.Module) -> DarPlan:
+def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan]) -> DarPlan:
     if report.mode != "graph":
         raise ConfigError(
             "residual=DAR(...) rewrites the residual adds of a traced graph and needs graph mode, but "
@@ -423,7 +378,7 @@ def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: 
             f"holds the {joined[0].tokens - report.stacks[0].tokens} tokens the model joins in before it; give DAR "
             f"one stack: stack={report.stacks[0].name!r} or stack={joined[0].name!r}"
         )
-    plain = [b.qualname for b in report.blocks if without_residual(model, b)]
+    plain = [b.qualname for b in report.blocks if b.residual_free]
     if plain:
         more = f" (and {len(plain) - 1} more blocks)" if len(plain) > 1 else ""
         raise ConfigError(
@@ -433,16 +388,24 @@ def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan], graph: 
         )
     timestep = None
     if config.query == "static_t":
-        node = find_timestep_embedding(graph, report, config.timestep) if graph is not None else None
-        if node is None and config.timestep is not None:
+        timestep = report.embedding(config.timestep)
+        if timestep is None and config.timestep is not None:
             raise ConfigError(f"DAR(timestep={config.timestep!r}): no call of that module yields a "
                               f"(batch, {report.stream.shape[2]}) embedding")
-        if node is None:
+        if timestep is None:
             raise ConfigError(
                 "DAR(query='static_t') needs the model's timestep embedding: no (batch, channels) value computed "
                 "from a 1-D float input alone was found; name the module with DAR(timestep='t_embedder')"
             )
-        timestep = node.name
+    for route in routes:
+        for body in route.bodies:
+            stack, adds = report.stack_of(body.index), report.blocks[body.index].adds
+            if len(body.adds) != len(adds):
+                raise ConfigError(
+                    f"DAR: {body.qualname} has {len(body.adds)} residual adds on the route's {route.kept_at(body.stack)} "
+                    f"tokens but {len(adds)} on all {stack.tokens}; its code branches on the token count, so DAR "
+                    "cannot be combined with this route"
+                )
     sizes = [len(b.adds) or 1 for b in report.blocks]
     return DarPlan(config, sum(sizes), timestep, tuple(sorted(two_phase_chunks(sizes, routes, config).items())),
                    tuple(sorted(two_phase_chunks(sizes, [], config).items())))

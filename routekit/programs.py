@@ -2,8 +2,9 @@
 
 A routed model in graph mode runs a program: the rewritten fx graph of its forward for one call signature
 and mode, compiled to Python code. `Programs` keeps one per signature (and shapes, where the trace baked a
-number in), traces the original forward again for a call it has not met, and again where an assumption the
-graph made broke (guards.py). Boundary mode's executor is hooks.py's `Hooks`.
+number in), specialises the plan to a call it has not met (specialise.py: the forward traced again, what the
+plan found by running the model carried over where the call leaves it the same), and traces everything
+afresh where an assumption the graph made broke (guards.py). Boundary mode's executor is hooks.py's `Hooks`.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .analysis import analyse
 from .calls import bind_arguments, call_inputs, call_spec
 from .errors import ConfigError
 from .guards import Assumptions
 from .plan import Plan
 from .rewrite import compile_graph, constants_to_inputs, rewrite
 from .sharding import check_sharding
-from .state import eager
-from .trace import Trace, trace
+from .specialise import specialise
+from .trace import Trace
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Programs:
                   plan: Plan | None = None) -> Any:
         """The output of a program traced now (not the cached one) for this call, with or without the routes,
         from this executor's plan or from `plan` (the same model, other routes)."""
-        program = _build(plan or self.plan, routed, args, kwargs, routes)
+        program = _build(plan or self.plan, routed, args, kwargs, routes, carry=False)
         return program(routed, call_tensors(routed, args, kwargs))
 
     def called(self) -> frozenset[str]:
@@ -110,7 +110,8 @@ class Programs:
             found = None
         if found is None:
             try:
-                found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs)
+                found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs,
+                                                                             carry=broken is None)
             except ConfigError as err:
                 raise (ConfigError(f"{broken}, so the graph was traced again, and: {err}") if broken else err) from None
             bucket[found.key(shapes)] = found
@@ -135,18 +136,17 @@ def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
     return call_inputs(bound, call_spec(bound))
 
 
-def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Program:
-    """Trace the original forward for this call and write the plan into it (planned again on this call's analysis)."""
+def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None,
+           carry: bool = True) -> Program:
+    """The plan specialised to this call (`specialise.specialise`, `carry` as there), written into its trace."""
     original = routed._routekit_model
-    with eager():
-        tr = trace(original, args, kwargs)
-        report = analyse(tr, original, stack=plan.report.requested, residual=plan.dar is not None)
-    return build_program(tr, plan.with_report(report, original, tr.graph), original, routed.training, routes)
+    tr, specialised = specialise(plan, original, args, kwargs, carry=carry)
+    return build_program(tr, specialised, original, routed.training, routes)
 
 
-def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict) -> Program:
+def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, carry: bool) -> Program:
     """`_build`, never under Dynamo: a call with a new signature or shapes inside a compiled region traces
     eagerly (a graph break there), and the compiled code calls the program it returns."""
     if torch.compiler.is_compiling():
-        return torch.compiler.disable(_build)(plan, routed, args, kwargs)
-    return _build(plan, routed, args, kwargs)
+        return torch.compiler.disable(_build)(plan, routed, args, kwargs, carry=carry)
+    return _build(plan, routed, args, kwargs, carry=carry)

@@ -8,9 +8,10 @@ a node of a small fx graph whose arguments link to earlier calls' outputs by ten
 tensors are placeholders and what the model returns is the output node. The same analysis as graph
 mode reads that graph.
 
-What a recording cannot show, it measures: the token grid is the last 4-D module output before the
-first block, and the stream's tokens that do not come from that grid (class, register or text
-tokens) are those that do not change when the grid module's output does.
+What a recording cannot show is read off what it saw or measured: the token grid is the last 4-D module
+output before the first block (`grid_image`), and the stream's tokens that do not come from that grid
+(class, register or text tokens) are those that do not change when the grid module's output does (a
+question probe.py answers by running the model: `tokens_not_from`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from .calls import CallSpec
 from .errors import InputError
-from .state import fresh, preserved_state, training_mode
+from .state import fresh, preserved_state
 from .trace import Trace, container_members, user_location
 from .values import describe, flatten
 
@@ -136,60 +137,11 @@ def grid_image(images: list[Image], first_call: int, batch: int, tokens: int) ->
     """The patch embedding's output: the last (batch, C, *grid) module output before the first block with
     0 < cells <= tokens, a convolution's if there is one.
 
-    With fewer cells than tokens the stream holds other tokens too (`tokens_not_from`).
+    With fewer cells than tokens the stream holds other tokens too (`probe.tokens_not_from`).
     """
     fits = [i for i in reversed(images) if i.calls_before <= first_call and i.shape[0] == batch
             and 0 < math.prod(i.shape[2:]) <= tokens]
     return next((i for i in fits if i.conv), fits[0] if fits else None)
-
-
-def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, *, module: str | None = None,
-                    image: torch.Tensor | None = None) -> tuple[int, ...]:
-    """Positions of the stream entering `block` that depend neither on module `module`'s output nor on the
-    input tensor `image` (the one given): class, register and text tokens, made from something else.
-
-    The model runs twice in eval mode up to `block` (which is not run): once as it is, once with that output
-    (or input) replaced by other values. A token that comes out the same both times was not made from it.
-    Positions are counted from the start for the first half of the stream, from the end (negative) after.
-    """
-    seen: list[torch.Tensor] = []
-
-    class _Stop(Exception):
-        pass
-
-    def capture(mod, a, kw):
-        seen.append(a[slot] if isinstance(slot, int) else kw[slot])
-        raise _Stop
-
-    def other(t: torch.Tensor) -> torch.Tensor:
-        generator = torch.Generator(t.device).manual_seed(0)
-        return torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * 3 + 1
-
-    calls = [(args, kwargs), (args, kwargs)]
-    if image is not None:
-        calls[1] = pytree.tree_map(lambda v: other(v) if v is image else v, (args, kwargs))
-    stop = model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
-            for run, (a, kw) in enumerate(calls):
-                handle = None
-                if run and module is not None:
-                    handle = model.get_submodule(module).register_forward_hook(lambda m, i, out: other(out))
-                torch.manual_seed(0)  # the same random draws in both runs (preserved_state restores the streams)
-                try:
-                    model(*a, **kw)
-                except _Stop:
-                    pass
-                finally:
-                    if handle is not None:
-                        handle.remove()
-    finally:
-        stop.remove()
-    if len(seen) != 2 or seen[0].shape != seen[1].shape or seen[0].dim() != 3:
-        return ()
-    same = (seen[0] == seen[1]).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
-    tokens = same.shape[0]
-    return tuple(i if i < tokens / 2 else i - tokens for i in same.nonzero().flatten().tolist())
 
 
 def image_input(args: tuple, kwargs: dict, batch: int) -> torch.Tensor | None:
@@ -201,39 +153,3 @@ def image_input(args: tuple, kwargs: dict, batch: int) -> torch.Tensor | None:
     first = args[0] if args else next(iter(kwargs.values()), None)
     plain = isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() >= 3
     return first if not found and plain and first.shape[0] == batch else None
-
-
-def token_offset(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, source: str,
-                 index: int | None) -> int | None:
-    """Where the stream entering `block` holds the tokens `source` (a block called before it) handed on, as one
-    run of positions: their offset, where a slice of the stream equals that output exactly (output `index` of a
-    tuple); None where none does. The stream joins them with others (the text of a joint stack)."""
-    seen: dict[str, torch.Tensor] = {}
-
-    class _Stop(Exception):
-        pass
-
-    def capture(mod, a, kw):
-        seen["stream"] = a[slot] if isinstance(slot, int) else kw[slot]
-        raise _Stop
-
-    def output(mod, a, out):
-        seen["source"] = out if index is None else out[index]
-
-    handles = [model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True),
-               model.get_submodule(source).register_forward_hook(output)]
-    try:
-        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
-            torch.manual_seed(0)
-            model(*args, **kwargs)
-    except _Stop:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    stream, part = seen.get("stream"), seen.get("source")
-    if not isinstance(stream, torch.Tensor) or not isinstance(part, torch.Tensor) or stream.dim() != part.dim() \
-            or stream.shape[0] != part.shape[0] or part.shape[1] > stream.shape[1]:
-        return None
-    length = part.shape[1]
-    return next((o for o in range(stream.shape[1] - length + 1) if torch.equal(stream[:, o:o + length], part)), None)

@@ -3,7 +3,7 @@
 DAR replaces each add that carries the residual stream by an aggregation over every earlier source, so it
 must find them in a block's own trace: an add whose one operand is the stream so far and whose other is
 computed from it through a sublayer. These are patterns read off a graph, nothing more; tracing the block
-to get that graph is probes.py's, and deciding per block is the analysis's. DAR's `static_t` queries also
+to get that graph is probe.py's, and deciding per block is the analysis's. DAR's `static_t` queries also
 need the model's own timestep embedding, found here by the same kind of reading.
 """
 
@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from .findings import BlockInfo, GraphReport
+from .findings import BlockInfo
 from .graphs import to_networkx
 from .values import TensorMeta
 
@@ -95,15 +95,13 @@ def without_residual(model: nn.Module, block: BlockInfo) -> bool:
 
 # ---- the timestep embedding (DAR's static_t queries) ----------------------------------------------------------
 
-def find_timestep_embedding(graph: fx.Graph, report: GraphReport, name: str | None) -> fx.Node | None:
-    """The model's own e(t): a (B, D) node computed from a 1-D float input alone, or the call of the module
-    `name`; None when there is none."""
-    batch, _, dim = report.stream.shape
+def timestep_embeddings(graph: fx.Graph, batch: int, dim: int) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """The model's own e(t) as analysis records it: the last (batch, dim) node computed from a 1-D float input
+    alone (None where there is none), and (module, node) of every module call giving a (batch, dim) value,
+    where `DAR(timestep="name")` looks (`GraphReport.embedding`)."""
     nodes = list(graph.nodes)
-    if name is not None:
-        hits = [n for n in nodes if n.op == "call_module" and (n.target == name or n.target.startswith(name + "."))]
-        hits = [n for n in hits if getattr(n.meta.get("rk"), "shape", None) == (batch, dim)]
-        return hits[-1] if hits else None
+    calls = tuple((n.target, n.name) for n in nodes
+                  if n.op == "call_module" and getattr(n.meta.get("rk"), "shape", None) == (batch, dim))
     g = to_networkx(graph)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     for ph in placeholders:
@@ -115,5 +113,5 @@ def find_timestep_embedding(graph: fx.Graph, report: GraphReport, name: str | No
                  and getattr(n.meta.get("rk"), "shape", None) == (batch, dim)
                  and not (nx.ancestors(g, n.name) & others)]
         if found:
-            return found[-1]
-    return None
+            return found[-1].name, calls
+    return None, calls

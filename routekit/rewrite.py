@@ -22,6 +22,7 @@ import itertools
 import linecache
 import operator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -33,14 +34,15 @@ from torch import nn
 from . import dar
 from .calls import bind_arguments, call_inputs
 from .errors import ConfigError
-from .findings import BlockInfo
+from .findings import BlockInfo, Gather
 from .graphs import between, descends, slot_value
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
-from .probes import trace_block
 from .residuals import uncast
-from .routing import Gather, gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
-from .trace import Trace
+from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
+
+if TYPE_CHECKING:
+    from .trace import Trace
 
 _counter = itertools.count()
 STATE = "routekit"  # the one submodule routekit adds to a model: route selectors and DAR's parameters
@@ -307,7 +309,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
             with graph.inserting_before(call):
                 history.enter(index, index.args[0])
         if info.adds:
-            body, adds = _body(model, plan, info, route_of.get(i))
+            body, adds = _body(info, route_of.get(i))
             result.specialised.extend(body.specialised)
             # the block's forward no longer runs (its hooks would not), and what its code read is baked in
             result.assumed += body.assumed.under(info.qualname) + Assumptions(traced_through=(info.qualname,))
@@ -339,22 +341,12 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     fold_norms(graph, model)
 
 
-def _body(model: nn.Module, plan: Plan, info: BlockInfo, route: RoutePlan | None) -> tuple[Trace, tuple[str, ...]]:
+def _body(info: BlockInfo, route: RoutePlan | None) -> tuple[Trace, tuple[str, ...]]:
     """The block's own trace as it runs: the analysis' one, unless `route` gives the block fewer tokens and
-    that trace was specialised to its shapes; then the block is traced as the route hands it its inputs (the
-    kept count, grid sizes shrunk, tables as the route cuts them)."""
-    stack = plan.report.stack_of(info.index)
-    tokens = stack.tokens if route is None else route.kept_at(info.stack)
-    if tokens == stack.tokens or not info.body.specialised:
-        return info.body, info.adds
-    body, adds, _ = trace_block(model, info, stack.stream_slot, stack.stream, stack.stream_out_index, tokens,
-                                route.shrink, route.shared)
-    if len(adds) != len(info.adds):
-        raise ConfigError(
-            f"DAR: {info.qualname} has {len(adds)} residual adds on the route's {tokens} tokens but {len(info.adds)} "
-            f"on all {stack.tokens}; its code branches on the token count, so DAR cannot be combined with this route"
-        )
-    return body, adds
+    that trace was specialised to its shapes; then the one the plan holds, traced as the route hands the block
+    its inputs (the kept count, grid sizes shrunk, tables as the route cuts them)."""
+    again = next((b for b in route.bodies if b.index == info.index), None) if route is not None else None
+    return (info.body, info.adds) if again is None else (again.body, again.adds)
 
 
 def _inline(graph: fx.Graph, call: fx.Node, tr: Trace, qualname: str, forward, constants: dict) -> dict[str, fx.Node]:

@@ -6,7 +6,7 @@ route computes the same thing whichever places it. Plain torch ops, so torch.com
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import Route
 from .errors import SelectorError
+from .findings import Shrink
 from .selectors import checked, uniform
 from .selectors import selector as selector_spec
 
@@ -81,33 +82,6 @@ def joined_index(index: torch.Tensor, offset: int, inner: int, tokens: int) -> t
     before = torch.arange(offset, device=index.device).expand(batch, offset)
     after = torch.arange(offset + inner, tokens, device=index.device).expand(batch, tokens - offset - inner)
     return torch.cat([before, index + offset, after], dim=1)
-
-
-class Gather(NamedTuple):
-    """A tensor inside a block argument that carries the stream's tokens, at `path` (the keys and indices leading
-    to it inside the argument's value; () for the argument itself). A NamedTuple of plain values, so a
-    rewritten graph can hold it as a constant.
-
-    axes: its token axes (an attention mask (B, 1, N, N) has two). batched: its first axis is the batch
-    (of size B, or 1 for a table shared by the batch); otherwise it is one table for every sample, e.g. a
-    RoPE table (N, d). rest_first: the token axes are longer than the stream, other tokens first (a joint
-    text + image table: text rows, then image rows); otherwise the stream's tokens come first.
-    """
-
-    path: tuple
-    axes: tuple[int, ...]
-    batched: bool = True
-    rest_first: bool = False
-
-
-class Shrink(NamedTuple):
-    """A number inside a block argument that a route changes: a grid size (height, width or frames) along the
-    axis whose lines the route's selector keeps a share of (`row` keeps rows: the height shrinks). It becomes
-    the kept count, read off the call: the kept grid cells (the kept tokens but the `fixed` positions every
-    selection holds) over all of them, times the number passed."""
-
-    path: tuple
-    fixed: int = 0
 
 
 def route_side(value: Any, stream: torch.Tensor, index: torch.Tensor, cuts: tuple, shared: bool) -> Any:

@@ -89,10 +89,6 @@ def selector_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def needs_grid(name: str) -> bool:
-    return selector(name).needs_grid
-
-
 def checked(name: str, index, batch: int, tokens: int) -> torch.Tensor:
     """`index` if it is what a route can use: a LongTensor (batch, kept) with 1 <= kept <= tokens, each row
     sorted, unique and within 0..tokens-1. Shape and dtype are checked on every call; values too for

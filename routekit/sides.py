@@ -3,7 +3,7 @@
 Other block inputs are per-token (they carry the token axis and must be gathered with a route's indices,
 wherever their token axes are), per-sample, or constants; numbers named like the grid's sizes shrink with
 grid selectors. The shapes decide most of it; what they leave open (a (B, X) tensor with X both the
-tokens and the channels, a last axis as long as the stream) is settled by probing the block (probes.py),
+tokens and the channels, a last axis as long as the stream) is settled by probing the block (probe.py),
 and the layout of a joint table (text and image tokens along one axis) is read off the block's own code.
 """
 
@@ -20,10 +20,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import RoutekitError
-from .findings import BlockInfo, SideInput
+from .findings import BlockInfo, Gather, SideInput
 from .graphs import CATS, Slot, to_networkx
-from .probes import block_runs, trace_block
-from .routing import Gather, is_opaque, keys
+from .probe import block_runs, trace_block
+from .routing import is_opaque, keys
 from .trace import Trace
 from .values import TensorMeta
 
@@ -49,8 +49,8 @@ def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chann
             axis = _grid_axis(names.get(slot, str(slot)), keys(path))
             if axis is not None:
                 grid.append((keys(path), axis))
-    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), sealed=tuple(sealed)),
-            tuple(joint))
+    return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), sealed=tuple(sealed),
+                      argument=names.get(slot, slot)), tuple(joint))
 
 
 def parameter_names(module: nn.Module) -> dict:

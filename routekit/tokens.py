@@ -22,7 +22,8 @@ from torch import nn
 from .errors import AnalysisError
 from .findings import BlockInfo, Stack
 from .graphs import CATS, Slot, slot_value, to_networkx
-from .record import Image, grid_image, image_input, token_offset, tokens_not_from
+from .probe import token_offset, tokens_not_from
+from .record import Image, grid_image, image_input
 from .trace import Trace
 from .values import TensorMeta
 

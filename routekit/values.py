@@ -71,3 +71,12 @@ def pickled_fields(record: Any) -> tuple:
     read-only again."""
     return tuple(dict(v) if isinstance(v, MappingProxyType) else v
                  for v in (getattr(record, f.name) for f in dataclasses.fields(record)))
+
+
+def same(a: Any, b: Any) -> bool:
+    """`a == b` for recorded values (TensorMeta, plain values, containers of them); False where they do not
+    compare (a tensor's `==` is elementwise, an object's may raise): then they are not known to be the same."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

@@ -15,7 +15,8 @@ from torch import nn
 
 import routekit as rk
 from routekit.model import report_of
-from routekit.plan import kept_tokens, resolve_keep
+from routekit.plan import resolve_keep
+from routekit.probe import kept_tokens
 from routekit.routing import select_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")

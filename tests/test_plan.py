@@ -15,6 +15,7 @@ import routekit as rk
 from routekit.errors import ConfigError
 from routekit.model import observe
 from routekit.plan import checked_grid, make_plan
+from routekit.probe import Probe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +50,7 @@ def test_a_grid_selector_takes_a_keep_of_exactly_the_tokens_outside_the_grid_whe
     model = built(Registers)
     report = rk.inspect(model, (image(),)).report
     report = dataclasses.replace(report, stacks=(dataclasses.replace(report.stacks[0], special=()),))
-    plan = make_plan(report, [rk.Route(start=0, end=1, selector="row", keep=[0, 1])], None, model)
+    plan = make_plan(report, [rk.Route(start=0, end=1, selector="row", keep=[0, 1])], None, Probe(model, report))
     assert plan.placed[0].keep == (0, 1)
 
 
@@ -89,6 +90,6 @@ def test_a_route_shares_one_selection_where_a_block_cannot_take_a_table_per_samp
 
 def test_dar_on_a_report_whose_blocks_were_not_traced_alone_is_a_config_error():
     model = built(Tokens)
-    tr, report = observe(model, (tokens(),), {}, residual=False)
+    _, report = observe(model, (tokens(),), {}, residual=False)
     with pytest.raises(ConfigError, match="traced alone"):
-        make_plan(report, [], rk.DAR(kernel="torch"), model, graph=tr.graph)
+        make_plan(report, [], rk.DAR(kernel="torch"), Probe(model, report))

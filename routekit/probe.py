@@ -1,0 +1,274 @@
+"""The probe stage: running or tracing blocks (and selectors) on made-up inputs, to settle what a graph leaves open.
+
+What the owner's graph leaves open about a block (does it still run on fewer tokens? with a side input cut
+or whole? what does its own code do with the stream?) is settled by calling the block by itself on
+made-up inputs shaped like its recorded ones (`fake_block_inputs`), without lasting side effects. The
+analysis asks while it classifies side inputs and finds residual adds; the plan asks through a `Probe`, one
+question per route (`Probe.route`), and gets a frozen `RouteAnswer`, so planning itself never runs the model
+and the rewrite reads everything it needs (a block traced again at a route's kept count) off the plan. What
+the graph cannot show about the stream's tokens (which were not made from the image, where a later stack
+holds an earlier one's) is measured here too, running the model up to a block (`tokens_not_from`,
+`token_offset`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .calls import bind_arguments
+from .config import Route
+from .findings import BlockInfo, GraphReport, Shrink
+from .graphs import Slot
+from .residuals import find_residual_adds
+from .routing import gather_tokens, route_side, select_tokens
+from .selectors import selector as selector_spec
+from .state import fresh, preserved_state, training_mode
+from .trace import Trace, trace
+from .values import TensorMeta
+
+
+def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, device, tokens: int | None = None,
+                      shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True) -> tuple[list, dict]:
+    """Tensors shaped like `block`'s inputs (zeros, or seeded normals with `random`): to trace or probe a block
+    alone. With `tokens`, as a route's blocks see them: the stream and every token-carrying tensor cut to the
+    first `tokens` tokens (tables without a batch axis kept so where `shared`, else made one per sample), and
+    the grid's sizes along the axes `shrink` names shrunk in proportion."""
+    generator = torch.Generator().manual_seed(0)
+
+    def fake(meta):
+        if not isinstance(meta, TensorMeta):
+            return meta
+        if random and meta.dtype.is_floating_point:
+            return torch.randn(meta.shape, generator=generator, dtype=meta.dtype).to(device)
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+
+    values = {stream_slot: fake(stream)}
+    for side in block.side_inputs:
+        values[side.slot] = pytree.tree_map(fake, side.meta)
+    if tokens is not None:
+        full = values[stream_slot]
+        index = torch.arange(tokens, device=device).expand(full.shape[0], tokens)
+        values[stream_slot] = gather_tokens(full, index)
+        for side in block.side_inputs:
+            sizes = tuple(Shrink(path) for path, axis in side.grid if axis in shrink)
+            values[side.slot] = route_side(values[side.slot], full, index, side.tokens + sizes, shared=shared)
+    args = [values[i] for i in sorted(s for s in values if isinstance(s, int))]
+    return args, {k: v for k, v in values.items() if isinstance(k, str)}
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+def _device(model: nn.Module):
+    param = next(model.parameters(), None)
+    return param.device if param is not None else "cpu"
+
+
+def block_runs(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int,
+               shrink: tuple[int, ...] = ()) -> bool:
+    """Probe: does the block run as a route's block on `tokens` tokens (zeros), with no lasting side effects?"""
+    return run_block(model, block, stream_slot, stream, tokens, shrink) is not None
+
+
+def run_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int,
+              shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True) -> Any:
+    """The block's output as a route's block on `tokens` tokens (`fake_block_inputs`), or None where it fails;
+    no lasting side effects."""
+    args, kwargs = fresh(fake_block_inputs(block, stream_slot, stream, _device(model), tokens, shrink, random, shared))
+    with preserved_state(model, [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]):
+        torch.manual_seed(0)
+        try:
+            return model.get_submodule(block.qualname)(*args, **kwargs)
+        except Exception:
+            return None
+
+
+def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, out_index: int | None,
+                tokens: int, shrink: tuple[int, ...] = (), shared: bool = True) -> tuple[Trace, tuple[str, ...], str]:
+    """Trace one block alone on inputs as a route's blocks see them at `tokens` tokens (grid sizes handed as
+    numbers shrunk along `shrink`, tables without a batch axis kept so where `shared`: `fake_block_inputs`);
+    returns the trace, its residual adds (node names) and the stream's placeholder."""
+    module = model.get_submodule(block.qualname)
+    cut = None if tokens == stream.shape[1] else tokens
+    args, kwargs = fake_block_inputs(block, stream_slot, stream, _device(model), cut, shrink, shared=shared)
+    tr = trace(module, tuple(args), kwargs)
+    bound = bind_arguments(type(module).forward, tuple(args), kwargs)
+    name = list(bound.arguments)[stream_slot] if isinstance(stream_slot, int) else stream_slot
+    start = next(n for n in tr.graph.nodes if n.op == "placeholder" and n.target == name)
+    leaves = next(n for n in tr.graph.nodes if n.op == "output").args[0]
+    out = pytree.tree_unflatten(list(leaves), tr.out_spec)
+    out = out if out_index is None else out[out_index]
+    return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out)), start.name
+
+
+# ---- the model run up to a block: which stream tokens come from what -----------------------------------------
+
+def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, *, module: str | None = None,
+                    image: torch.Tensor | None = None) -> tuple[int, ...]:
+    """Positions of the stream entering `block` that depend neither on module `module`'s output nor on the
+    input tensor `image` (the one given): class, register and text tokens, made from something else.
+
+    The model runs twice in eval mode up to `block` (which is not run): once as it is, once with that output
+    (or input) replaced by other values. A token that comes out the same both times was not made from it.
+    Positions are counted from the start for the first half of the stream, from the end (negative) after.
+    """
+    seen: list[torch.Tensor] = []
+
+    class _Stop(Exception):
+        pass
+
+    def capture(mod, a, kw):
+        seen.append(a[slot] if isinstance(slot, int) else kw[slot])
+        raise _Stop
+
+    def other(t: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator(t.device).manual_seed(0)
+        return torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * 3 + 1
+
+    calls = [(args, kwargs), (args, kwargs)]
+    if image is not None:
+        calls[1] = pytree.tree_map(lambda v: other(v) if v is image else v, (args, kwargs))
+    stop = model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
+            for run, (a, kw) in enumerate(calls):
+                handle = None
+                if run and module is not None:
+                    handle = model.get_submodule(module).register_forward_hook(lambda m, i, out: other(out))
+                torch.manual_seed(0)  # the same random draws in both runs (preserved_state restores the streams)
+                try:
+                    model(*a, **kw)
+                except _Stop:
+                    pass
+                finally:
+                    if handle is not None:
+                        handle.remove()
+    finally:
+        stop.remove()
+    if len(seen) != 2 or seen[0].shape != seen[1].shape or seen[0].dim() != 3:
+        return ()
+    same = (seen[0] == seen[1]).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
+    tokens = same.shape[0]
+    return tuple(i if i < tokens / 2 else i - tokens for i in same.nonzero().flatten().tolist())
+
+
+def token_offset(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, source: str,
+                 index: int | None) -> int | None:
+    """Where the stream entering `block` holds the tokens `source` (a block called before it) handed on, as one
+    run of positions: their offset, where a slice of the stream equals that output exactly (output `index` of a
+    tuple); None where none does. The stream joins them with others (the text of a joint stack)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    class _Stop(Exception):
+        pass
+
+    def capture(mod, a, kw):
+        seen["stream"] = a[slot] if isinstance(slot, int) else kw[slot]
+        raise _Stop
+
+    def output(mod, a, out):
+        seen["source"] = out if index is None else out[index]
+
+    handles = [model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True),
+               model.get_submodule(source).register_forward_hook(output)]
+    try:
+        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
+            torch.manual_seed(0)
+            model(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    stream, part = seen.get("stream"), seen.get("source")
+    if not isinstance(stream, torch.Tensor) or not isinstance(part, torch.Tensor) or stream.dim() != part.dim() \
+            or stream.shape[0] != part.shape[0] or part.shape[1] > stream.shape[1]:
+        return None
+    length = part.shape[1]
+    return next((o for o in range(stream.shape[1] - length + 1) if torch.equal(stream[:, o:o + length], part)), None)
+
+
+# ---- a route's blocks, for the plan ------------------------------------------------------------------------------
+
+def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
+    """How many tokens a route's blocks see: the kept positions plus the selector's share of the others. Asked of
+    the selector itself (once, on CPU), for a selector of the user's may keep any count it likes."""
+    others = tokens - len(keep)
+    if selector_spec(selector).needs_grid and (grid is None or math.prod(grid) != others):
+        return len(keep) + others - int(others * rate)
+    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid, generator=torch.Generator().manual_seed(0),
+                          device="cpu", stream=torch.zeros(1, tokens, 1))
+    return index.shape[1]
+
+
+@dataclass(frozen=True)
+class RouteAnswer:
+    """What probing one route's blocks told, for the plan to judge: plain values, nothing live."""
+
+    kept: int  # tokens the selector keeps (in the route's first stack)
+    fails: tuple[int, ...] = ()  # blocks that fail on the kept tokens (asked where they form a smaller grid)
+    rows: tuple[int, ...] = ()  # blocks that fail on a token count that is not whole grid rows
+    shared: bool = False  # one selection for the batch: a block computes otherwise with a table made per sample
+    bodies: tuple[BlockInfo, ...] = ()  # blocks traced again at the kept count (DAR), where their trace was shape-bound
+
+
+class Probe:
+    """The one place the plan's questions about a model are answered by running it (`route`). The plan holds it
+    only as a `plan.Prober`: it knows what to ask, never how a block is run."""
+
+    def __init__(self, model: nn.Module, report: GraphReport):
+        self.model, self.report = model, report
+
+    def route(self, route: Route, start: int, end: int, keep: tuple[int, ...], grid, shrink: tuple[int, ...],
+              bodies: bool = False) -> RouteAnswer:
+        """Probe the blocks `start..end` as route `route` hands them their inputs (`keep` always kept, grid sizes
+        shrunk along `shrink`): the kept count, the blocks that fail on it or on a count that is not whole rows,
+        whether the route must share one selection by the batch, and with `bodies` (DAR) the blocks traced again
+        at the kept count where their own trace was specialised to the full one."""
+        report, model = self.report, self.model
+        kept = kept_tokens(route.selector, route.rate, keep, report.stack_of(start).tokens, grid)
+        counts = report.joined_counts(start, end, kept)
+        first = report.blocks[start].stack
+        blocks = [(b, report.stack_of(b.index), counts[b.stack - first]) for b in report.blocks[start:end + 1]]
+        fails, rows = [], []
+        for block, stack, count in blocks:
+            if selector_spec(route.selector).kept_grid is not None:  # the kept tokens form a smaller grid: run on it
+                if not block_runs(model, block, stack.stream_slot, stack.stream, count, shrink):
+                    fails.append(block.index)
+            elif grid is not None and grid[-1] != 1 and not block_runs(model, block, stack.stream_slot,
+                                                                         stack.stream, stack.tokens - 1, shrink):
+                rows.append(block.index)  # one token fewer than the grid breaks it: it reshapes to rows
+        shared = any(self._shared(block, stack, count, shrink) for block, stack, count in blocks)
+        traced = ()
+        if bodies:
+            traced = tuple(self._body(block, stack, count, shrink, shared) for block, stack, count in blocks
+                           if block.adds and block.body is not None and block.body.specialised
+                           and count != stack.tokens)
+        return RouteAnswer(kept, tuple(fails), tuple(rows), shared, traced)
+
+    def _shared(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...]) -> bool:
+        """Whether the block reads a table without a batch axis (a RoPE table (N, d)) and does not compute the same
+        with it made one per sample (B, N', d): probed on random inputs at the kept count, each way."""
+        if not any(not g.batched for s in block.side_inputs for g in s.tokens):
+            return False
+        args = (self.model, block, stack.stream_slot, stack.stream, count, shrink, True)
+        one, per_sample = run_block(*args, shared=True), run_block(*args, shared=False)
+        if one is None or per_sample is None:
+            return per_sample is None
+        same = [a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in
+                zip(pytree.tree_leaves(one), pytree.tree_leaves(per_sample)) if isinstance(a, torch.Tensor)]
+        return not same or not all(same)
+
+    def _body(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...], shared: bool) -> BlockInfo:
+        """The block traced alone as the route hands it its inputs (the kept count, grid sizes shrunk, tables as
+        the route cuts them), with its residual adds there: what DAR inlines into a routed graph."""
+        body, adds, _ = trace_block(self.model, block, stack.stream_slot, stack.stream, stack.stream_out_index,
+                                    count, shrink, shared)
+        return replace(block, body=body, adds=adds)
