@@ -54,8 +54,10 @@ def _take(x: torch.Tensor, axis: int, index: torch.Tensor, batch: int) -> torch.
 
 def _dense_order(x: torch.Tensor) -> list[int] | None:
     """The axis order in which a dense, non-contiguous `x` is contiguous (a transposed view, a channels-last
-    image): None for a contiguous tensor, or one that is not dense (an expanded table)."""
-    if x.is_contiguous():
+    image): None for a contiguous tensor, or one that is not dense (an expanded table). None as well inside a
+    compiled graph: there the compiler lays tensors out, eager kernels' rounding is not at stake, and a permuted
+    gather would only hold the routed blocks to the stream's strided layout."""
+    if torch.compiler.is_compiling() or x.is_contiguous():
         return None
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
     return order if x.permute(order).is_contiguous() else None
