@@ -154,16 +154,16 @@ def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int)
     retraced = plan.dar is not None and any(plan.report.blocks[i].adds and plan.report.blocks[i].body.specialised
                                             for r in plan.placed for i in r.blocks)
     how = ""
+    every_token = _at_rate_zero(routed)
     with training_mode(routed, True):
         try:
-            got = _run(_at_rate_zero(routed), args, kwargs, seed, "the routed training graph at rate 0",
-                       TrainingChanged)
+            got = _run(every_token, args, kwargs, seed, "the routed training graph at rate 0", TrainingChanged)
         except TrainingChanged:
             if not retraced:
                 raise
             zero = dataclasses.replace(plan, placed=tuple(
                 dataclasses.replace(p, route=p.route.model_copy(update={"rate": 0.0})) for p in plan.placed))
-            got = _run(lambda *a, **k: executor.run_fresh(routed, a, k, plan=zero), args, kwargs, seed,
+            got = _run(lambda *a, **k: executor.run_fresh(every_token, a, k, plan=zero), args, kwargs, seed,
                        "the routed training graph traced at rate 0", TrainingChanged)
             how = " (traced at rate 0: a block's code is specialised to the kept count)"
         if plan.dar is not None:
