@@ -1,9 +1,10 @@
-"""The private parts of torch.fx that tracing with concrete values needs, detected per torch release.
+"""The private part of torch.fx that tracing with concrete values needs, detected per torch release.
 
-trace.py runs every node as it records it, so while fx traces, real modules must run: with fx's
-"symbolic tracing" flag cleared (`not_fx_tracing`) and fx's nn.Module patches undone (`patches_reverted`).
-torch keeps both privately and has moved them between releases; each is detected here, with a fallback
-each, so a torch release that moves one does not silently turn graph mode off.
+trace.py runs every node as it records it, so while fx traces, real modules must run with fx's "symbolic
+tracing" flag cleared (`not_fx_tracing`). torch keeps the flag privately and has moved it between releases; it
+is detected here, with a fallback, so a torch release that moves it does not silently turn graph mode off.
+(fx's nn.Module patches need nothing private: the tracer's own `call_module` and `getattr` pass real calls
+through, see trace.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 
 import torch
 import torch.fx
-from torch import nn
 
 
 def _fx_flag_switch():
@@ -49,29 +49,3 @@ def _dynamo_compiles_under_fx():
 
 
 FX_FLAG_SWITCH, not_fx_tracing = _fx_flag_switch()
-
-# nn.Module's own methods, captured at import (before any trace patches them), for `_modules_restored`
-_MODULE_METHODS = {name: vars(nn.Module)[name] for name in ("__call__", "__getattr__")}
-
-
-def _patch_reverter():
-    """How to run real modules while fx's tracer has patched nn.Module (its `__call__` records a call
-    instead of running it): torch's private `_maybe_revert_all_patches` where it exists (it also undoes
-    the tracer's other patches), else nn.Module's own methods put back for the while."""
-    revert = getattr(torch.fx._symbolic_trace, "_maybe_revert_all_patches", None)
-    return revert if callable(revert) else _modules_restored
-
-
-@contextlib.contextmanager
-def _modules_restored():
-    patched = {name: vars(nn.Module)[name] for name in _MODULE_METHODS}
-    for name, method in _MODULE_METHODS.items():
-        setattr(nn.Module, name, method)
-    try:
-        yield
-    finally:
-        for name, method in patched.items():
-            setattr(nn.Module, name, method)
-
-
-patches_reverted = _patch_reverter()

@@ -11,8 +11,11 @@ Real forwards are traced as they run: the call is made as the caller made it; te
 list and dict arguments are graph inputs like top-level ones (calls.py maps a call onto them);
 an object fx cannot hold (a generation cache) is a graph input when passed in, and, when the forward
 makes it, a fresh copy on every run of the graph; item assignment into a tensor is recorded in place.
-The private parts of torch.fx this needs (its tracing flag, its nn.Module patches) are detected, with
-a fallback each (fxcompat.py), so a torch release that moves one does not silently turn graph mode off.
+The private part of torch.fx this needs (its tracing flag) is detected, with a fallback (fxcompat.py), so a
+torch release that moves it does not silently turn graph mode off. While a node runs for real, fx's patches of
+nn.Module stay in place and the tracer's own hooks into them (`call_module`, `getattr`) pass the real call
+through: undoing the patches per node would reset nn.Module's `__call__` and `__getattr__` slots, which CPython
+propagates to every subclass loaded (thousands with diffusers and transformers), twice per node.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch import nn
 
 from .calls import CallSpec, Input, as_called, bind_arguments, call_inputs, call_spec, is_constant
 from .errors import TraceError
-from .fxcompat import not_fx_tracing, patches_reverted
+from .fxcompat import not_fx_tracing
 from .guards import Assumptions, Recorder, hooked
 from .state import preserved_state
 from .values import TensorMeta, describe, pickled_fields, read_only
@@ -201,6 +204,7 @@ class _Tracer(fx.Tracer):
         self.inputs: dict[str, Any] = {}  # placeholder name -> its example value
         self.objects: dict[int, tuple[Any, fx.Node]] = {}  # id -> (object the forward made, its node)
         self.snapshots: dict[str, Any] = {}  # node name -> that object's state when the forward first used it
+        self.running = 0  # > 0 while a node runs for real: module calls and attribute reads are the real ones
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         """Container members (the blocks), torch's own layers, and any module with hooks: the graph calls it
@@ -246,8 +250,12 @@ class _Tracer(fx.Tracer):
         if kind == "placeholder":
             node.meta["value"] = self.inputs[target]
         elif kind != "output":
-            with patches_reverted(), not_fx_tracing(), self.recorder.paused():  # run the real modules
-                node.meta["value"] = self._run(node)
+            self.running += 1
+            try:
+                with not_fx_tracing(), self.recorder.paused():
+                    node.meta["value"] = self._run(node)
+            finally:
+                self.running -= 1
         return node
 
     def create_arg(self, a: Any):
@@ -310,7 +318,14 @@ class _Tracer(fx.Tracer):
                 raise
             return path
 
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if self.running:  # a node running for real reads the real parameter, not a proxy of it
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
     def call_module(self, m, forward, args, kwargs):
+        if self.running:  # a node running for real: the module's own call, hooks and all, recorded nowhere
+            return forward(*args, **kwargs)
         try:
             qualname = self.path_of_module(m)
         except NameError:  # a module the forward made (transformers' ACT2FN[name] builds one per lookup): inline code

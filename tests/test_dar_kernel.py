@@ -524,7 +524,7 @@ CHUNK_NAMES = ("outputs", "grad shared", "grad own", "grad w", "grad e(t)")
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-@FAST
+@settings(max_examples=10, deadline=None)  # each example is a whole chunk's forward and backward in the interpreter
 @given(case=chunk_cases(), timestep=st.booleans())
 def test_two_phase_chunk_equals_one_aggregation_over_all_sources(kernel, case: ChunkCase, timestep: bool):
     """The shared part as a weighted sum of the sources from their logits, made by one GEMM per source
