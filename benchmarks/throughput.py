@@ -122,8 +122,11 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     x, t, y = inputs_for(backbone, model, batch, device)
     model.train()
     # "blocks": the model was built with its blocks compiled; the rest of it (and routekit's program) runs eager
-    runner = {"compile": lambda: torch.compile(model),
-              "graphs": lambda: torch.compile(model, mode="reduce-overhead")}.get(mode, lambda: model)()
+    runner = model
+    if mode == "compile":
+        runner = torch.compile(model)
+    elif mode == "graphs":
+        runner = torch.compile(model, mode="reduce-overhead")
 
     def step():
         train_step(runner, opt, x, t, y, cuda)
