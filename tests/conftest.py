@@ -12,22 +12,11 @@ if not torch.cuda.is_available():
 
 # --- one intra-op thread per test process ---
 # The suite runs as two xdist workers on a 2-core CI box; torch's default of one OpenMP thread per core then
-# puts four spinning threads on two cores, and tiny models run ~20-40x slower. One thread per worker, and
-# OMP_NUM_THREADS=1 for the benchmark and launcher subprocesses the tests start.
-import pytest  # noqa: E402
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Kept for modules that ask for it by name; every xdist worker already runs on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# puts four spinning threads on two cores, and tiny models run ~20-40x slower. The tests' models are all tiny,
+# so every test process runs on one thread, and OMP_NUM_THREADS=1 reaches the benchmark and launcher
+# subprocesses the tests start.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 # --- end one thread ---
 
 # --- Hypothesis: the same examples on every run (CI must not turn red by chance) ---

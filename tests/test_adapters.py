@@ -18,8 +18,6 @@ from zoo import Missing, diffusers_flux  # noqa: E402
 
 import routekit as rk  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def flux_with_lora():
     try:

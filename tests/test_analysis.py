@@ -19,8 +19,6 @@ from routekit.sides import _grid_axis, _token_axes
 from routekit.trace import trace
 from routekit.values import TensorMeta
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 class Mixer(nn.Module):
     """A block that mixes tokens (each output token reads the mean of all): where a token comes from is

@@ -18,10 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_benchmark(script: str, *args: str) -> None:
-    """Run benchmarks/<script> as a user would, from the repository root; fail with its output. One OpenMP
-    thread, as conftest's one_thread gives in-process tests: tiny models on a busy 2-core box run tens of times
-    faster without oversubscription."""
-    env = {**os.environ, "RK_COMMIT": "abc1234", "OMP_NUM_THREADS": "1"}
+    """Run benchmarks/<script> as a user would, from the repository root; fail with its output. On one OpenMP
+    thread, as conftest sets for every test process and its children."""
+    env = {**os.environ, "RK_COMMIT": "abc1234"}
     done = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True, text=True,
                           env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -159,7 +158,6 @@ def convergence_main(monkeypatch, *args: str) -> None:
     convergence.main(list(args))
 
 
-@pytest.mark.usefixtures("one_thread")  # tiny models train in process: see conftest
 def test_convergence_next_runs_the_plan_in_order_and_the_report_says_what_is_missing(tmp_path, monkeypatch):
     """--next takes the first missing run of the fixed plan (one seed of everything first), --run a named one;
     each writes its own result file (curves, fingerprint, machine, commit, command), pins the feature classifier

@@ -20,8 +20,6 @@ from torch import nn
 import routekit as rk
 from routekit.model import RoutedModel, report_of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DIM, GRID = 8, (4, 4)
 
 

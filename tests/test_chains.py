@@ -15,8 +15,6 @@ from zoo import ZOO, Missing
 import routekit as rk
 from routekit.model import report_of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def build(name: str):
     try:

@@ -20,8 +20,6 @@ import routekit as rk
 from backbones import dit
 from routekit.model import report_of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @rk.register_selector("test_checkerboard")
 def checkerboard(batch: int, tokens: int, rate: float, *, grid=None, generator=None, device=None) -> torch.Tensor:

@@ -29,8 +29,6 @@ from routekit import dar as rk_dar
 from routekit.kernels import naive
 from routekit.model import report_of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SOME = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = dict(atol=1e-5, rtol=0)

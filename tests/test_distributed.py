@@ -31,8 +31,6 @@ from backbones import dit
 from routekit.model import report_of
 from routekit.sharding import fsdp_units
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 WORLD, PART, STEPS = 2, 2, 3  # processes, samples per process, optimiser steps
 TOL = dict(rtol=2e-5, atol=2e-6)
 

@@ -23,8 +23,6 @@ import routekit as rk
 from routekit.model import report_of
 from routekit.selectors import selector_names
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DEPTH = 4
 LINEAR = Arch(depth=DEPTH, hidden=24, heads=2, grid=(3, 4), front="linear", patch=1, channels=3, container="list",
               kinds=("ada", "mlp", "bias", "ada"), tuple_out=False, stream_kw=False, side_kw=False, dropout=0.0,

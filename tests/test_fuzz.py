@@ -27,8 +27,6 @@ import routekit as rk
 from routekit.model import report_of
 from routekit.selectors import selector_names
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 EXAMPLES = int(os.environ.get("ROUTEKIT_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

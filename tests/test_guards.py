@@ -20,8 +20,6 @@ import routekit.guards
 from routekit.model import report_of
 from routekit.programs import Programs
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DIM = 8
 
 

@@ -19,8 +19,6 @@ from routekit.plan import resolve_keep
 from routekit.probe import kept_tokens
 from routekit.routing import select_tokens
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DIM = 8
 
 

@@ -14,8 +14,6 @@ from torch import nn
 import routekit as rk
 from routekit.errors import ConfigError, InputError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def test_the_training_graph_keeps_the_owners_dropout():
     class Dropped(Tokens):

@@ -17,8 +17,6 @@ from routekit.model import observe
 from routekit.plan import checked_grid, make_plan
 from routekit.probe import Probe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def test_the_flop_fraction_counts_routed_blocks_at_their_kept_tokens():
     plan = rk.inspect(built(Tokens), tokens(n=10), routes=rk.Route(start=1, end=2, rate=0.5))

@@ -18,8 +18,6 @@ from torch import nn
 import routekit as rk
 from routekit.model import report_of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DIM = POSITION_DIM
 
 

@@ -17,8 +17,6 @@ from routekit.model import observe, report_of
 from routekit.plan import make_plan
 from routekit.probe import Probe, RouteAnswer
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 D = 8
 
 

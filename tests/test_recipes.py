@@ -39,8 +39,6 @@ from recipes.config import (
 from recipes.objectives import EDM, RectifiedFlow
 from recipes.train import Trainer, build_model, main, resume, train, update_ema
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a busy 2-core box: see conftest
-
 REPO = Path(__file__).resolve().parents[1]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # a child process computes as this one does
 CONFIG_DIR = REPO / "recipes" / "configs"

@@ -36,8 +36,6 @@ from routekit.model import RoutedModel, report_of
 from routekit.routing import gather_tokens
 from routekit.selectors import selector as selector_spec
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # building a model is part of drawing an example, so generation may be slow on a loaded CI box
 FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SOME = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,8 +21,6 @@ from routekit.routing import select_tokens, with_forced
 from routekit.selectors import SelectorSpec, checked, importance, selector_names
 from routekit.selectors import selector as selector_spec
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DIM = 8
 
 

@@ -15,8 +15,6 @@ from zoo import ZOO, Missing
 import routekit as rk
 from routekit.model import report_of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 class Joined(nn.Module):
     """Text tokens and learned registers joined in front of a patch grid, then blocks that mix them all (as a

@@ -40,8 +40,6 @@ from routekit.state import shallow_copy
 from routekit.trace import Trace, container_members, trace
 from routekit.values import flatten
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DIM = 16
 
 

@@ -27,8 +27,6 @@ from routekit.errors import InferenceChanged
 from routekit.routing import gather_tokens
 from routekit.verify import _compare
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 DIM = 8
 
 
