@@ -30,7 +30,9 @@ refuses runs of one backbone that disagree in any part of it, naming the files a
   ``recipe`` of all but routes and dar, the same for every run of a backbone (what vanilla and TREAD share),
   ``method`` of routes and dar, the same for every seed of a method; the message names the differing fields;
 - ``code``: a hash of each file the training numerics come from: recipes/*.py (the training loop, objective,
-  data order, sampler and metrics) and the backbone's module with the backbones/ modules it imports;
+  data order, sampler and metrics) and the backbone's module with the backbones/ modules it imports. A byte
+  hash also moves for an edit that leaves the numerics alone (an import moved); ``same_code.json`` beside the
+  results declares such hashes equal, each with its reason, and the report prints every one it applied;
 - ``schedule``: the budget of training seconds and the evaluation interval;
 - ``device`` and ``token_mixer``: seconds are only comparable on one GPU model, and a scan backbone's speed
   depends on which scan implementation ran (mamba-ssm's Triton kernel or the PyTorch fallback);
@@ -82,6 +84,7 @@ LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DA
 # its 420 training seconds.
 WALL_S = 570.0
 REPORT_S = 10.0  # wall seconds kept after the final evaluation for the result and the report
+SAME_CODE = "same_code.json"  # beside the results: code hashes declared equal (load_same_code)
 
 
 @dataclass(frozen=True)
@@ -329,9 +332,34 @@ def _recipe_conflict(runs: list[dict], part: str, what: str) -> str | None:
     return _describe(what, sides) + (f" [{named}]" if named else "")
 
 
-def conflicts(results: list[dict]) -> list[str]:
+def load_same_code(plan: Study) -> list[dict]:
+    """The code hashes declared equal (``same_code.json`` beside the results): each entry names a file, two or
+    more hashes of it, and why the change between them leaves the training numerics alone (a moved import, a
+    comment). A byte hash cannot tell a refactor from a change of numerics; this file is where a person says
+    which it was, in the open, rather than every such edit stranding the runs made before it."""
+    path = plan.results / SAME_CODE
+    if not path.exists():
+        return []
+    entries = json.loads(path.read_text())
+    for i, entry in enumerate(entries if isinstance(entries, list) else [entries]):
+        hashes = entry.get("hashes") if isinstance(entry, dict) else None
+        if not (isinstance(entries, list) and isinstance(entry.get("path"), str) and isinstance(hashes, list)
+                and len(hashes) >= 2 and all(isinstance(h, str) for h in hashes)
+                and isinstance(entry.get("why"), str) and entry["why"].strip()):
+            raise SystemExit(f"{path}: entry {i} must be {{\"path\": FILE, \"hashes\": [HASH, HASH, ...], \"why\": "
+                             f"REASON}} (a list of such entries), got {entry!r}")
+    return entries
+
+
+def _canonical_code(code: dict[str, str], same_code: list[dict]) -> dict[str, str]:
+    """`code` with each hash replaced by the first of its declared-equal group."""
+    first = {(e["path"], h): e["hashes"][0] for e in same_code for h in e["hashes"]}
+    return {path: first.get((path, digest), digest) for path, digest in code.items()}
+
+
+def conflicts(results: list[dict], same_code: list[dict] = ()) -> list[str]:
     """One line per fingerprint part on which runs of one backbone disagree, naming the files on each side, and
-    for a recipe the fields. Empty when they may be merged."""
+    for a recipe the fields; code hashes declared equal in ``same_code`` agree. Empty when they may be merged."""
     lines = []
     for group in dict.fromkeys(r["group"] for r in results):
         runs = [r for r in results if r["group"] == group]
@@ -343,7 +371,8 @@ def conflicts(results: list[dict]) -> list[str]:
             if len(sides) > 1:
                 lines.append(f"{group}: " + _describe(part, sides) + f" ({fix})")
         for path in sorted({p for r in runs for p in r["fingerprint"]["code"]}):
-            sides = _sides(runs, lambda r, path=path: r["fingerprint"]["code"].get(path, "absent"))
+            sides = _sides(runs, lambda r, path=path: _canonical_code(r["fingerprint"]["code"], same_code)
+                           .get(path, "absent"))
             if len(sides) > 1:
                 lines.append(f"{group}: " + _describe(f"code {path}", sides))
         for method in dict.fromkeys(r["method"] for r in runs):
@@ -353,15 +382,17 @@ def conflicts(results: list[dict]) -> list[str]:
     return lines
 
 
-def refuse_if_different(results: list[dict], what: str) -> None:
+def refuse_if_different(results: list[dict], what: str, same_code: list[dict] = ()) -> None:
     """SystemExit naming every disagreement (``conflicts``), or nothing."""
-    found = conflicts(results)
+    found = conflicts(results, same_code)
     if found:
         raise SystemExit(
             f"refusing to {what}: runs of one backbone must agree on their recipe, training code, schedule, "
             "device, token mixer and evaluator, and these do not:\n" + "\n".join(f"  - {line}" for line in found)
             + "\nKeep the runs that match the code you mean to report (git rm the others, then run them again "
-            "with --next), or restore the code they were made with.")
+            f"with --next), or restore the code they were made with; where a code change leaves the numerics alone "
+            f"(an import moved, a comment), declare its hashes equal, with the reason, in {SAME_CODE} beside the "
+            "results.")
 
 
 # ---------------------------------------------------------------- one run
@@ -435,7 +466,7 @@ def run_one(run: Run, plan: Study, wall_s: float) -> dict:
         "fingerprint": fingerprint(run, config, info["device"], mixer, evaluator)}
     existing = [r for r in load_results(plan) if r["group"] == run.group.name and r["file"] != str(run.file)]
     refuse_if_different([*existing, {**result, "config": config.model_dump(mode="json"), "file": "(this run)"}],
-                        f"start {run.name}")
+                        f"start {run.name}", load_same_code(plan))
     folder = plan.runs_dir / run.group.name / f"{run.method}_seed{run.seed}"
     shutil.rmtree(folder, ignore_errors=True)  # a fresh training folder each time
     print(f"[{run.name}] {run.group.budget_s:g} training seconds, an evaluation every {run.group.eval_every_s:g} s; "
@@ -649,9 +680,16 @@ def group_table(group: dict) -> list[str]:
     return lines
 
 
-def notes(results: list[dict]) -> list[str]:
-    """What differs between merged runs without refusing them: routekit's source, torch's version."""
+def notes(results: list[dict], same_code: list[dict] = ()) -> list[str]:
+    """What differs between merged runs without refusing them: routekit's source, torch's version, training code
+    declared the same."""
     found = []
+    for entry in same_code:
+        held = [r["file"] for r in results if r["fingerprint"]["code"].get(entry["path"]) in entry["hashes"][1:]]
+        if held:
+            found.append(f"- {entry['path']} changed between runs in a way declared not to touch the numerics "
+                         f"({entry['why']}): {', '.join(held)} ran on {', '.join(entry['hashes'][1:])}, the others on "
+                         f"{entry['hashes'][0]}")
     for what, key in (("routekit source", lambda r: r["routekit"]["source"]),
                       ("torch version", lambda r: r["machine"]["torch"])):
         sides = _sides(results, key)
@@ -690,7 +728,7 @@ def markdown(data: dict, plan: Study) -> str:
               "first arrival there divided by the run's (vanilla's FD need not fall monotonically). FD at equal "
               "steps / vanilla's: against vanilla's run of the same seed (same data order), "
               "at the fewer of the two runs' steps.", ""]
-    extra = notes(results)
+    extra = notes(results, data["same_code"])
     if extra:
         lines += ["## Notes", "", *extra, ""]
     lines += ["## Plan", "", *plan_table(plan, {r["file"]: r for r in results}), ""]
@@ -741,13 +779,13 @@ def plot(data: dict, path: Path) -> None:
 def report(plan: Study) -> dict:
     """Merge the plan's results that exist into NAME.{md,json,png} (no picture without results), or refuse
     results that disagree (``conflicts``). Returns the report's data."""
-    results = load_results(plan)
-    refuse_if_different(results, "merge these results")
+    results, same_code = load_results(plan), load_same_code(plan)
+    refuse_if_different(results, "merge these results", same_code)
     planned = plan.runs()
     done = {r["file"] for r in results}
     groups = {g.name: summarise_group(g, results) for g in plan.groups if any(r["group"] == g.name for r in results)}
     summary = {"groups": groups}
-    data = {"planned": len(planned), "done": len(results),
+    data = {"planned": len(planned), "done": len(results), "same_code": same_code,
             "missing": [run.name for run in planned if str(run.file) not in done],
             "headline": headline(summary, plan), "findings": findings(summary), "summary": summary, "runs": results,
             "plan": [{"run": run.name, "file": str(run.file), "budget_s": run.group.budget_s,

@@ -249,6 +249,29 @@ def test_convergence_refuses_to_merge_runs_whose_recipe_or_training_code_differ(
     assert "rwkv_b2" not in message
 
 
+def test_convergence_merges_code_declared_the_same_and_says_so(tmp_path):
+    """Training code whose hash moved for an edit that leaves the numerics alone merges once same_code.json
+    declares the two hashes equal with a reason; the report prints the declaration, and a malformed file is refused
+    by name. Without the declaration the same runs are refused (the twin above)."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    digest = convergence.code_digests("dit")["recipes/train.py"]
+    fake_result(plan, "dit_b2/vanilla/0", [(10, 0.5, 10.0)])
+    fake_result(plan, "dit_b2/tread/0", [(10, 0.5, 5.0)],
+                code={**convergence.code_digests("dit"), "recipes/train.py": "0000"})
+    with pytest.raises(SystemExit, match="declare its hashes equal"):
+        convergence.report(plan)
+    same = plan.results / convergence.SAME_CODE
+    same.write_text(json.dumps([{"path": "recipes/train.py", "hashes": ["0000", digest], "why": "an import moved"}]))
+    data = convergence.report(plan)
+    assert data["done"] == 2 and data["same_code"][0]["why"] == "an import moved"
+    text = (tmp_path / "convergence.md").read_text()
+    assert (f"recipes/train.py changed between runs in a way declared not to touch the numerics (an import moved): "
+            f"dit_b2/vanilla_seed0.json ran on {digest}, the others on 0000") in text
+    same.write_text(json.dumps([{"path": "recipes/train.py", "hashes": ["0000"], "why": "x"}]))
+    with pytest.raises(SystemExit, match=r"same_code.json: entry 0 must be"):
+        convergence.report(plan)
+
+
 def test_convergence_report_without_runs_names_every_planned_run_as_missing(tmp_path):
     plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
     (tmp_path / "convergence.png").write_text("a stale picture")
