@@ -61,6 +61,8 @@ def _dense_order(x: torch.Tensor) -> list[int] | None:
         return None
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
     return order if x.permute(order).is_contiguous() else None
+
+
 def static_tokens(value: Any, axes: tuple[tuple[tuple, tuple[int, ...]], ...] = (((), (1,)),)) -> Any:
     """`value` with its token axes marked static for torch.compile (`axes`: (path, axes) of each tensor in it): a
     block compiled on its own meets two token counts, all and the kept ones, and Dynamo would otherwise compile
