@@ -20,13 +20,17 @@ work per training call (binding the call, checking its program's assumptions), m
     python benchmarks/flux.py                  # on a GPU: batch 1 and 2, eager
     python benchmarks/flux.py --modes eager compile
     python benchmarks/flux.py --quick          # CPU smoke run: a tiny FLUX, 64 + 8 tokens
+    python benchmarks/flux.py --modes compile --batches 1 --add   # one device call's share of a longer study
 
-Writes benchmarks/results/flux.{json,md,png} (or --out DIR), after every measurement.
+Writes benchmarks/results/flux.{json,md,png} (or --out DIR), after every measurement. With --add, the rows
+already there for the batches and modes this call does not measure stay, each with the commit it was measured
+at: compiled FLUX takes minutes a variant to compile, so its rows come from calls of under ten minutes each.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -196,9 +200,18 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, mode: str, steps: int, 
             "peak_gib": peak, "first_step_s": first}
 
 
+def kept_rows(path: Path, batches: list[int], modes: list[str]) -> list[dict]:
+    """The rows of an earlier flux.json that this call will not measure again (``--add``)."""
+    if not path.exists():
+        raise SystemExit(f"--add keeps the rows of {path}, which does not exist; run once without --add")
+    data = json.loads(path.read_text())
+    return [{"commit": data["machine"]["commit"], **r} for r in data["rows"]
+            if not (r["batch"] in batches and r["mode"] in modes)]
+
+
 def table(rows: list[dict]) -> str:
     out = ["| batch | mode | variant | median ms | p90 ms | speed-up | of hand-written | FLOP limit | of the limit "
-           "| peak GiB | host ms |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| peak GiB | host ms | commit |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for key in dict.fromkeys((r["batch"], r["mode"]) for r in rows):
         group = {r["variant"]: r for r in rows if (r["batch"], r["mode"]) == key}
         base, hand = group.get("vanilla"), group.get("hand-written across stacks")
@@ -207,7 +220,8 @@ def table(rows: list[dict]) -> str:
             rel = f"{hand['step_ms'] / r['step_ms']:.3f}" if hand and name.endswith("across stacks") else ""
             host = f"{r['host_ms']:.3f} ({r['host_ms'] / r['step_ms']:.2%})" if "host_ms" in r else ""
             out.append(f"| {key[0]} | {key[1]} | {name} | {r['step_ms']:.1f} | {r['p90_ms']:.1f} | {speed:.3f}× | {rel} "
-                       f"| {r['flop_limit']:.3f}× | {speed / r['flop_limit']:.3f} | {r['peak_gib']:.1f} | {host} |")
+                       f"| {r['flop_limit']:.3f}× | {speed / r['flop_limit']:.3f} | {r['peak_gib']:.1f} | {host} "
+                       f"| {r.get('commit', '')} |")
     return "\n".join(out) + "\n"
 
 
@@ -246,20 +260,25 @@ def attention_backends(device: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "compile"])
+    p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 2; 2 with --quick)")
+    p.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile"],
+                   help="eager and/or torch.compile of the whole model (default eager)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny FLUX, 64 + 8 tokens, eager")
+    p.add_argument("--add", action="store_true",
+                   help="keep the file's rows for the batches and modes this call does not measure")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny FLUX, 64 + 8 tokens (eager unless "
+                   "--modes says otherwise)")
     args = p.parse_args()
     device = device_or_exit(args.quick)
     config, side, text = (TINY, 8, 8) if args.quick else (FULL, 64, 512)
     if args.quick:
-        args.modes, args.steps, args.warmup, args.batches = ["eager"], 2, 0, [2]
+        args.steps, args.warmup = 2, 0
+    args.modes, args.batches = args.modes or ["eager"], args.batches or ([2] if args.quick else [1, 2])
     example = inputs(config, 2, side, text, device)
-    rows, shared = [], {}
     info = machine()
+    rows, shared = (kept_rows(args.out / "flux.json", args.batches, args.modes) if args.add else []), {}
     info["attention"] = "SDPA (flash or memory-efficient on a GPU) through AnyRopeAttention in every variant"
     body = (f"FLUX widths at reduced depth ({config['num_layers']} double + {config['num_single_layers']} single "
             f"blocks), {side * side} image + {text} text tokens; routes at rate {RATE}: across stacks {START} → {END} "
@@ -278,7 +297,7 @@ def main() -> None:
                 if name.startswith("routekit"):
                     stats["host_ms"] = host_ms(model, *batch_inputs)
                     shared[name] = report_of(model).placed[0].shared
-                rows.append({"batch": batch, "mode": mode, "variant": name,
+                rows.append({"batch": batch, "mode": mode, "variant": name, "commit": info["commit"],
                              "flop_limit": flops["vanilla"] / flops[name], **stats})
                 print(f"batch {batch} {mode:7s} {name:28s} median {stats['step_ms']:8.2f} ms  p90 "
                       f"{stats['p90_ms']:8.2f} ms  (first step {stats['first_step_s']:.1f} s)", flush=True)

@@ -301,7 +301,7 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
     """A tiny FLUX: routekit's route across both stacks and the hand-written one save the same FLOPs (the same
     blocks see the same number of tokens), routekit selects per sample as the hand-written route does (the
     attention takes a RoPE table per sample), every variant runs a train step, and routekit's host time is
-    reported."""
+    reported. A second call with --add measures another batch and keeps the first call's rows."""
     run_benchmark("flux.py", "--quick", "--out", str(tmp_path))
     data = labelled(tmp_path, "flux", "python benchmarks/flux.py --quick")
     rows = {r["variant"]: r for r in data["rows"]}
@@ -311,3 +311,7 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
     assert rows["routekit across stacks"]["flop_limit"] > rows["routekit single stack"]["flop_limit"] > 1.0
     assert data["shared"] == {"routekit single stack": False, "routekit across stacks": False}
     assert rows["routekit across stacks"]["host_ms"] > 0
+    run_benchmark("flux.py", "--quick", "--batches", "1", "--add", "--out", str(tmp_path))  # another call's share
+    added = json.loads((tmp_path / "flux.json").read_text())["rows"]
+    assert [(r["batch"], r["variant"]) for r in added] == [(b, v) for b in (2, 1) for v in rows]
+    assert all(r["commit"] for r in added) and "| commit |" in (tmp_path / "flux.md").read_text()
