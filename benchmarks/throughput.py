@@ -131,20 +131,48 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     def step():
         train_step(runner, opt, x, t, y, cuda)
 
+    before = compile_seconds()
     start = time.perf_counter()  # the first step holds the compilation: timed apart, never in the median
     step()
     if cuda:
         torch.cuda.synchronize()
     first = time.perf_counter() - start
+    spent = {k: v - before.get(k, 0.0) for k, v in compile_seconds().items() if v - before.get(k, 0.0) > 0}
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     timing = time_ms(step, steps, warmup, cuda)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     stats = {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
              "peak_gib": peak, "first_step_s": first}
+    if mode != "eager":
+        stats["first_step_phases_s"] = first_step_phases(spent, first)
     if gpu_busy and cuda:
         stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(step)
     return stats
+
+
+# Where a compiled model's first step goes, by torch.compile's own timers (torch._dynamo.utils): tracing the
+# Python (Dynamo), the joint forward-backward graph (AOTAutograd), then Inductor for the forward graph and, in
+# the first backward, for the backward graph, each with the wait for its kernels to compile; "other" is the
+# rest of the step (routekit's own Triton kernels compile at their first launch, the step runs, CUDA graphs
+# are recorded).
+PHASES = {"dynamo": "bytecode_tracing", "aot autograd": "aot_trace_joint_graph",
+          "inductor forward": "compile_fx.<locals>.fw_compiler_base",
+          "inductor backward": "compile_fx.<locals>.bw_compiler", "kernel compile wait": "async_compile.wait"}
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds torch.compile's timers have summed so far in this process, per timer."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
+def first_step_phases(spent: dict[str, float], first: float) -> dict[str, float]:
+    """The first step's seconds by phase (PHASES; "kernel compile wait" is inside the two Inductor phases)."""
+    phases = {label: spent.get(timer, 0.0) for label, timer in PHASES.items()}
+    phases["other"] = max(0.0, first - sum(v for k, v in phases.items() if k != "kernel compile wait"))
+    return phases
 
 
 def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]:
@@ -248,6 +276,13 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | "
                        f"{r.get('p90_ms', float('nan')):.2f} | {speed:.3f}× | {rel} | {r['flop_limit']:.3f}× | {share} | "
                        f"{r['peak_gib']:.2f} |")
+    firsts = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['first_step_s']:.1f} s ("
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["first_step_phases_s"].items()) + ")"
+              for r in rows if r.get("first_step_phases_s")]
+    if firsts:
+        out += ["", "First (compiling) step, seconds by phase (torch.compile's timers; the kernel compile wait is "
+                "inside the Inductor phases):", ""]
+        out += [f"- {line}" for line in firsts]
     busy = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['gpu_busy_ms']:.1f} ms"
             for r in rows if "gpu_busy_ms" in r]
     if busy:

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks import common, convergence, summarise
+from benchmarks import common, convergence, summarise, throughput
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,6 +138,24 @@ def test_throughput_quick_runs_every_kind_of_variant_and_the_two_routes_agree_on
         assert found[backbone, "dar_tread"]["flop_limit"] <= found[backbone, "routekit"]["flop_limit"]
         assert found[backbone, "routekit"]["flop_limit"] > 1.0
     assert "Token mixer (mamba)" in (tmp_path / "t.md").read_text()
+
+
+def test_first_step_phases_split_a_compiled_step_by_torch_compiles_own_timers():
+    """The first compiled step's seconds by phase come from torch.compile's timers on this torch (a renamed timer
+    would read 0 and leave everything under "other"): Dynamo and AOTAutograd both take time, and the phases add
+    up to the step."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    before = throughput.compile_seconds()
+    start = time.perf_counter()
+    compiled(torch.randn(4, 8)).sum().backward()
+    first = time.perf_counter() - start
+    spent = {k: v - before.get(k, 0.0) for k, v in throughput.compile_seconds().items()}
+    phases = throughput.first_step_phases(spent, first)
+    assert phases["dynamo"] > 0 and phases["aot autograd"] > 0 and phases["inductor forward"] == 0
+    assert sum(v for k, v in phases.items() if k != "kernel compile wait") == pytest.approx(first)
+    torch._dynamo.reset()
 
 
 def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
