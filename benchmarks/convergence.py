@@ -1,7 +1,7 @@
 """Convergence per training second, seeded, across backbones: does routing's speed-up survive training?
 
 The study is a fixed plan of runs. DiT-B/2 on MNIST-5k with vanilla, TREAD, DAR and DAR + TREAD, three seeds,
-420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 300 s
+420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 360 s
 each. One run (backbone, method, seed) is one process that fits one lent H200 for at most 9 minutes, its start,
 first step (torch.compile's compilation) and evaluations included, so any session can advance the study with
 its spare device time. Every run trains a shipped recipe (recipes/configs/<backbone>_<method>.yaml) for the same
@@ -162,11 +162,11 @@ class Study:
                          + ", ".join(run.name for run in self.runs()))
 
 
-# startup_s and eval_s are estimates, not yet measured with this code: from the H200 step times in
-# benchmarks/results/throughput_*.md (an evaluation is 35 eager forward calls on 250 images, doubled by guidance:
-# about two thirds of a batch-256 train step's FLOPs each) and the first compiled DiT-B/2 step (30-60 s; DAR's may
-# be longer, and then the guard shortens the run and the report compares at the second every run reached). Each
-# result holds its real wall time, first step and evaluation seconds: correct these from the first runs.
+# startup_s and eval_s plan a run's wall time. DiT-B/2's are measured (four H200 runs, seed 0): first steps of 38
+# (vanilla), 57 (TREAD), 69 (DAR) and 88 s (DAR + TREAD), evaluations of 4-7 s; the DAR runs' slower first step
+# makes the guard stop them 9-19 s short of 420, and the report compares at the second every run reached. RWKV's
+# and Mamba's are estimates from the H200 step times in benchmarks/results/throughput_*.md (an evaluation is 35
+# eager forward calls on 250 images, doubled by guidance): correct them from their first runs' result files.
 FULL_GROUPS = (
     Group("dit_b2", "DiT-B/2", METHODS, (0, 1, 2), budget_s=420.0, evals=7, startup_s=90.0, eval_s=3.0),
     Group("rwkv_b2", "Diffusion-RWKV B/2", ("vanilla", "tread"), (0, 1), budget_s=360.0, evals=6,
