@@ -341,13 +341,14 @@ def load_same_code(plan: Study) -> list[dict]:
     if not path.exists():
         return []
     entries = json.loads(path.read_text())
-    for i, entry in enumerate(entries if isinstance(entries, list) else [entries]):
+    form = '{"path": FILE, "hashes": [HASH, HASH, ...], "why": REASON}'
+    if not isinstance(entries, list):
+        raise SystemExit(f"{path} must hold a list of entries {form}, got {entries!r:.200}")
+    for i, entry in enumerate(entries):
         hashes = entry.get("hashes") if isinstance(entry, dict) else None
-        if not (isinstance(entries, list) and isinstance(entry.get("path"), str) and isinstance(hashes, list)
-                and len(hashes) >= 2 and all(isinstance(h, str) for h in hashes)
-                and isinstance(entry.get("why"), str) and entry["why"].strip()):
-            raise SystemExit(f"{path}: entry {i} must be {{\"path\": FILE, \"hashes\": [HASH, HASH, ...], \"why\": "
-                             f"REASON}} (a list of such entries), got {entry!r}")
+        if not (isinstance(hashes, list) and len(hashes) >= 2 and all(isinstance(h, str) for h in hashes)
+                and isinstance(entry.get("path"), str) and isinstance(entry.get("why"), str) and entry["why"].strip()):
+            raise SystemExit(f"{path}: entry {i} must be {form}, got {entry!r}")
     return entries
 
 
@@ -370,9 +371,9 @@ def conflicts(results: list[dict], same_code: list[dict] = ()) -> list[str]:
             sides = _sides(runs, lambda r, part=part: r["fingerprint"][part])
             if len(sides) > 1:
                 lines.append(f"{group}: " + _describe(part, sides) + f" ({fix})")
-        for path in sorted({p for r in runs for p in r["fingerprint"]["code"]}):
-            sides = _sides(runs, lambda r, path=path: _canonical_code(r["fingerprint"]["code"], same_code)
-                           .get(path, "absent"))
+        code = {r["file"]: _canonical_code(r["fingerprint"]["code"], same_code) for r in runs}
+        for path in sorted({p for digests in code.values() for p in digests}):
+            sides = _sides(runs, lambda r, path=path, code=code: code[r["file"]].get(path, "absent"))
             if len(sides) > 1:
                 lines.append(f"{group}: " + _describe(f"code {path}", sides))
         for method in dict.fromkeys(r["method"] for r in runs):

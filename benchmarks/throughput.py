@@ -137,7 +137,7 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     if cuda:
         torch.cuda.synchronize()
     first = time.perf_counter() - start
-    spent = {k: v - before.get(k, 0.0) for k, v in compile_seconds().items() if v - before.get(k, 0.0) > 0}
+    phases = first_step_phases(before, first)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     timing = time_ms(step, steps, warmup, cuda)
@@ -145,7 +145,7 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     stats = {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
              "peak_gib": peak, "first_step_s": first}
     if mode != "eager":
-        stats["first_step_phases_s"] = first_step_phases(spent, first)
+        stats["first_step_phases_s"] = phases
     if gpu_busy and cuda:
         stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(step)
     return stats
@@ -155,7 +155,7 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
 # Python (Dynamo), the joint forward-backward graph (AOTAutograd), then Inductor for the forward graph and, in
 # the first backward, for the backward graph, each with the wait for its kernels to compile; "other" is the
 # rest of the step (routekit's own Triton kernels compile at their first launch, the step runs, CUDA graphs
-# are recorded).
+# are recorded, graphs come out of Inductor's caches: a warm cache leaves the compile phases near 0).
 PHASES = {"dynamo": "bytecode_tracing", "aot autograd": "aot_trace_joint_graph",
           "inductor forward": "compile_fx.<locals>.fw_compiler_base",
           "inductor backward": "compile_fx.<locals>.bw_compiler", "kernel compile wait": "async_compile.wait"}
@@ -168,9 +168,11 @@ def compile_seconds() -> dict[str, float]:
     return {name: sum(times) for name, times in compilation_time_metrics.items()}
 
 
-def first_step_phases(spent: dict[str, float], first: float) -> dict[str, float]:
-    """The first step's seconds by phase (PHASES; "kernel compile wait" is inside the two Inductor phases)."""
-    phases = {label: spent.get(timer, 0.0) for label, timer in PHASES.items()}
+def first_step_phases(before: dict[str, float], first: float) -> dict[str, float]:
+    """The seconds by phase (PHASES; "kernel compile wait" is inside the two Inductor phases) of a first step
+    that took `first` seconds and began when the timers read `before` (``compile_seconds()``)."""
+    now = compile_seconds()
+    phases = {label: now.get(timer, 0.0) - before.get(timer, 0.0) for label, timer in PHASES.items()}
     phases["other"] = max(0.0, first - sum(v for k, v in phases.items() if k != "kernel compile wait"))
     return phases
 
