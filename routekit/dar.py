@@ -98,21 +98,35 @@ def merge(sources: list[torch.Tensor], query: torch.Tensor, shared_mix: torch.Te
     return h if h.dtype == sources[-1].dtype else h.to(sources[-1].dtype)
 
 
-def layer_norm_of_merge(sources: list[torch.Tensor], query: torch.Tensor, shared_mix: torch.Tensor,
-                        shared_lse: torch.Tensor, norm_eps: float, eps: float, kernel: str) -> torch.Tensor:
-    """F.layer_norm (no affine) of `merge`: the norm that read the aggregation, folded in by the rewrite.
-    Where the merge kernel gives its rows' mean and 1/std (under torch.compile) the norm is pointwise and
-    fuses with what follows; a LayerNorm of its own would read the stored mix twice in a reduction kernel."""
+def merge_for_norm(sources: list[torch.Tensor], query: torch.Tensor, shared_mix: torch.Tensor,
+                   shared_lse: torch.Tensor, norm_eps: float, eps: float, kernel: str) -> tuple:
+    """`merge`, for the LayerNorm (no affine) that reads it, which the rewrite folds in: (the merge, its rows' mean
+    and 1/std where the merge kernel gives them (under torch.compile), else None, and the dtype F.layer_norm
+    gives on `merge`'s output (under CUDA autocast fp32, else the newest source's), read off an empty call: a
+    trace-time constant, the call itself dead code). `norm_of_merge` finishes the norm: apart, so that the
+    pointwise part can sit with what reads it (a shared block body, regions.py) and fuse with it."""
+    dtype = F.layer_norm(sources[-1].new_empty((0, sources[-1].shape[-1])), sources[-1].shape[-1:]).dtype
     merged = merge_with_stats(_in_dtype(sources, shared_mix.dtype), query, eps, kernel, prefix=(shared_mix, shared_lse),
                               norm_eps=norm_eps)
     if merged is None:
-        h = merge(sources, query, shared_mix, shared_lse, eps, kernel)
+        return merge(sources, query, shared_mix, shared_lse, eps, kernel), None, dtype
+    return (*merged, dtype)
+
+
+def norm_of_merge(merged: tuple, norm_eps: float) -> torch.Tensor:
+    """F.layer_norm (no affine) of the merge `merge_for_norm` gave. Where the merge kernel gave its rows' mean and
+    1/std the norm is pointwise and fuses with what follows; a LayerNorm of its own would read the stored mix twice
+    in a reduction kernel."""
+    h, stats, dtype = merged
+    if stats is None:
         return F.layer_norm(h, h.shape[-1:], eps=norm_eps)
-    h, stats = merged
-    # in the dtype F.layer_norm would give on `merge`'s output (under CUDA autocast fp32, else the newest
-    # source's), read off an empty call: a trace-time constant, the call itself dead code
-    dtype = F.layer_norm(h.new_empty((0, h.shape[-1]), dtype=sources[-1].dtype), h.shape[-1:]).dtype
     return ((h.float() - stats[..., :1]) * stats[..., 1:]).to(dtype)
+
+
+def layer_norm_of_merge(sources: list[torch.Tensor], query: torch.Tensor, shared_mix: torch.Tensor,
+                        shared_lse: torch.Tensor, norm_eps: float, eps: float, kernel: str) -> torch.Tensor:
+    """F.layer_norm (no affine) of `merge`, in the two steps the rewrite places."""
+    return norm_of_merge(merge_for_norm(sources, query, shared_mix, shared_lse, norm_eps, eps, kernel), norm_eps)
 
 
 def history_logits(v: torch.Tensor, query: torch.Tensor, points: tuple[int, ...], temb: torch.Tensor | None,

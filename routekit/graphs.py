@@ -3,11 +3,14 @@
 An fx graph lists nodes in execution order; what routekit asks of it is which values are computed from
 which (`to_networkx`, `descends`, `between`) and which argument of a call a value feeds (`slots`). They sit
 apart from the analysis so that its parts (side inputs, tokens, residual adds) and the rewrite can all read
-graphs the same way without importing one another.
+graphs the same way without importing one another. `compile_graph` turns a graph into the Python function
+that runs it (a routed program, a shared block body).
 """
 
 from __future__ import annotations
 
+import itertools
+import linecache
 from typing import Any
 
 import networkx as nx
@@ -79,3 +82,16 @@ def descends(node: fx.Node, ancestor: fx.Node) -> bool:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return False
+
+
+_counter = itertools.count()  # each compiled graph's own file name in tracebacks
+
+
+def compile_graph(graph: fx.Graph, label: str):
+    """Python function `forward(self, *inputs)` for the graph; shows up readably in tracebacks."""
+    code = graph.python_code(root_module="self")
+    filename = f"<routekit {label} {next(_counter)}>"
+    linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
+    namespace = dict(code.globals)
+    exec(compile(code.src, filename, "exec"), namespace)
+    return namespace["forward"]

@@ -19,8 +19,10 @@ from torch import nn
 from .calls import bind_arguments, call_inputs, call_spec
 from .errors import ConfigError
 from .guards import Assumptions
+from .graphs import compile_graph
 from .plan import Plan
-from .rewrite import compile_graph, constants_to_inputs, rewrite
+from .regions import CALLED
+from .rewrite import constants_to_inputs, rewrite
 from .sharding import check_sharding
 from .specialise import specialise
 from .trace import Trace
@@ -58,7 +60,8 @@ def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, route
     rewritten = rewrite(tr, plan, model, training if routes is None else routes)
     values = constants_to_inputs(rewritten.graph, rewritten.constants)
     label = f"{plan.report.model} {'train' if training else 'eval'} graph"
-    called = frozenset(n.target for n in rewritten.graph.nodes if n.op == "call_module")
+    called = frozenset(n.target for n in rewritten.graph.nodes if n.op == "call_module").union(
+        *(n.meta.get(CALLED, ()) for n in rewritten.graph.nodes))
     return Program(compile_graph(rewritten.graph, label), tr.out_spec, tuple(values), bool(rewritten.specialised),
                    plan, called, rewritten.assumed)
 

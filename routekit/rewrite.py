@@ -18,8 +18,6 @@ the route are restored at full size.
 from __future__ import annotations
 
 import copy
-import itertools
-import linecache
 import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,13 +36,13 @@ from .findings import BlockInfo, Gather
 from .graphs import between, descends, slot_value
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
+from .regions import share_bodies
 from .residuals import uncast
 from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 
 if TYPE_CHECKING:
     from .trace import Trace
 
-_counter = itertools.count()
 STATE = "routekit"  # the one submodule routekit adds to a model: route selectors and DAR's parameters
 
 
@@ -257,6 +255,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     chunk = None  # the current two-phase chunk: (first point, its shared sources, mixes node, state node)
     options = {"eps": config.eps, "kernel": config.kernel}
     readers: dict[fx.Node, tuple[fx.Node, list[int]]] = {}  # source -> (its logits node, the points reading it)
+    bodies: list[tuple[str, list[fx.Node]]] = []  # each inlined block's nodes, for share_bodies
 
     def logits_for(shared: list[fx.Node], first: int, size: int) -> fx.Node:
         offsets = []
@@ -315,6 +314,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
             result.assumed += body.assumed.under(info.qualname) + Assumptions(traced_through=(info.qualname,))
             forward = type(model.get_submodule(info.qualname)).forward
             env = _inline(graph, call, body, info.qualname, forward, result.constants)
+            bodies.append((info.qualname, list(env.values())))
             for add_name in adds:
                 add = env[add_name]
                 skip, branch = add.args[0], add.args[1]
@@ -339,6 +339,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     for node, (logits, points) in readers.items():  # every reader is known now
         logits.args = (node, query, tuple(points), temb, config.eps)
     fold_norms(graph, model)
+    share_bodies(graph, model, bodies)
 
 
 def _body(info: BlockInfo, route: RoutePlan | None) -> tuple[Trace, tuple[str, ...]]:
@@ -393,7 +394,7 @@ def _item(graph: fx.Graph, value, key):
 
 def _plain_layer_norm(module: nn.Module | None) -> bool:
     """An nn.LayerNorm over the last dim without parameters, running torch's own forward (not a subclass's,
-    e.g. one that casts to fp32) and no hooks: what `dar.layer_norm_of_merge` computes in its place. Norms with
+    e.g. one that casts to fp32) and no hooks: what `dar.merge_for_norm` and `dar.norm_of_merge` compute in its place. Norms with
     a weight or bias stay modules: an FSDP unit around one must still run its forward."""
     return (isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
             and len(module.normalized_shape) == 1 and not any(True for _ in module.parameters())
@@ -402,7 +403,7 @@ def _plain_layer_norm(module: nn.Module | None) -> bool:
 
 def fold_norms(graph: fx.Graph, model: nn.Module) -> int:
     """Fold each plain LayerNorm (`_plain_layer_norm`) that is the only reader of a two-phase merge into
-    it (`dar.layer_norm_of_merge`); returns how many."""
+    it (`dar.merge_for_norm`, then `dar.norm_of_merge`); returns how many."""
     folded = 0
     for node in list(graph.nodes):
         if node.target is not dar.merge or len(node.users) != 1:
@@ -412,7 +413,8 @@ def fold_norms(graph: fx.Graph, model: nn.Module) -> int:
         if not (_plain_layer_norm(module) and norm.args == (node,) and not norm.kwargs):
             continue
         with graph.inserting_before(norm):
-            fused = graph.call_function(dar.layer_norm_of_merge, (*node.args, module.eps), dict(node.kwargs))
+            merged = graph.call_function(dar.merge_for_norm, (*node.args, module.eps), dict(node.kwargs))
+            fused = graph.call_function(dar.norm_of_merge, (merged, module.eps))
         norm.replace_all_uses_with(fused)
         graph.erase_node(norm)
         graph.erase_node(node)
@@ -436,13 +438,3 @@ def constants_to_inputs(graph: fx.Graph, constants: dict[str, torch.Tensor]) -> 
             graph.erase_node(node)
             values.append(constants[node.target])
     return values
-
-
-def compile_graph(graph: fx.Graph, label: str):
-    """Python function `forward(self, *inputs)` for the graph; shows up readably in tracebacks."""
-    code = graph.python_code(root_module="self")
-    filename = f"<routekit {label} {next(_counter)}>"
-    linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
-    namespace = dict(code.globals)
-    exec(compile(code.src, filename, "exec"), namespace)
-    return namespace["forward"]

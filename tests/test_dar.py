@@ -644,7 +644,7 @@ class CastingLayerNorm(nn.LayerNorm):
 @pytest.mark.parametrize("norm", ["plain", "affine", "subclass", "hooked"])
 def test_a_plain_norm_that_reads_a_merge_is_folded_into_it(monkeypatch, norm):
     """DiT's LayerNorms (no weight or bias) that read a two-phase chunk's merges become one call with the
-    merge (``layer_norm_of_merge``: under torch.compile the merge kernel gives the norm its rows' statistics),
+    merge (``merge_for_norm`` then ``norm_of_merge``: under torch.compile the merge kernel gives the norm its rows' statistics),
     which on the reference path is exactly the module's LayerNorm of the merge. Norms with parameters (an
     FSDP unit around one must still run its forward), a subclass's forward or hooks stay modules."""
     import routekit.dar
@@ -660,11 +660,12 @@ def test_a_plain_norm_that_reads_a_merge_is_folded_into_it(monkeypatch, norm):
         elif norm == "hooked":
             block.norm2.register_forward_hook(lambda module, args, out: calls.append(out.shape))
     x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(routekit.rewrite, "share_bodies", lambda *a: 0)  # every fold in the program's own text
     folded = dar(model, (x, t, y), query="static", chunk=2)
     randomise_queries(folded, 1)
     source = program_source(folded, True)
     # of the 6 norms after merges (the last one, norm_final, stays plain: traced through, a subclass is ops)
-    assert source.count("layer_norm_of_merge(") == {"plain": 6, "affine": 1, "subclass": 1, "hooked": 3}[norm], source
+    assert source.count("dar_norm_of_merge(") == {"plain": 6, "affine": 1, "subclass": 1, "hooked": 3}[norm], source
     monkeypatch.setattr(routekit.rewrite, "fold_norms", lambda graph, model: 0)
     unfolded = dar(model, (x, t, y), query="static", chunk=2)
     unfolded.load_state_dict(folded.state_dict())
