@@ -20,6 +20,7 @@ segment's edge that may share memory with another (see `_remade`, `_fresh`).
 from __future__ import annotations
 
 import heapq
+import inspect
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from .guards import hooked
 from .routing import gather_tokens, scatter_tokens
 
 _OPS = ("call_module", "call_function", "call_method")
+_HAS_REUSE_LIMIT = "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
 CALLED = "routekit_called"  # a region call's meta entry: the layers it calls
 # What makes a new tensor and what may alias its input, by op. Only the values that cross a segment's edge are
 # looked up; an op in neither list there keeps its block inlined (correct, just compiled once per block).
@@ -241,7 +243,9 @@ def _region(segment: _Segment, qualname: str, uses: int):
     entry per input signature (a route's kept count is a second one); room for several per block, so blocks that
     differ in what Dynamo guards on are traced again, as unmarked code would be, instead of raising."""
     body = compile_graph(segment.body, "block body")
-    region = torch.compiler.nested_compile_region(body, max_reuse_entries=4 * uses)
+    # torch 2.11 has no cache limit (nor raises); later versions raise past it
+    limit = {"max_reuse_entries": 4 * uses} if _HAS_REUSE_LIMIT else {}
+    region = torch.compiler.nested_compile_region(body, **limit)
     layers = [n.target[len(qualname) + 1:] for n in segment.nodes if n.op == "call_module"]
 
     def block_body(block: nn.Module, *inputs):
