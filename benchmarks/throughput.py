@@ -8,6 +8,7 @@ DAR variants (chunks of 4) replace the residual adds, alone or with the default 
 
     python benchmarks/throughput.py --backbone dit --sizes XL/2 --batches 256 --modes compile
     python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants vanilla dar_static_c4
+    python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants dar_regions_c4 vanilla
     python benchmarks/throughput.py --backbone rwkv mamba --sizes B/2 --batches 256 --modes eager
     python benchmarks/throughput.py --sizes B/2 XL/2 --batches 32 --modes blocks     # per-block compile
     python benchmarks/throughput.py --sizes B/2 --batches 16 64 --modes graphs --variants vanilla routekit
@@ -65,8 +66,9 @@ class HandRoutedDiT(nn.Module):
         return m.unpatchify(m.final_layer(x, c))
 
 
-# DAR rows: (query, with the default TREAD route?), all with chunk size 4
-DAR_VARIANTS = {"dar_static_c4": ("static", False), "dar_dynamic_c4": ("dynamic", False), "dar_tread": ("static", True)}
+# DAR rows: (query, with the default TREAD route?, regional compilation?), all with chunk size 4
+DAR_VARIANTS = {"dar_static_c4": ("static", False, False), "dar_dynamic_c4": ("dynamic", False, False),
+                "dar_tread": ("static", True, False), "dar_regions_c4": ("static", False, True)}
 VARIANTS = ("vanilla", "routekit", "manual", *DAR_VARIANTS)
 
 
@@ -92,8 +94,8 @@ def build(backbone: str, size: str, variant: str, device: str, tiny: bool = Fals
     example = module.example_inputs(model, example_batch, device=device)
     if variant == "routekit":
         return rk.apply(model, routes=[route], example_inputs=example)
-    query, routes = DAR_VARIANTS[variant]
-    return rk.apply(model, routes=[route] if routes else None, residual=rk.DAR(query=query, chunk=4),
+    query, routes, regions = DAR_VARIANTS[variant]
+    return rk.apply(model, routes=[route] if routes else None, residual=rk.DAR(query=query, chunk=4, regions=regions),
                     example_inputs=example)
 
 

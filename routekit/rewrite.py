@@ -339,7 +339,8 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     for node, (logits, points) in readers.items():  # every reader is known now
         logits.args = (node, query, tuple(points), temb, config.eps)
     fold_norms(graph, model)
-    share_bodies(graph, model, bodies)
+    if config.regions:
+        share_bodies(graph, model, bodies)
 
 
 def _body(info: BlockInfo, route: RoutePlan | None) -> tuple[Trace, tuple[str, ...]]:

@@ -660,7 +660,6 @@ def test_a_plain_norm_that_reads_a_merge_is_folded_into_it(monkeypatch, norm):
         elif norm == "hooked":
             block.norm2.register_forward_hook(lambda module, args, out: calls.append(out.shape))
     x, t, y = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(routekit.rewrite, "share_bodies", lambda *a: 0)  # every fold in the program's own text
     folded = dar(model, (x, t, y), query="static", chunk=2)
     randomise_queries(folded, 1)
     source = program_source(folded, True)

@@ -1,4 +1,4 @@
-"""Shared block bodies (routekit/regions.py): a DAR graph calls one compile region per distinct block body.
+"""Shared block bodies (`DAR(regions=True)`, routekit/regions.py): one compile region per distinct block body.
 
 Held here: eager, the shared graph gives the inlined graph's outputs and gradients bit for bit; under torch.compile
 Dynamo traces each distinct body once and stamps it out for the other blocks (counted in the graph it hands the
@@ -8,8 +8,6 @@ in-place op, a value that may alias another at a segment's edge) stays inlined a
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 import torch._dynamo
@@ -18,7 +16,6 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import routekit as rk
-import routekit.rewrite
 from backbones import dit
 from routekit import regions
 
@@ -57,10 +54,9 @@ def test_a_dar_dit_runs_its_blocks_as_shared_bodies_bit_for_bit_as_inlined(route
     a merge with its norm folded in), with one it matches the routed blocks'. The the step's output and every gradient equal those of the inlined graph, bit for bit."""
     model = tiny_dit()
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
-    shared = rk.apply(model, routes, residual=rk.DAR(chunk=4), example_inputs=args).train()
-    with mock.patch.object(routekit.rewrite, "share_bodies", lambda *a: 0):
-        inlined = rk.apply(model, routes, residual=rk.DAR(chunk=4), example_inputs=args).train()
-        expected = step(inlined, args)
+    shared = rk.apply(model, routes, residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
+    inlined = rk.apply(model, routes, residual=rk.DAR(chunk=4), example_inputs=args).train()
+    expected = step(inlined, args)
     found = step(shared, args)
     assert region_calls(shared) == 2 * shared_blocks and region_calls(inlined) == 0
     assert torch.equal(found[0], expected[0])
@@ -72,7 +68,7 @@ def test_under_torch_compile_each_distinct_body_is_traced_once_and_the_step_matc
     whose code is its own, stays inlined); the compiled loss and gradients match the eager step's."""
     model = tiny_dit(depth=6)
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
-    routed = rk.apply(model, residual=rk.DAR(chunk=4), example_inputs=args).train()
+    routed = rk.apply(model, residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
     expected = step(routed, args)
     graphs = []
 
@@ -136,7 +132,7 @@ def test_a_block_that_cannot_be_called_as_a_function_stays_inlined_and_compiles(
     torch.manual_seed(0)
     model = Stack(block)
     args = (torch.randn(2, 8, 16),)
-    routed = rk.apply(model, residual=rk.DAR(chunk=2), example_inputs=args).train()
+    routed = rk.apply(model, residual=rk.DAR(chunk=2, regions=True), example_inputs=args).train()
     expected = step(routed, args)
     assert region_calls(routed) == 0
     torch._dynamo.reset()
@@ -155,7 +151,7 @@ def test_views_crossing_a_segment_edge_are_made_again_inside_without_which_compi
 
     model = tiny_dit()
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
-    routed = rk.apply(model, residual=rk.DAR(chunk=4), example_inputs=args).train()
+    routed = rk.apply(model, residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
     step(routed, args)
     bodies = {inspect.getsource(f.body) for k, f in train_graph(routed).fn.__globals__.items()
               if k.startswith("routekit_regions_block")}
@@ -163,7 +159,7 @@ def test_views_crossing_a_segment_edge_are_made_again_inside_without_which_compi
 
     monkeypatch.setattr(regions, "_remade", lambda node: False)
     monkeypatch.setattr(regions, "_fresh", lambda node, model: True)
-    naive = rk.apply(model, residual=rk.DAR(chunk=4), example_inputs=args).train()
+    naive = rk.apply(model, residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
     step(naive, args)  # eager, aliasing is harmless
     assert region_calls(naive) > 0
     torch._dynamo.reset()
