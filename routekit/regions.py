@@ -1,4 +1,4 @@
-"""Shared block bodies: a DAR graph that torch.compile compiles once per distinct block, not once per block.
+"""Shared block bodies (`DAR(regions=True)`): a DAR graph torch.compile compiles once per distinct block body.
 
 DAR inlines every block into the owner's graph (rewrite.place_dar), so that one graph carries the history of
 sublayer outputs. Compiled whole, that graph makes Dynamo trace and Inductor lower each block's code again for
@@ -8,7 +8,9 @@ block's own nodes are cut where DAR's values enter them into segments (before th
 after the last); a segment whose code, with modules addressed from the block, is the same in several blocks
 becomes one function marked with torch.compiler.nested_compile_region and called with each block. Dynamo traces
 it once and stamps the trace out for the other blocks; Inductor compiles it once. Eager, the marker is a plain
-call, and the ops run in the same order on the same values.
+call, and the ops run in the same order on the same values. It is an option, not the default: Inductor fuses
+nothing across a region's edge, and on the H200 a step cost 9.1% over the plain model's instead of 7.7%, for a
+first step of 97 s instead of 128 s (docs/measurements.md).
 
 A block is left inlined where a segment could not be called as a function safely: an op that writes into its
 input (the region would mutate a value the rest of the graph reads), a module outside the block or one with hooks
