@@ -24,7 +24,7 @@ runs/convergence_quick/. On a lent GPU, where at most 8 files come back from $OU
 copy and send back only the new run and the report (a whole results folder under $OUT loses the run):
 
     cp -r benchmarks/results/convergence /tmp/c && touch /tmp/t && python -m benchmarks.convergence --next \
-        --results /tmp/c --out $OUT && find /tmp/c -newer /tmp/t -name '*.json' -exec cp {} $OUT/ \;
+        --results /tmp/c --out $OUT && find /tmp/c -newer /tmp/t -name '*.json' -exec cp {} $OUT/ ';'
 
 What a result's fingerprint holds, and why. Runs made on different commits merge only where what they
 measure is the same, so every result carries a fingerprint, and the report (and a new run, before it trains)

@@ -141,8 +141,8 @@ class DAR(_Config):
     `regions`: under torch.compile, trace and compile each distinct block body once and reuse it for the other
     blocks (regional compilation, routekit/regions.py), instead of once per block. A trade: on an H200, DiT-XL/2
     at batch 256, the first compiled step took 97 s against 128 s, while each step cost 9.1% over the plain
-    model's instead of 7.7% (Inductor does not fuse across a region's edge); worth it for short runs (under
-    about 5,000 steps there). Eager runs are the same either way, bit for bit.
+    model's instead of 7.7% (Inductor does not fuse across a region's edge, which may be the cause): worth it
+    for short runs (under about 5,000 steps there). Eager runs are the same either way, bit for bit.
     """
 
     query: Literal["static", "static_t", "dynamic"] = "static"

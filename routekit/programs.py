@@ -18,8 +18,8 @@ from torch import nn
 
 from .calls import bind_arguments, call_inputs, call_spec
 from .errors import ConfigError
-from .guards import Assumptions
 from .graphs import compile_graph
+from .guards import Assumptions
 from .plan import Plan
 from .regions import CALLED
 from .rewrite import constants_to_inputs, rewrite

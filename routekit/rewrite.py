@@ -395,8 +395,8 @@ def _item(graph: fx.Graph, value, key):
 
 def _plain_layer_norm(module: nn.Module | None) -> bool:
     """An nn.LayerNorm over the last dim without parameters, running torch's own forward (not a subclass's,
-    e.g. one that casts to fp32) and no hooks: what `dar.merge_for_norm` and `dar.norm_of_merge` compute in its place. Norms with
-    a weight or bias stay modules: an FSDP unit around one must still run its forward."""
+    e.g. one that casts to fp32) and no hooks: what `dar.merge_for_norm` and `dar.norm_of_merge` compute in its
+    place. Norms with a weight or bias stay modules: an FSDP unit around one must still run its forward."""
     return (isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
             and len(module.normalized_shape) == 1 and not any(True for _ in module.parameters())
             and not (module._forward_hooks or module._forward_pre_hooks))

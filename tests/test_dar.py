@@ -643,9 +643,9 @@ class CastingLayerNorm(nn.LayerNorm):
 
 @pytest.mark.parametrize("norm", ["plain", "affine", "subclass", "hooked"])
 def test_a_plain_norm_that_reads_a_merge_is_folded_into_it(monkeypatch, norm):
-    """DiT's LayerNorms (no weight or bias) that read a two-phase chunk's merges become one call with the
-    merge (``merge_for_norm`` then ``norm_of_merge``: under torch.compile the merge kernel gives the norm its rows' statistics),
-    which on the reference path is exactly the module's LayerNorm of the merge. Norms with parameters (an
+    """DiT's LayerNorms (no weight or bias) that read a two-phase chunk's merges are folded into the merge
+    (``merge_for_norm`` then ``norm_of_merge``: under torch.compile the merge kernel gives the norm its rows'
+    statistics), which on the reference path is exactly the module's LayerNorm of the merge. Norms with parameters (an
     FSDP unit around one must still run its forward), a subclass's forward or hooks stay modules."""
     import routekit.dar
 

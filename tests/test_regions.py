@@ -51,7 +51,8 @@ def region_calls(routed: nn.Module) -> int:
 def test_a_dar_dit_runs_its_blocks_as_shared_bodies_bit_for_bit_as_inlined(routes, shared_blocks):
     """The blocks of a DAR DiT become two calls of shared bodies each (up to the attention's output, then the
     MLP's); without a route the first block's code is its own (its first sublayer reads the embedding, the others
-    a merge with its norm folded in), with one it matches the routed blocks'. The the step's output and every gradient equal those of the inlined graph, bit for bit."""
+    a merge with its norm folded in), with one it matches the routed blocks'. The step's output and every
+    gradient equal those of the inlined graph, bit for bit."""
     model = tiny_dit()
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
     shared = rk.apply(model, routes, residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
