@@ -118,10 +118,10 @@ def share_bodies(graph: fx.Graph, model: torch.nn.Module, bodies: list[tuple[str
             now.update(_call(graph, functions[segment.key], qualname, segment, now))
         for node in reversed(members):
             graph.erase_node(node)
-    for node in list(reversed(graph.nodes)):  # what the regions make again themselves, if nothing else reads it
-        if not node.users and _remade(node):
-            graph.erase_node(node)
     if blocks:
+        for node in list(reversed(graph.nodes)):  # what the regions make again themselves, if nothing else reads it
+            if not node.users and _remade(node):
+                graph.erase_node(node)
         _topological_order(graph)
     return len(blocks)
 
@@ -149,10 +149,11 @@ def _callable(members: list[fx.Node], qualname: str, model: torch.nn.Module) -> 
     return True
 
 
-def _segments(graph: fx.Graph, members: list[fx.Node], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    """A block's nodes by how many times the data flow that reaches them left the block and came back (through
-    DAR's aggregations): each level can run as one call, after everything it reads."""
-    member = set(members)
+def _segments(graph: fx.Graph, members: list[fx.Node], member: frozenset[fx.Node],
+              order: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """A block's nodes (`members` in graph order, `member` as a set) by how many times the data flow that reaches
+    them left the block and came back (through DAR's aggregations): each level can run as one call, after
+    everything it reads."""
     first, last = order[members[0]], order[members[-1]]
     level: dict[fx.Node, int] = {}
     for node in graph.nodes:
@@ -177,9 +178,9 @@ def _cut(graph: fx.Graph, members: list[fx.Node], order: dict[fx.Node, int], qua
     """A block's segments, each with its inputs, outputs and text; None where one could not be called as a
     function: a value it takes or gives might share memory with another (torch.compile's regions refuse
     aliasing). A view a segment reads is made again inside it from what it views, so views never cross."""
-    member = set(members)
+    member = frozenset(members)
     segments = []
-    for nodes in _segments(graph, members, order):
+    for nodes in _segments(graph, members, member, order):
         inside, views = set(nodes), set()
         stack = [n for node in nodes for n in node.all_input_nodes if n not in inside]
         while stack:
@@ -192,7 +193,7 @@ def _cut(graph: fx.Graph, members: list[fx.Node], order: dict[fx.Node, int], qua
         inputs = list(dict.fromkeys(n for node in ordered for n in node.all_input_nodes if n not in taken))
         if not all(_fresh(n, model) for n in inputs):
             return None
-        segments.append(_Segment(nodes, ordered, inputs, block=frozenset(member)))
+        segments.append(_Segment(nodes, ordered, inputs, block=member))
     read = {n for s in segments for n in s.inputs}
     for s in segments:
         s.outputs = [n for n in s.members if n in read or any(u not in member for u in n.users)]
