@@ -126,6 +126,16 @@ def time_ms(step: Callable[[], object], steps: int, warmup: int, cuda: bool) -> 
             "min_ms": min(times)}
 
 
+def kept_rows(path: Path, measured: Callable[[dict], bool]) -> list[dict]:
+    """The rows of an earlier result file that this call does not measure again (``--add``), each with the
+    commit it was measured at: a study too long for one device call is made by several, each replacing its
+    own rows."""
+    if not path.exists():
+        raise SystemExit(f"--add keeps the rows of {path}, which does not exist; run once without --add")
+    data = json.loads(path.read_text())
+    return [{"commit": data["machine"]["commit"], **r} for r in data["rows"] if not measured(r)]
+
+
 def header(info: dict) -> str:
     """The markdown lines that say where and how a result was made."""
     versions = f"torch {info['torch']}" + (f", triton {info['triton']}" if "triton" in info else "")

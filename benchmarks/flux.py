@@ -32,7 +32,6 @@ at: compiled FLUX takes minutes a variant to compile, so its rows come from call
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import routekit as rk  # noqa: E402
-from benchmarks.common import RESULTS, device_or_exit, figure, machine, time_ms, write  # noqa: E402
+from benchmarks.common import RESULTS, device_or_exit, figure, kept_rows, machine, time_ms, write  # noqa: E402
 from routekit.model import report_of  # noqa: E402
 
 FULL = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 128, "num_attention_heads": 24,
@@ -205,15 +204,6 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, mode: str, steps: int, 
             "peak_gib": peak, "first_step_s": first, "optimizer_ms": optimizer}
 
 
-def kept_rows(path: Path, batches: list[int], modes: list[str]) -> list[dict]:
-    """The rows of an earlier flux.json that this call will not measure again (``--add``)."""
-    if not path.exists():
-        raise SystemExit(f"--add keeps the rows of {path}, which does not exist; run once without --add")
-    data = json.loads(path.read_text())
-    return [{"commit": data["machine"]["commit"], **r} for r in data["rows"]
-            if not (r["batch"] in batches and r["mode"] in modes)]
-
-
 def table(rows: list[dict]) -> str:
     out = ["| batch | mode | variant | median ms | p90 ms | speed-up | of hand-written | FLOP limit | of the limit "
            "| AdamW ms | of the limit, AdamW aside | peak GiB | host ms | commit |",
@@ -289,7 +279,8 @@ def main() -> None:
     args.modes, args.batches = args.modes or ["eager"], args.batches or ([2] if args.quick else [1, 2])
     example = inputs(config, 2, side, text, device)
     info = machine()
-    rows, shared = (kept_rows(args.out / "flux.json", args.batches, args.modes) if args.add else []), {}
+    measured = lambda r: r["batch"] in args.batches and r["mode"] in args.modes
+    rows, shared = (kept_rows(args.out / "flux.json", measured) if args.add else []), {}
     info["attention"] = "SDPA (flash or memory-efficient on a GPU) through AnyRopeAttention in every variant"
     body = (f"FLUX widths at reduced depth ({config['num_layers']} double + {config['num_single_layers']} single "
             f"blocks), {side * side} image + {text} text tokens; routes at rate {RATE}: across stacks {START} → {END} "

@@ -38,7 +38,17 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import routekit as rk
-from benchmarks.common import RESULTS, TINY, device_or_exit, figure, machine, scan_kernel, time_ms, write  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    TINY,
+    device_or_exit,
+    figure,
+    kept_rows,
+    machine,
+    scan_kernel,
+    time_ms,
+    write,
+)  # noqa: E402
 
 
 class HandRoutedDiT(nn.Module):
@@ -221,8 +231,9 @@ def variants_of(backbone: str, asked: list[str] | None) -> list[str]:
     return [v for v in asked if v != "manual" or backbone == "dit"]
 
 
-def run(args, device: str, save=lambda rows: None) -> list[dict]:
-    rows = []
+def run(args, device: str, save=lambda rows: None, rows: list[dict] | None = None) -> list[dict]:
+    """Measure every (backbone, size, batch, mode, variant) asked for, after `rows` (kept from an earlier call)."""
+    rows = list(rows or [])
     for backbone in args.backbone:
         variants = variants_of(backbone, args.variants)
         for size in args.sizes:
@@ -246,6 +257,8 @@ def run(args, device: str, save=lambda rows: None) -> list[dict]:
                                      "status": "out of memory"}
                         row = {"backbone": backbone, "size": size, "batch": batch, "mode": mode, "variant": variant,
                                "flop_limit": flops["vanilla"] / flops[variant], **stats}
+                        if args.add:
+                            row["commit"] = args.commit
                         rows.append(row)
                         save(rows)
                         print(f"{backbone} {size} b{batch} {mode:8s} {variant:9s} {stats['step_ms']:8.2f} ms "
@@ -258,9 +271,10 @@ def run(args, device: str, save=lambda rows: None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    commits = any("commit" in r for r in rows)  # rows of several calls (--add) each say their commit
     out = ["| backbone | size | batch | mode | variant | step ms (median) | p90 ms | speed-up | vs hand-written "
-           "| FLOP limit | share of limit | peak GiB |",
-           "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| FLOP limit | share of limit | peak GiB |" + (" commit |" if commits else ""),
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if commits else "")]
     groups = {}
     for r in rows:
         groups.setdefault((r["backbone"], r["size"], r["batch"], r["mode"]), {})[r["variant"]] = r
@@ -272,14 +286,15 @@ def table(rows: list[dict]) -> str:
             rel = ""  # routekit's speed-up over the hand-written route's, the same route placed two ways
             if manual and variant in ("routekit", "manual") and base:
                 rel = f"{speed / (base['step_ms'] / manual['step_ms']):.3f}"
+            tail = f" {r.get('commit', '')} |" if commits else ""
             if r.get("status"):
                 out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['status']} | | | | "
-                           f"{r['flop_limit']:.3f}× | | |")
+                           f"{r['flop_limit']:.3f}× | | |" + tail)
                 continue
             share = f"{speed / r['flop_limit']:.3f}" if variant != "vanilla" else ""
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | "
                        f"{r.get('p90_ms', float('nan')):.2f} | {speed:.3f}× | {rel} | {r['flop_limit']:.3f}× | {share} | "
-                       f"{r['peak_gib']:.2f} |")
+                       f"{r['peak_gib']:.2f} |" + tail)
     firsts = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['first_step_s']:.1f} s ("
               + ", ".join(f"{k} {v:.1f}" for k, v in r["first_step_phases_s"].items()) + ")"
               for r in rows if r.get("first_step_phases_s")]
@@ -339,6 +354,8 @@ def main() -> None:
     p.add_argument("--name", default=None, help="results file stem (default throughput_<backbones>)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--gpu-busy", action="store_true", help="also profile the GPU's kernel time per step")
+    p.add_argument("--add", action="store_true", help="keep the rows of the results file for the configurations "
+                   "(backbone, size, batch, mode) this call does not measure, each with its commit")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: tiny models, batch 2, two steps (eager unless --modes)")
     args = p.parse_args()
@@ -355,7 +372,10 @@ def main() -> None:
         write(name, info, {"rows": rows}, f"Train-step throughput ({', '.join(args.backbone)})", mixers + table(rows),
               args.out, lambda path: plot(rows, path))
 
-    run(args, device, save)
+    args.commit = info["commit"]
+    measured = lambda r: (r["backbone"] in args.backbone and r["size"] in args.sizes and r["batch"] in args.batches
+                          and r["mode"] in args.modes)
+    run(args, device, save, kept_rows(args.out / f"{name}.json", measured) if args.add else [])
     print((args.out / f"{name}.md").read_text())
 
 
