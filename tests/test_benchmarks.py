@@ -315,6 +315,20 @@ def test_dar_kernel_quick_checks_and_times_the_kernel_on_cpu(tmp_path):
     assert "python benchmarks/dar_kernel.py --quick" in (tmp_path / "dar_kernel.md").read_text()
 
 
+def test_throughput_add_keeps_the_rows_of_configurations_another_call_measured(tmp_path):
+    """A study too long for one device call: the second call (--add) measures another backbone and keeps the
+    first call's rows, each row saying its commit; measuring a configuration again replaces its rows."""
+    run_benchmark("throughput.py", "--quick", "--variants", "vanilla", "--out", str(tmp_path), "--name", "t")
+    run_benchmark("throughput.py", "--quick", "--backbone", "rwkv", "--variants", "vanilla", "--add",
+                  "--out", str(tmp_path), "--name", "t")
+    rows = labelled(tmp_path, "t", "python benchmarks/throughput.py --quick")["rows"]
+    assert [(r["backbone"], r["commit"]) for r in rows] == [("dit", "abc1234"), ("rwkv", "abc1234")]
+    assert "| commit |" in (tmp_path / "t.md").read_text()
+    run_benchmark("throughput.py", "--quick", "--backbone", "rwkv", "--variants", "vanilla", "--add",
+                  "--out", str(tmp_path), "--name", "t")
+    assert [r["backbone"] for r in json.loads((tmp_path / "t.json").read_text())["rows"]] == ["dit", "rwkv"]
+
+
 def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tmp_path):
     """A tiny FLUX: routekit's route across both stacks and the hand-written one save the same FLOPs (the same
     blocks see the same number of tokens), routekit selects per sample as the hand-written route does (the
@@ -329,6 +343,7 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
     assert rows["routekit across stacks"]["flop_limit"] > rows["routekit single stack"]["flop_limit"] > 1.0
     assert data["shared"] == {"routekit single stack": False, "routekit across stacks": False}
     assert rows["routekit across stacks"]["host_ms"] > 0
+    assert all(r["optimizer_ms"] > 0 for r in rows.values()) and "AdamW aside |" in (tmp_path / "flux.md").read_text()
     run_benchmark("flux.py", "--quick", "--batches", "1", "--add", "--out", str(tmp_path))  # another call's share
     added = json.loads((tmp_path / "flux.json").read_text())["rows"]
     assert [(r["batch"], r["variant"]) for r in added] == [(b, v) for b in (2, 1) for v in rows]
