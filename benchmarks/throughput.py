@@ -18,7 +18,14 @@ Modes: ``eager``; ``compile``, the whole model under torch.compile; ``blocks``, 
 (DiT only: the official TREAD code and diffusers' regional compilation compile this way), the rest eager;
 ``graphs``, the whole model under torch.compile(mode="reduce-overhead"), which replays CUDA graphs.
 
-Writes benchmarks/results/<name>.{json,md,png} (--name, default throughput_<backbones>).
+Writes benchmarks/results/<name>.{json,md,png} (--name, default throughput_<backbones>). With --add, the rows
+already in that file for the configurations (backbone, size, batch, mode) this call does not measure stay, each
+with the commit it was measured at, so a study longer than one device call fills one file over several:
+
+    python benchmarks/throughput.py --sizes B/2 --batches 16 64 --modes graphs --variants vanilla routekit \
+        --name throughput_dit_graphs
+    python benchmarks/throughput.py --sizes XL/2 --batches 16 64 --modes graphs --variants vanilla routekit \
+        --name throughput_dit_graphs --add
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from benchmarks.common import (  # noqa: E402
     scan_kernel,
     time_ms,
     write,
-)  # noqa: E402
+)
 
 
 class HandRoutedDiT(nn.Module):

@@ -48,6 +48,11 @@ if DEVICE == "cpu" and type(aggregation._dar_fwd_kernel).__name__ != "Interprete
         "were compiled for a GPU this machine lacks; set the variable in tests/conftest.py",
         allow_module_level=True,
     )
+if DEVICE == "cpu":
+    from triton_interpreter import problem  # noqa: E402
+
+    if problem():
+        pytest.skip(problem(), allow_module_level=True)
 
 # Largest error allowed, as a fraction of max(1, the largest magnitude in the expected tensor).
 # fp32 runs the same fp32 math in another order; bf16 outputs and gradients may also round to
