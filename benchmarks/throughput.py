@@ -199,7 +199,9 @@ def first_step_phases(before: dict[str, float], first: float) -> dict[str, float
 def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]:
     """Time the GPU spends in kernels per step (profiler): far below the step time means the step
     waits on the host (Python and kernel launches), not on the GPU. Also the `top` kernels and the
-    `top` operators (by the kernel time they launch) per step: where the step's GPU time goes."""
+    `top` operators (by the kernel time they launch) per step: where the step's GPU time goes; and the `top`
+    operators by their own host time: where a step that waits on the host spends it (the profiler's own
+    overhead inflates these, alike for every variant)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -211,12 +213,15 @@ def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     ops = [e for e in events if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
 
-    def rows(found: list, kind: str) -> list[dict]:
-        return [{"kind": kind, "kernel": e.key[:90], "ms": e.self_device_time_total / 1e3 / steps,
-                 "calls": e.count / steps} for e in found[:top]]
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
+                  reverse=True)
+
+    def rows(found: list, kind: str, time=lambda e: e.self_device_time_total) -> list[dict]:
+        return [{"kind": kind, "kernel": e.key[:90], "ms": time(e) / 1e3 / steps, "calls": e.count / steps}
+                for e in found[:top]]
 
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
-    return busy, rows(kernels, "kernel") + rows(ops, "op")
+    return busy, rows(kernels, "kernel") + rows(ops, "op") + rows(host, "host", lambda e: e.self_cpu_time_total)
 
 
 def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> int:
@@ -316,7 +321,8 @@ def table(rows: list[dict]) -> str:
         out += [f"- {line}" for line in busy]
     for r in rows:
         if r.get("top_kernels"):
-            out += ["", f"Top kernels and operators (by the kernel time they launch) per step, {r['backbone']} "
+            out += ["", f"Top kernels and operators (by the kernel time they launch; host: by their own host time) "
+                    f"per step, {r['backbone']} "
                     f"{r['size']} b{r['batch']} {r['mode']} {r['variant']}:", "",
                     "| kind | name | ms/step | calls/step |", "|---|---|---:|---:|"]
             out += [f"| {k.get('kind', 'kernel')} | `{k['kernel']}` | {k['ms']:.2f} | {k['calls']:.0f} |"

@@ -353,3 +353,14 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
     added = json.loads((tmp_path / "flux.json").read_text())["rows"]
     assert [(r["batch"], r["variant"]) for r in added] == [(b, v) for b in (2, 1) for v in rows]
     assert all(r["commit"] for r in added) and "| commit |" in (tmp_path / "flux.md").read_text()
+
+
+def test_gpu_busy_reports_where_the_host_spends_a_step_as_well_as_the_kernels(monkeypatch):
+    """A step that waits on the host is read from the host rows: each operator's own host time per step. On a
+    CPU there are no kernels, so the GPU time is zero and only host rows come back."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    x = torch.randn(32, 32, requires_grad=True)
+    busy, rows = throughput.gpu_busy_ms(lambda: (x @ x).sum().backward(), steps=2)
+    host = {r["kernel"]: r for r in rows if r["kind"] == "host"}
+    assert busy == 0 and not [r for r in rows if r["kind"] == "kernel"]
+    assert host["aten::mm"]["calls"] == 3 and host["aten::mm"]["ms"] > 0  # x @ x forward, two in its backward
