@@ -556,8 +556,9 @@ class Trainer:
         losses: list[float] = []
         pending: list[torch.Tensor] = []
         next_eval_s = (self.clock.prior // eval_every_s + 1) * eval_every_s if eval_every_s else None
+        # off a terminal (a log file, a job scheduler) the bar is redrawn once a minute, not ten times a second
         bar = tqdm(total=None if budget_s else last, initial=first, disable=not (self.progress and self.main),
-                   dynamic_ncols=True, desc=self.out.name)
+                   dynamic_ncols=True, desc=self.out.name, mininterval=0.1 if sys.stderr.isatty() else 60.0)
         self.net.train()
         self.clock.begin()
         stopped, out_of_time, since = None, False, time.perf_counter()

@@ -20,7 +20,8 @@ def _step_time(model, batch_inputs, steps: int, label: str) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
     times = []
-    for _ in tqdm(range(steps + 1), desc=label, leave=False):  # the first step warms up
+    # the first step warms up; off a terminal no bar (disable=None), only the result line
+    for _ in tqdm(range(steps + 1), desc=label, leave=False, disable=None):
         x, t, y = batch_inputs
         start = time.perf_counter()
         noise = torch.randn_like(x)

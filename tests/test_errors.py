@@ -405,6 +405,17 @@ def test_the_command_line_runs_as_a_module_and_answers_bad_input_without_a_trace
         assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+def test_the_demo_runs_from_the_command_line_and_draws_no_bar_off_a_terminal():
+    """`make demo`'s command, as a fresh user runs it: every stage says what it found, and with the output piped
+    (no terminal) the timing loops draw no progress bar, only the result line."""
+    done = subprocess.run([sys.executable, "-m", "routekit", "demo", "--steps", "1", "--batch", "2"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "route 0: blocks 2→8, rate 0.5" in done.stdout and "outputs bit-identical" in done.stdout
+    assert "measured speed-up" in done.stdout
+    assert "it/s" not in done.stderr and "\r" not in done.stderr
+
+
 def test_blocks_in_stages_and_adds_between_blocks_are_named_as_such():
     class Stages(nn.Module):  # two stages of blocks with a token merge between them, as Swin's patch merging
         def __init__(self):
