@@ -556,9 +556,11 @@ class Trainer:
         losses: list[float] = []
         pending: list[torch.Tensor] = []
         next_eval_s = (self.clock.prior // eval_every_s + 1) * eval_every_s if eval_every_s else None
-        # off a terminal (a log file, a job scheduler) the bar is redrawn once a minute, not ten times a second
+        # off a terminal and a notebook (a log file, a job scheduler) the bar is redrawn once a minute, not ten
+        # times a second
+        watched = sys.stderr.isatty() or "ipykernel" in sys.modules
         bar = tqdm(total=None if budget_s else last, initial=first, disable=not (self.progress and self.main),
-                   dynamic_ncols=True, desc=self.out.name, mininterval=0.1 if sys.stderr.isatty() else 60.0)
+                   dynamic_ncols=True, desc=self.out.name, mininterval=0.1 if watched else 60.0)
         self.net.train()
         self.clock.begin()
         stopped, out_of_time, since = None, False, time.perf_counter()
