@@ -216,8 +216,8 @@ def gpu_busy_ms(step, steps: int = 3, top: int = 12) -> tuple[float, list[dict]]
     host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
                   reverse=True)
 
-    def rows(found: list, kind: str, time=lambda e: e.self_device_time_total) -> list[dict]:
-        return [{"kind": kind, "kernel": e.key[:90], "ms": time(e) / 1e3 / steps, "calls": e.count / steps}
+    def rows(found: list, kind: str, spent=lambda e: e.self_device_time_total) -> list[dict]:
+        return [{"kind": kind, "kernel": e.key[:90], "ms": spent(e) / 1e3 / steps, "calls": e.count / steps}
                 for e in found[:top]]
 
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps

@@ -8,10 +8,9 @@ block's own nodes are cut where DAR's values enter them into segments (before th
 after the last); a segment whose code, with modules addressed from the block, is the same in several blocks
 becomes one function marked with torch.compiler.nested_compile_region and called with each block. Dynamo traces
 it once and stamps the trace out for the other blocks; Inductor compiles it once. Eager, the marker is a plain
-call, and the ops run in the same order on the same values. It is an option, not the default: on the H200 a
-step cost 9.1% over the plain model's instead of 7.7%, for a first step of 97 s instead of 128 s
-(docs/measurements.md); Inductor does not fuse across a region's edge, whether that is all of the cost is not
-measured yet.
+call, and the ops run in the same order on the same values. It is an option, not the default: Inductor fuses
+nothing across a region's edge, so each step costs more for a shorter first step (`DAR`'s docstring gives the
+trade).
 
 A block is left inlined where a segment could not be called as a function safely: an op that writes into its
 input (the region would mutate a value the rest of the graph reads), a module outside the block or one with hooks
