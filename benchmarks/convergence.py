@@ -690,11 +690,12 @@ def notes(results: list[dict], same_code: list[dict] = ()) -> list[str]:
     declared the same."""
     found = []
     for entry in same_code:
-        held = [r["file"] for r in results if r["fingerprint"]["code"].get(entry["path"]) in entry["hashes"][1:]]
+        by_hash = {h: [r["file"] for r in results if r["fingerprint"]["code"].get(entry["path"]) == h]
+                   for h in entry["hashes"][1:]}
+        held = "; ".join(f"{', '.join(files)} on {h}" for h, files in by_hash.items() if files)
         if held:
             found.append(f"- {entry['path']} changed between runs in a way declared not to touch the numerics "
-                         f"({entry['why']}): {', '.join(held)} ran on {', '.join(entry['hashes'][1:])}, the others on "
-                         f"{entry['hashes'][0]}")
+                         f"({entry['why']}): {held}; the others on {entry['hashes'][0]}")
     for what, key in (("routekit source", lambda r: r["routekit"]["source"]),
                       ("torch version", lambda r: r["machine"]["torch"])):
         sides = _sides(results, key)

@@ -284,7 +284,7 @@ def test_convergence_merges_code_declared_the_same_and_says_so(tmp_path):
     assert data["done"] == 2 and data["same_code"][0]["why"] == "an import moved"
     text = (tmp_path / "convergence.md").read_text()
     assert (f"recipes/train.py changed between runs in a way declared not to touch the numerics (an import moved): "
-            f"dit_b2/vanilla_seed0.json ran on {digest}, the others on 0000") in text
+            f"dit_b2/vanilla_seed0.json on {digest}; the others on 0000") in text
     same.write_text(json.dumps([{"path": "recipes/train.py", "hashes": ["0000"], "why": "x"}]))
     with pytest.raises(SystemExit, match=r"same_code.json: entry 0 must be"):
         convergence.report(plan)
@@ -332,6 +332,23 @@ def test_throughput_add_keeps_the_rows_of_configurations_another_call_measured(t
     run_benchmark("throughput.py", "--quick", "--backbone", "rwkv", "--variants", "vanilla", "--add",
                   "--out", str(tmp_path), "--name", "t")
     assert [r["backbone"] for r in json.loads((tmp_path / "t.json").read_text())["rows"]] == ["dit", "rwkv"]
+    # another variant of a measured configuration joins its rows instead of replacing them (a hand-written route
+    # added to a finished study once dropped the vanilla row its speed-up is read against)
+    run_benchmark("throughput.py", "--quick", "--backbone", "rwkv", "--variants", "routekit", "--add",
+                  "--out", str(tmp_path), "--name", "t")
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [(r["backbone"], r["variant"]) for r in rows] == [("dit", "vanilla"), ("rwkv", "vanilla"), ("rwkv", "routekit")]
+    assert "nan×" not in (tmp_path / "t.md").read_text()  # routekit's speed-up is read against the kept vanilla
+
+
+def test_throughput_table_leaves_a_row_without_its_vanilla_blank_not_nan():
+    """A configuration measured without vanilla has no speed-up to show: its cells are empty, not 'nan×'."""
+    from benchmarks.throughput import table
+
+    row = {"backbone": "dit", "size": "B/2", "batch": 16, "mode": "graphs", "variant": "manual", "step_ms": 9.45,
+           "p90_ms": 11.07, "flop_limit": 1.428, "peak_gib": 2.78}
+    line = next(l for l in table([row]).splitlines() if "| manual |" in l)
+    assert "nan" not in line and "| 9.45 | 11.07 |  |  | 1.428× |  | 2.78 |" in line
 
 
 def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tmp_path):
