@@ -303,9 +303,11 @@ def table(rows: list[dict]) -> str:
                 out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['status']} | | | | "
                            f"{r['flop_limit']:.3f}× | | |" + tail)
                 continue
-            share = f"{speed / r['flop_limit']:.3f}" if variant != "vanilla" else ""
+            # without a vanilla row of its configuration a row has no speed-up: blank, not nan
+            share = f"{speed / r['flop_limit']:.3f}" if variant != "vanilla" and base else ""
+            ratio = f"{speed:.3f}×" if base else ""
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | "
-                       f"{r.get('p90_ms', float('nan')):.2f} | {speed:.3f}× | {rel} | {r['flop_limit']:.3f}× | {share} | "
+                       f"{r.get('p90_ms', float('nan')):.2f} | {ratio} | {rel} | {r['flop_limit']:.3f}× | {share} | "
                        f"{r['peak_gib']:.2f} |" + tail)
     firsts = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['first_step_s']:.1f} s ("
               + ", ".join(f"{k} {v:.1f}" for k, v in r["first_step_phases_s"].items()) + ")"
@@ -386,8 +388,10 @@ def main() -> None:
               args.out, lambda path: plot(rows, path))
 
     args.commit = info["commit"]
+    # a row is replaced only by a measurement of the same variant: adding the hand-written route to a finished
+    # study keeps its vanilla and routekit rows
     measured = lambda r: (r["backbone"] in args.backbone and r["size"] in args.sizes and r["batch"] in args.batches
-                          and r["mode"] in args.modes)
+                          and r["mode"] in args.modes and r["variant"] in variants_of(r["backbone"], args.variants))
     run(args, device, save, kept_rows(args.out / f"{name}.json", measured) if args.add else [])
     print((args.out / f"{name}.md").read_text())
 
