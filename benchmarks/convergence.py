@@ -21,9 +21,11 @@ A run writes benchmarks/results/convergence/<backbone>/<method>_seed<seed>.json 
 the report merges results made in different sessions) and the report benchmarks/results/convergence.{md,json,png}.
 Its training folder (logs, no checkpoints) goes under runs/convergence/. ``--quick`` keeps everything under
 runs/convergence_quick/. On a lent GPU, where at most 8 files come back from $OUT, keep the results in a scratch
-copy and send back only the new run and the report (a whole results folder under $OUT loses the run):
+copy and send back only the new run and the report (a whole results folder under $OUT loses the run). Remove
+the copy first: on a machine still warm from an earlier call, ``cp -r`` would copy into the old one, and the run
+would be checked against stale results:
 
-    cp -r benchmarks/results/convergence /tmp/c && touch /tmp/t && python -m benchmarks.convergence --next \
+    rm -rf /tmp/c && cp -r benchmarks/results/convergence /tmp/c && touch /tmp/t && python -m benchmarks.convergence --next \
         --results /tmp/c --out $OUT && find /tmp/c -newer /tmp/t -name '*.json' -exec cp {} $OUT/ ';'
 
 What a result's fingerprint holds, and why. Runs made on different commits merge only where what they
