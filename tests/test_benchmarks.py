@@ -322,7 +322,8 @@ def test_dar_kernel_quick_checks_and_times_the_kernel_on_cpu(tmp_path):
 
 def test_throughput_add_keeps_the_rows_of_configurations_another_call_measured(tmp_path):
     """A study too long for one device call: the second call (--add) measures another backbone and keeps the
-    first call's rows, each row saying its commit; measuring a configuration again replaces its rows."""
+    first call's rows, each row saying its commit; measuring a variant of a configuration again replaces its row,
+    and another variant joins them."""
     run_benchmark("throughput.py", "--quick", "--variants", "vanilla", "--out", str(tmp_path), "--name", "t")
     run_benchmark("throughput.py", "--quick", "--backbone", "rwkv", "--variants", "vanilla", "--add",
                   "--out", str(tmp_path), "--name", "t")
@@ -337,7 +338,8 @@ def test_throughput_add_keeps_the_rows_of_configurations_another_call_measured(t
     run_benchmark("throughput.py", "--quick", "--backbone", "rwkv", "--variants", "routekit", "--add",
                   "--out", str(tmp_path), "--name", "t")
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert [(r["backbone"], r["variant"]) for r in rows] == [("dit", "vanilla"), ("rwkv", "vanilla"), ("rwkv", "routekit")]
+    assert [(r["backbone"], r["variant"]) for r in rows] == [("dit", "vanilla"), ("rwkv", "vanilla"),
+                                                             ("rwkv", "routekit")]
     assert "nan×" not in (tmp_path / "t.md").read_text()  # routekit's speed-up is read against the kept vanilla
 
 
@@ -347,7 +349,7 @@ def test_throughput_table_leaves_a_row_without_its_vanilla_blank_not_nan():
 
     row = {"backbone": "dit", "size": "B/2", "batch": 16, "mode": "graphs", "variant": "manual", "step_ms": 9.45,
            "p90_ms": 11.07, "flop_limit": 1.428, "peak_gib": 2.78}
-    line = next(l for l in table([row]).splitlines() if "| manual |" in l)
+    line = next(text for text in table([row]).splitlines() if "| manual |" in text)
     assert "nan" not in line and "| 9.45 | 11.07 |  |  | 1.428× |  | 2.78 |" in line
 
 
