@@ -18,7 +18,6 @@ dar_kernel.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -37,7 +36,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import device_or_exit  # noqa: E402
+from benchmarks.common import device_or_exit, free_memory  # noqa: E402
 from routekit.errors import ConfigError  # noqa: E402
 from routekit.kernels.launch import AggregateLaunch, aggregate_launch, parse_launch  # noqa: E402
 from routekit.kernels.naive import aggregate as dar_aggregate_reference  # noqa: E402
@@ -141,12 +140,6 @@ def graphed_ms(fn, sources, query, grad) -> dict[str, float]:
     total = time_ms(graphed(lambda: fwd_bwd(fn, sources, query, grad)))
     free_memory()
     return {"graph_fwd_ms": fwd, "graph_fwd_bwd_ms": total, "graph_bwd_ms": total - fwd}
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def make_inputs(s: int, b: int, n: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):

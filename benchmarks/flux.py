@@ -45,7 +45,16 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import routekit as rk  # noqa: E402
-from benchmarks.common import RESULTS, device_or_exit, figure, kept_rows, machine, time_ms, write  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    device_or_exit,
+    figure,
+    free_memory,
+    kept_rows,
+    machine,
+    time_ms,
+    write,
+)
 from routekit.model import report_of  # noqa: E402
 
 FULL = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 128, "num_attention_heads": 24,
@@ -308,8 +317,7 @@ def main() -> None:
                       "its two stacks", body + f"routekit's selection ({selection}).\n\n" + table(rows), args.out,
                       lambda path: plot(rows, path))
             del model
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            free_memory()
     backends.__exit__(None, None, None)
     print(table(rows))
 

@@ -50,6 +50,7 @@ from benchmarks.common import (  # noqa: E402
     TINY,
     device_or_exit,
     figure,
+    free_memory,
     kept_rows,
     machine,
     scan_kernel,
@@ -254,6 +255,7 @@ def run(args, device: str, save=lambda rows: None, rows: list[dict] | None = Non
                 model = build(backbone, size, variant, device, args.quick)
                 flops[variant] = step_flops(model, backbone, device)
                 del model
+                free_memory()
             for batch in args.batches:
                 for mode in args.modes:
                     for variant in variants:
@@ -277,8 +279,7 @@ def run(args, device: str, save=lambda rows: None, rows: list[dict] | None = Non
                               f"(p90 {stats['p90_ms']:.2f}) "
                               f"peak {stats['peak_gib']:.1f} GiB (first step {stats['first_step_s']:.1f} s)", flush=True)
                         del model
-                        if device == "cuda":
-                            torch.cuda.empty_cache()
+                        free_memory()
     return rows
 
 
@@ -370,7 +371,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--gpu-busy", action="store_true", help="also profile the GPU's kernel time per step")
     p.add_argument("--add", action="store_true", help="keep the rows of the results file for the configurations "
-                   "(backbone, size, batch, mode) this call does not measure, each with its commit")
+                   "(backbone, size, batch, mode, variant) this call does not measure, each with its commit")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: tiny models, batch 2, two steps (eager unless --modes)")
     args = p.parse_args()

@@ -383,3 +383,27 @@ def test_gpu_busy_reports_where_the_host_spends_a_step_as_well_as_the_kernels(mo
     host = {r["kernel"]: r for r in rows if r["kind"] == "host"}
     assert busy == 0 and not [r for r in rows if r["kind"] == "kernel"]
     assert host["aten::mm"]["calls"] == 3 and host["aten::mm"]["ms"] > 0  # x @ x forward, two in its backward
+
+
+def test_free_memory_releases_a_routed_model_that_del_alone_leaves_allocated():
+    """A routed model sits in reference cycles (its fx graphs' nodes and graphs point at each other), so `del`
+    leaves the model's weights allocated until the cycle collector runs, and the next variant's peak memory read
+    them too. With the automatic collector off, free_memory frees both an unrouted DiT (which `del` alone frees)
+    and a routed one (which it does not)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        freed = {}
+        for variant in ("vanilla", "routekit"):
+            model = throughput.build("dit", "S/2", variant, "cpu", tiny=True)
+            weight = weakref.ref(next(model.parameters()))
+            del model
+            freed[variant] = weight() is None
+            common.free_memory()
+            assert weight() is None, f"{variant}: free_memory left the model's weights allocated"
+    finally:
+        gc.enable()
+    assert freed["vanilla"] and not freed["routekit"], f"which models `del` alone freed: {freed}"
