@@ -113,22 +113,26 @@ def free_memory() -> None:
 
 def time_ms(step: Callable[[], object], steps: int, warmup: int, cuda: bool) -> dict[str, float]:
     """Median, 90th percentile and fastest milliseconds of ``steps`` calls of ``step``, after ``warmup`` untimed
-    ones.
+    ones, and ``step_host_ms``: the median time a call takes to return.
 
     On a GPU each call sits between two CUDA events, so a call is timed from its first kernel to its last,
-    and a step whose host work outlasts its kernels shows up as the longer time it is. On a CPU, wall clock.
-    The median, because one step in twenty may meet a garbage collection or another process.
+    and a step whose host work outlasts its kernels shows up as the longer time it is. A call returns once the
+    host has queued its kernels, so ``step_host_ms`` near the step time says the step waits on the host (Python and
+    launches), well below it that the GPU decides. On a CPU, wall clock (``step_host_ms`` is the step time). The
+    median, because one step in twenty may meet a garbage collection or another process.
     """
     for _ in range(warmup):
         step()
     if cuda:
         torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(steps):
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
+            start = time.perf_counter()
             step()
+            host.append((time.perf_counter() - start) * 1e3)
             end.record()
             end.synchronize()
             times.append(begin.elapsed_time(end))
@@ -136,9 +140,10 @@ def time_ms(step: Callable[[], object], steps: int, warmup: int, cuda: bool) -> 
             start = time.perf_counter()
             step()
             times.append((time.perf_counter() - start) * 1e3)
+            host.append(times[-1])
     ordered = sorted(times)
     return {"median_ms": statistics.median(times), "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "min_ms": min(times)}
+            "min_ms": min(times), "step_host_ms": statistics.median(host)}
 
 
 def kept_rows(path: Path, measured: Callable[[dict], bool]) -> list[dict]:

@@ -164,6 +164,8 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     stats = {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
              "peak_gib": peak, "first_step_s": first}
+    if cuda:  # on a CPU the host time is the step time
+        stats["step_host_ms"] = timing["step_host_ms"]
     if mode != "eager":
         stats["first_step_phases_s"] = phases
     if gpu_busy and cuda:
@@ -317,6 +319,12 @@ def table(rows: list[dict]) -> str:
         out += ["", "First (compiling) step, seconds by phase (torch.compile's timers; the kernel compile wait is "
                 "inside the Inductor phases):", ""]
         out += [f"- {line}" for line in firsts]
+    hosts = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['step_host_ms']:.1f} ms of a "
+             f"{r['step_ms']:.1f} ms step" for r in rows if "step_host_ms" in r]
+    if hosts:
+        out += ["", "Host time per step (median time a step takes to return, its kernels queued; near the step "
+                "time = the step waits on the host):", ""]
+        out += [f"- {line}" for line in hosts]
     busy = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['gpu_busy_ms']:.1f} ms"
             for r in rows if "gpu_busy_ms" in r]
     if busy:

@@ -52,7 +52,7 @@ def test_time_ms_times_each_step_after_the_warmup(monkeypatch):
         clock[0] += next(durations)
 
     assert common.time_ms(step, steps=5, warmup=2, cuda=False) == pytest.approx(
-        {"median_ms": 3.0, "p90_ms": 5.0, "min_ms": 1.0})
+        {"median_ms": 3.0, "p90_ms": 5.0, "min_ms": 1.0, "step_host_ms": 3.0})  # on a CPU the host is the step
     with pytest.raises(StopIteration):  # exactly 2 + 5 calls were made
         step()
 
@@ -351,6 +351,9 @@ def test_throughput_table_leaves_a_row_without_its_vanilla_blank_not_nan():
            "p90_ms": 11.07, "flop_limit": 1.428, "peak_gib": 2.78}
     line = next(text for text in table([row]).splitlines() if "| manual |" in text)
     assert "nan" not in line and "| 9.45 | 11.07 |  |  | 1.428× |  | 2.78 |" in line
+    # a GPU row also says how long the step took to return, against the step: the host's share
+    assert "dit B/2 b16 graphs manual: 3.0 ms of a" in table([{**row, "step_host_ms": 3.0}])
+    assert "Host time per step" not in table([row])
 
 
 def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tmp_path):
