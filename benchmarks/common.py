@@ -101,11 +101,8 @@ def free_memory() -> None:
     """Free what the models measured so far held, before the next one is built and its peak memory read.
 
     A model routekit rewrote sits in reference cycles (an fx graph's nodes and the graph point at each other, and
-    its modules are the model's), as do models torch.compile has wrapped; `del` leaves their parameters and
-    gradients allocated until Python's cycle collector happens to run. Without a collection here the next row's
-    peak included them: DiT-XL/2 b32 with its blocks compiled read 21.96 GiB routed against 20.49 vanilla, about
-    the 5 GiB of an earlier model's fp32 weights and gradients over the 16.96 the route gives when nothing is
-    left over."""
+    its modules are the model's), so `del` leaves its parameters and gradients allocated until Python's cycle
+    collector happens to run, and the next row's peak would count them (docs/measurements.md has the case)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
