@@ -24,7 +24,7 @@ from torch import nn
 
 from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
-from .graphs import Slot, between, slot_value, slots
+from .graphs import Slot, between, reads_kind, slot_value, slots
 from .guards import hooked
 from .probe import token_offset, trace_block
 from .record import Image
@@ -269,9 +269,9 @@ def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: 
         node, out = by_name[block.node], by_name[block.stream_out]
         nxt = by_name[blocks[i + 1].node] if i + 1 < len(blocks) else None
         if nxt is not None:
-            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u is not nxt)
+            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u is not nxt and not reads_kind(u))
         elif next_in is not None:
-            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u not in joining)
+            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u not in joining and not reads_kind(u))
         else:
             escapes = ()
         aux = tuple(f"{a.name} → {u.name}" for a in node.users if a is not out and out is not node

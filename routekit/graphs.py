@@ -45,6 +45,18 @@ def is_shape_read(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in _SHAPE_METHODS
 
 
+_KIND_ATTRS = frozenset({"dtype", "device", "is_cuda", "layout", "ndim"})
+_KIND_METHODS = frozenset({"dim", "ndimension", "get_device"})
+
+
+def reads_kind(node: fx.Node) -> bool:
+    """`x.device`, `x.dtype`, `x.dim()`...: a read of what a tensor is that neither its values nor its token
+    count change, so it may read a routed block's output (HiDream takes `hidden_states.device` after each block)."""
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return node.args[1] in _KIND_ATTRS
+    return node.op == "call_method" and node.target in _KIND_METHODS
+
+
 def slots(node: fx.Node):
     """(slot, argument) of every argument of a call."""
     yield from enumerate(node.args)

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
@@ -84,7 +85,8 @@ def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
     (a mask (B, N), positions (N,)) or the one before it is a token axis too and it is not as long as the
     stream's features (a mask (B, 1, N, N)), for elsewhere it holds features;
     failing those, one axis as long as the stream joined with another sequence the block takes (a joint
-    text + image table; `joint` says so, and where the stream's part lies is read off the block).
+    text + image table, or a boolean mask over both, whose last axis is the keys': HunyuanVideo's (B, 1, 1, N + L);
+    `joint` says so, and where the stream's part lies is read off the block).
     """
     shape = meta.shape
     batched = len(shape) >= 2 and shape[0] in (batch, 1) and any(d in (tokens,) or d - tokens in sequences
@@ -96,7 +98,7 @@ def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
         axes.remove(last)  # a table's last axis holds its features, which may happen to number as many
     if axes:
         return tuple(axes), batched, False
-    features = last if len(shape) >= 2 else None
+    features = last if len(shape) >= 2 and meta.dtype != torch.bool else None  # a mask's last axis holds keys
     joint = [a for a in range(start, len(shape)) if a != features and shape[a] > tokens and shape[a] - tokens in sequences]
     return ((joint[0],), batched, True) if joint else None
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 
@@ -25,6 +27,62 @@ def training_mode(model: nn.Module, mode: bool):
     finally:
         for m, flag in flags.items():
             m.training = flag
+
+
+@contextlib.contextmanager
+def as_found(model: nn.Module):
+    """Leave the model's modules as they were found after a run routekit makes of it: hooks the run registered on
+    any module are removed, plain attributes it added to one are deleted, and an attribute (of a module, or of a
+    plain object a module holds) that a trace left holding one of its proxies gets its old value back.
+
+    Why: a forward may set up state on its first call. transformers' output capturing registers hooks on the
+    modules inside the blocks and marks the model as done; a trace runs on a copy of the traced-through modules
+    (guards.Recorder), so the mark lands on the copy and the hooks on the user's own modules, and the model's
+    next call registers them again (each router's logits counted twice). diffusers' Z-Image caches its rotary
+    table in a plain object on first use: filled during a trace, it held proxies, and every later call failed.
+    Other changes a run makes (a cache filled with real values, a lazy module's shapes) are the model's own
+    first-call behaviour and stay."""
+    modules = list(model.modules())
+    hooks = {id(m): {k: set(v) for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict)} for m in modules}
+    found = {id(m): dict(vars(m)) for m in modules}
+    held = {id(o): (o, dict(vars(o))) for m in modules for o in vars(m).values() if _plain_object(o)}
+    try:
+        yield
+    finally:
+        for m in modules:
+            for name, keys in hooks[id(m)].items():
+                table = vars(m).get(name)
+                for key in [key for key in (table or {}) if key not in keys]:
+                    del table[key]
+            _restore(vars(m), found[id(m)], drop_added=True)
+        for obj, attributes in held.values():
+            _restore(vars(obj), attributes, drop_added=False)
+
+
+def _restore(now: dict, before: dict, *, drop_added: bool) -> None:
+    for key in list(now):
+        if key not in before:
+            if drop_added:
+                del now[key]
+        elif now[key] is not before[key] and _holds_proxy(now[key]):
+            now[key] = before[key]
+
+
+def _holds_proxy(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, fx.Proxy):
+        return True
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(_holds_proxy(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_holds_proxy(v, depth + 1) for v in value.values())
+    return False
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of the model's own making held by a module (a rotary-table helper), not a module, tensor,
+    class or function: its attributes are state a forward may set."""
+    return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type)) \
+        and not inspect.isroutine(value) and not inspect.ismodule(value)
 
 
 def eager():

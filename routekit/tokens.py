@@ -15,6 +15,7 @@ import operator
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
@@ -251,13 +252,33 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
                      and len(a.meta["rk"].shape) >= 3 and a.meta["rk"].shape[0] == batch]
             if len(parts) > 1 and sum(parts) == count:  # sequences joined inside a call the graph does not open
                 return None
-            return (image is not None and (image is node or image.name in nx.ancestors(g, node.name)),) * count
+            if image is None:
+                return (False,) * count
+            if image is node:
+                return (True,) * count
+            above = nx.ancestors(g, node.name)
+            if image.name not in above:
+                return (False,) * count
+            if any(p is not image and p.name in above and _sequence_like(p, image) for p in inputs):
+                # the image and another input's sequence (a caption's) both feed a value whose tokens start here:
+                # Z-Image joins them per sample (`cat` along axis 0 of (N, D) tensors) and pads the batch, which
+                # no token axis shows; which tokens are whose is not known from the graph
+                return None
+            return (True,) * count
         made = [origin(a, count) for a in batched]
         if any(m is None for m in made):
             return None
         return tuple(any(column) for column in zip(*made))
 
     return origin(stream_in, tokens)
+
+
+def _sequence_like(node: fx.Node, image: fx.Node) -> bool:
+    """An input that can hold tokens of its own beside the image's: a (N, D) or (B, N, D) tensor (a caption's
+    features, token ids with a batch) where the image is not; a boolean mask (whose counts shape the joined
+    sequence, not its tokens), a second latent shaped like the image, and a vector of timesteps or labels are not."""
+    meta = node.meta["rk"]
+    return len(meta.shape) in (2, 3) and len(meta.shape) != len(image.meta["rk"].shape) and meta.dtype != torch.bool
 
 
 def _token_positions(index: Any, count: int) -> range | None:

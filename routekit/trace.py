@@ -20,7 +20,9 @@ propagates to every subclass loaded (thousands with diffusers and transformers),
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import inspect
 import math
 import operator
@@ -40,7 +42,7 @@ from .calls import CallSpec, Input, as_called, bind_arguments, call_inputs, call
 from .errors import TraceError
 from .fxcompat import not_fx_tracing
 from .guards import Assumptions, Recorder, hooked
-from .state import preserved_state
+from .state import as_found, preserved_state
 from .values import TensorMeta, describe, pickled_fields, read_only
 
 _ROUTEKIT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -259,6 +261,14 @@ class _Tracer(fx.Tracer):
         return node
 
     def create_arg(self, a: Any):
+        if isinstance(a, torch.Tensor) and a.grad_fn is not None and a not in self.tensor_attrs:
+            # computed from parameters while a block ran for real, yet not a value the graph holds: it left the
+            # block by a side way (a forward hook collecting outputs, as transformers' output capturing does for
+            # router logits; a list a block appends to), so the graph would hand on the example's value each run
+            raise TraceError(
+                f"a tensor {describe(a)} computed inside a block reaches the forward other than through a block's "
+                "return value (a forward hook that collects outputs, a list a block appends to); a traced graph "
+                "would hand on the example's value on every run")
         with self.recorder.paused():  # fx keeps constants on the root: its writes, not the forward's
             try:
                 return super().create_arg(a)
@@ -376,6 +386,40 @@ def _checkpoint_around(module: nn.Module) -> dict | None:
     return None
 
 
+_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn")
+
+
+@contextlib.contextmanager
+def _factories_take_sizes(tracer: _Tracer):
+    """torch's factories, while the owner forward is traced, take sizes the trace computed: `torch.ones(b, n)`
+    with proxies for b and n is refused by torch's argument parser ("takes 1 positional argument") before any
+    proxy is asked for its value (HunyuanVideo's attention mask, HiDream's ids), and `torch.zeros((b, n))` reads
+    them as numbers, tying the graph to the example's batch. Either becomes a node computing its size from the
+    shapes it was read off, on each run."""
+    originals = {name: getattr(torch, name) for name in _FACTORIES}
+
+    def taking_sizes(factory):
+        @functools.wraps(factory)
+        def call(*args, **kwargs):
+            sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+            if "size" in kwargs:
+                sizes = kwargs["size"]
+            if tracer.running or not any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((sizes, kwargs))):
+                return factory(*args, **kwargs)
+            if sizes is args:  # varargs: one size tuple, as every factory takes it
+                args = (tuple(args),) if factory.__name__ != "full" else args
+            return tracer.create_proxy("call_function", factory, args, kwargs)
+        return call
+
+    for name, factory in originals.items():
+        setattr(torch, name, taking_sizes(factory))
+    try:
+        yield
+    finally:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
+
+
 def _attribute_path(root: nn.Module, obj: Any) -> str | None:
     """The qualified name of `obj` as a plain attribute of `root` or one of its submodules, if it is one."""
     for prefix, module in root.named_modules():
@@ -433,12 +477,12 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
     tensors = [v for v in call_inputs(bound, spec) if isinstance(v, torch.Tensor)]
     # traced with gradients on in train mode: a forward that checkpoints its blocks only when they are on
     # (`torch.is_grad_enabled() and self.gradient_checkpointing`) takes the branch it trains with
-    with preserved_state(model, tensors), torch.set_grad_enabled(model.training):
+    with preserved_state(model, tensors), as_found(model), torch.set_grad_enabled(model.training):
         while True:
             recorder = Recorder(model, leaves)  # the trace runs on its copy of the module tree
             tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})), recorder)
             try:
-                with recorder.recording():
+                with recorder.recording(), _factories_take_sizes(tracer):
                     graph = tracer.trace(recorder.root)
                 break
             except _Untraceable as err:
@@ -450,10 +494,10 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                     "specialises shapes, not data; move that branch into a submodule (it becomes a leaf)"
                 ) from None
             except Exception as err:
-                raise TraceError(
-                    f"cannot trace {type(model).__name__}.forward at {user_location(err.__traceback__)}: "
-                    f"{_short(err)}"
-                ) from None
+                where = user_location(err.__traceback__)
+                at = "" if where == "<unknown location>" else f" at {where}"  # a value met after the forward returned
+                detail = str(err).splitlines()[0] if isinstance(err, TraceError) else _short(err)
+                raise TraceError(f"cannot trace {type(model).__name__}.forward{at}: {detail}") from None
     if recorder.writes:
         raise TraceError(
             f"cannot trace {type(model).__name__}.forward: it sets {recorder.writes[0]} as it runs, which a traced "

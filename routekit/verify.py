@@ -172,7 +172,8 @@ def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int)
             reference = _original(routed)
         want = _run(reference, args, kwargs, seed, "the original forward in train mode", InputError)
     if plan.dar is not None:  # the same sums in another order (route boundaries split two-phase chunks)
-        _compare(want, got, "DAR without routes", "routed DAR at rate 0", close=True, error=TrainingChanged)
+        _compare(want, got, "DAR without routes", "routed DAR at rate 0", close=True, error=TrainingChanged,
+                 precision=_computed_in(routed))
         return f"rate 0{how} matches DAR without routes (to rounding)"
     _compare(want, got, "original in train mode", "routed training graph at rate 0", error=TrainingChanged)
     return "rate 0 bit-identical"
@@ -228,23 +229,34 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
     # close rather than equal: the route's graph may hand the block an equivalent input in another form (an
     # explicit causal mask where the eager forward passed None to the same attention)
     _compare(want, seen["output"], f"{block.qualname} on the original's inputs cut to the kept tokens",
-             f"{block.qualname} in route 0", close=True, error=TrainingChanged)
+             f"{block.qualname} in route 0", close=True, error=TrainingChanged, precision=_computed_in(module))
     return 1
 
 
-def _tolerance(a: torch.Tensor) -> tuple[float, float]:
-    """(rtol, atol) for "the same sums in another order": a few units in the last place of the output's dtype
-    (bf16's is 2^-7: fp32's 1e-4 would call every bf16 DAR model changed), the absolute part in proportion to
-    the output's scale, since the sums that round are as large as the largest values, not as the element."""
+def _computed_in(model: nn.Module) -> torch.dtype | None:
+    """The least precise floating dtype `model` computes in: its parameters' or, where autocast is on, autocast's.
+    An output's own dtype can be wider than the sums behind it: a bf16 LM casts its logits to fp32 at the end
+    (transformers' Mamba and FalconMamba heads do), and judging those by fp32's last place called every bf16 DAR
+    model changed."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtypes |= {torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
+
+
+def _tolerance(a: torch.Tensor, precision: torch.dtype | None = None) -> tuple[float, float]:
+    """(rtol, atol) for "the same sums in another order": a few units in the last place of the dtype the sums
+    were made in (the output's, or a less precise one the model computes in: `_computed_in`; bf16's is 2^-7),
+    the absolute part in proportion to the output's scale, since the sums that round are as large as the
+    largest values, not as the element."""
     if not a.is_floating_point():
         return 0.0, 0.0
-    eps = torch.finfo(a.dtype).eps
+    eps = max(torch.finfo(a.dtype).eps, torch.finfo(precision).eps if precision is not None else 0.0)
     scale = a.detach().abs().max().item() if a.numel() else 0.0
     return max(1e-4, 4 * eps), max(1e-5, 4 * eps * scale)
 
 
 def _compare(expected, got, want_name: str, got_name: str, close: bool = False, depth: int = 0,
-             error: type = InferenceChanged) -> None:
+             error: type = InferenceChanged, precision: torch.dtype | None = None) -> None:
     want, have = flatten(expected), flatten(got)
     if want[1] != have[1]:
         raise error(f"output structure differs: {want_name} {want[1]}, {got_name} {have[1]}")
@@ -253,7 +265,7 @@ def _compare(expected, got, want_name: str, got_name: str, close: bool = False, 
             if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
                 described = f"{b.dtype}{list(b.shape)}" if isinstance(b, torch.Tensor) else repr(b)
                 raise error(f"output {i}: {want_name} {a.dtype}{list(a.shape)}, {got_name} {described}")
-            same = torch.allclose(a, b, *_tolerance(a)) if close else torch.equal(a, b)
+            same = torch.allclose(a, b, *_tolerance(a, precision)) if close else torch.equal(a, b)
             if not same:
                 diff = (a.double() - b.double()).abs()
                 raise error(
@@ -261,6 +273,7 @@ def _compare(expected, got, want_name: str, got_name: str, close: bool = False, 
                     f"{int((diff > 0).sum())} of {diff.numel()} elements differ, max |Δ| = {diff.max().item():.3e}"
                 )
         elif type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") and depth < 4:
-            _compare(vars(a), vars(b), want_name, got_name, close, depth + 1, error)  # an object without equality (a cache)
+            # an object without equality (a cache)
+            _compare(vars(a), vars(b), want_name, got_name, close, depth + 1, error, precision)
         elif a != b:
             raise error(f"output {i}: {want_name} {a!r}, {got_name} {b!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zoo
 from test_positions import DIM, GridSized
 from torch import nn
 from zoo import ZOO, Missing
@@ -95,6 +96,27 @@ def test_a_join_the_graph_does_not_show_is_refused_by_name_unless_keep_is_given(
     routed.train()
     routed(*inputs)
     assert not rk.last_route_mask(routed)[:, :4].any()
+
+
+def test_a_per_sample_join_of_image_and_caption_is_refused_unless_keep_is_given():
+    """diffusers' Z-Image, never called before: its stream is built per sample (image tokens, then the caption
+    padded to 32) and padded into a batch; the graph cannot tell the caption's tokens from the image's, so a
+    route without `keep` is refused by name, and with the caption's positions kept never routes one of them."""
+    try:
+        model, args, kwargs = zoo.diffusers_zimage()
+    except Missing as err:
+        pytest.skip(str(err))
+    with pytest.raises(rk.ConfigError, match=r"could not tell which were made from the image.*pass keep=\[\.\.\.\]"):
+        rk.apply(model, rk.Route(start=1, end=4), example_inputs=args)
+    routed = rk.apply(model, rk.Route(start=1, end=4, keep=range(-32, 0)), example_inputs=args)
+    assert report_of(routed).mode == "graph"
+    rk.verify(model, routed, args)
+    routed.train()
+    routed(*args)
+    mask = rk.last_route_mask(routed)
+    assert mask.shape[1] == 96 and mask.any() and not mask[:, 64:].any()
+    with torch.no_grad():
+        model.eval()(*args)  # the model the traces ran still runs (its rotary cache is not left holding proxies)
 
 
 class JoinAndMix(nn.Module):

@@ -1009,3 +1009,106 @@ def test_shape_arithmetic_the_graph_does_not_use_is_dropped():
     unused = [n.name for n in tr.graph.nodes if n.op in ("call_function", "call_method") and not n.users]
     assert unused == []
     assert any("int()" in s for s in tr.specialised)
+
+
+# --- a value leaving a block by a side way; a forward that sets itself up on its first call -------------------
+
+COLLECTED: list[torch.Tensor] = []
+
+
+class GatedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.mlp = nn.Linear(D, 4), nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + self.mlp(x) * torch.sigmoid(self.router(x)).mean(-1, keepdim=True)
+
+
+class Capturing(nn.Module):
+    """transformers' output capturing in miniature: on its first call the forward registers a hook on the router
+    inside each block that collects the router's output, marks itself set up, and returns what was collected."""
+
+    def __init__(self, capture: bool = True):
+        super().__init__()
+        self.capture = capture
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(4))
+
+    def forward(self, x):
+        if self.capture and not getattr(self, "_hooks_installed", False):
+            _set_up(self)
+        COLLECTED.clear()
+        for block in self.blocks:
+            x = block(x)
+        return (x, torch.cat(COLLECTED, dim=1)) if self.capture else x
+
+
+def _set_up(model: Capturing) -> None:
+    """Outside the forward's own code, as transformers' decorator does it."""
+    for block in model.blocks:
+        block.router.register_forward_hook(lambda module, args, out: COLLECTED.append(out))
+    model._hooks_installed = True
+
+
+def test_a_value_a_block_hands_out_by_a_hook_is_refused_not_baked_into_the_graph():
+    import routekit as rk
+
+    torch.manual_seed(0)
+    model, x = Capturing(), torch.randn(2, 6, D)
+    model(x)  # set up: a trace meets the hooks, and the router outputs they collect while it runs the blocks
+    with pytest.raises(TraceError, match="other than through a block's return value"):
+        trace(model, (x,))
+    with pytest.warns(rk.FallbackWarning, match="other than through a block's return value"):
+        routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
+    other = torch.randn(2, 6, D)
+    rk.verify(model, routed, (other,))  # boundary mode: the routers' outputs are this input's
+
+
+def test_the_same_model_without_the_side_way_traces():
+    torch.manual_seed(0)
+    model, x = Capturing(capture=False), torch.randn(2, 6, D)
+    tr = trace(model, (x,))
+    assert [n.target for n in tr.graph.nodes if n.op == "call_module"] == [f"blocks.{i}" for i in range(4)]
+
+
+def test_a_trace_leaves_the_hooks_and_marks_a_first_call_sets_up_as_it_found_them():
+    """A never-called model: the trace runs its set-up on a copy of the traced-through modules (the mark lands on
+    the copy) while the hooks land on the user's routers; left there, the model's first real call would register
+    them again and collect every router's output twice."""
+    import routekit as rk
+
+    torch.manual_seed(0)
+    model, x = Capturing(), torch.randn(2, 6, D)
+    with pytest.raises(TraceError):
+        trace(model, (x,))
+    assert all(not block.router._forward_hooks for block in model.blocks)
+    assert "_hooks_installed" not in vars(model)
+    rk.inspect(model, (x,))  # falls back to boundary mode, whose recording is the model's first call
+    _, collected = model(x)
+    assert collected.shape[1] == len(model.blocks) * x.shape[1]  # each router once
+
+
+class Factories(nn.Module):
+    """Sizes read off the input handed to torch's factories, in each form they take them (HunyuanVideo's
+    `torch.ones(batch, video + text)`, HiDream's `torch.zeros(h, w, 3)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, x):
+        b, n = x.shape[0], x.shape[1]
+        mask = torch.ones(b, n + 1, dtype=torch.bool)
+        ids = torch.zeros((b, n, 3)) + torch.zeros(b, n, 3) + torch.full((b, n, 3), 2.0) + torch.empty(size=(b, n, 3)) * 0
+        for block in self.blocks:
+            x = block(x)
+        return x, mask, ids
+
+
+def test_torch_factories_take_sizes_the_trace_computed_and_make_them_on_every_run():
+    torch.manual_seed(0)
+    model = Factories()
+    tr = assert_replays(model, lambda seed: ((randn(seed, 2, 5, D),), {}))
+    assert tr.specialised == ()  # no size was read as a number: the graph serves any batch
+    mask, ids = run_graph(model, tr, (randn(2, 3, 7, D),), {})[1:]
+    assert mask.shape == (3, 8) and ids.shape == (3, 7, 3) and (ids == 2).all()

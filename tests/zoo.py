@@ -79,12 +79,108 @@ def diffusers_flux():
     return model, args, kwargs
 
 
+def diffusers_flux2():
+    model = package("diffusers").Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=4, num_single_layers=6, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=24, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))
+    batch, height, width, text = 2, 4, 4, 5
+    # its pipeline's ids: four axes (time, row, column, text position), batched
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1))
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text))
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "timestep": torch.tensor([0.3, 0.7]), "guidance": torch.tensor([4.0, 4.0]),
+              "img_ids": img_ids[None].expand(batch, -1, -1), "txt_ids": txt_ids[None].expand(batch, -1, -1)}
+    return model, (torch.randn(batch, height * width, 16, generator=_g()),), kwargs
+
+
+def diffusers_qwenimage():
+    model = package("diffusers").QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=6, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=24, axes_dims_rope=(4, 6, 6))
+    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
+              "encoder_hidden_states_mask": torch.ones(2, 5, dtype=torch.long),
+              "timestep": torch.tensor([0.3, 0.7]), "img_shapes": [[(1, 4, 4)]] * 2}  # packed 4×4 patches of 2×2×4
+    return model, (torch.randn(2, 16, 16, generator=_g()),), kwargs
+
+
+def diffusers_zimage():
+    """Not in the zoo's table: each sample's stream is its image tokens, then its caption's padded to 32
+    (`cat` along axis 0 of (N, D) tensors, then `pad_sequence`), which the graph does not show token by token;
+    routes need `keep` (tests/test_special.py). Its rotary helper, a plain object, fills a cache on first use."""
+    model = package("diffusers").ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=6, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, cap_feat_dim=24, axes_dims=[4, 6, 6], axes_lens=[128, 32, 32])
+    images = [torch.randn(4, 1, 16, 16, generator=_g(k)) for k in range(2)]  # 8×8 patches: 64 tokens a sample
+    captions = [torch.randn(5, 24, generator=_g(2 + k)) for k in range(2)]
+    return model, (images, torch.tensor([0.3, 0.7]), captions), {}
+
+
 def diffusers_wan():
     model = package("diffusers").WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
         text_dim=24, freq_dim=16, ffn_dim=64, num_layers=6, rope_max_seq_len=32)
     kwargs = {"timestep": torch.tensor([3, 7]), "encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1))}
     return model, (torch.randn(2, 4, 2, 8, 8, generator=_g()),), kwargs
+
+
+def diffusers_ltx_video():
+    """As its image-to-video pipeline calls it: latents packed (B, F·H·W, C), one timestep per token, 0 on the
+    conditioning frame's tokens (a per-token side input every routed block must get cut)."""
+    model = package("diffusers").LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=16,
+        cross_attention_dim=32, num_layers=6, caption_channels=24)
+    frames, height, width = 2, 4, 4
+    latents = torch.randn(2, 4, frames, height, width, generator=_g()).permute(0, 2, 3, 4, 1).flatten(1, 3)
+    conditioning = torch.zeros(2, frames * height * width)
+    conditioning[:, :height * width] = 1.0  # the first latent frame is the image
+    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
+              "timestep": torch.tensor([300.0, 700.0])[:, None] * (1 - conditioning),
+              "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+              "num_frames": frames, "height": height, "width": width, "rope_interpolation_scale": (8 / 25, 32, 32)}
+    return model, (latents,), kwargs
+
+
+def diffusers_cogvideox():
+    """Text joined to the video in the patch embedding and split off before the blocks, which join the two again
+    inside attention and the feed-forward; 3D rotary table as its pipeline builds it."""
+    diffusers = package("diffusers")
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    model = diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
+        text_embed_dim=24, num_layers=6, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
+        max_text_seq_length=5, use_rotary_positional_embeddings=True)
+    rope = get_3d_rotary_pos_embed(embed_dim=16, crops_coords=((0, 0), (4, 4)), grid_size=(4, 4), temporal_size=2)
+    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)), "timestep": torch.tensor([300, 700]),
+              "image_rotary_emb": rope}
+    return model, (torch.randn(2, 2, 4, 8, 8, generator=_g()),), kwargs  # (B, F, C, H, W): 2×4×4 tokens
+
+
+def diffusers_hunyuan_video():
+    """Its blocks take a boolean mask over the video tokens joined with the text's, (B, 1, 1, N + L), made by
+    `torch.ones(batch, N + L)` in the owner forward: a route cuts the mask's video part."""
+    model = package("diffusers").HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=6,
+        num_single_layers=6, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=24, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6))
+    kwargs = {"timestep": torch.tensor([300.0, 700.0]), "encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
+              "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+              "pooled_projections": torch.randn(2, 16, generator=_g(2)), "guidance": torch.tensor([6000.0, 6000.0])}
+    return model, (torch.randn(2, 4, 2, 8, 8, generator=_g()),), kwargs  # 2 frames of 4×4 patches
+
+
+def diffusers_hidream():
+    """A mixture of experts in every block, Llama's hidden states of each layer handed to the block of that
+    index, and `hidden_states.device` read off each block's output (a read a route may pass)."""
+    layers = 6
+    model = package("diffusers").HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=layers, num_single_layers=layers, attention_head_dim=16,
+        num_attention_heads=2, caption_channels=[24, 20], text_emb_dim=16, num_routed_experts=4,
+        num_activated_experts=2, axes_dims_rope=(8, 4, 4), max_resolution=(16, 16), llama_layers=list(range(2 * layers)))
+    kwargs = {"timesteps": torch.tensor([300, 700]), "encoder_hidden_states_t5": torch.randn(2, 5, 24, generator=_g(1)),
+              "encoder_hidden_states_llama3": torch.randn(2 * layers, 2, 5, 20, generator=_g(2)),
+              "pooled_embeds": torch.randn(2, 16, generator=_g(3))}
+    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
 
 
 def diffusers_sana():
@@ -146,6 +242,24 @@ def transformers_llama():
     return t.LlamaModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
 
 
+def transformers_qwen3_moe():
+    """A mixture of experts asked for its router logits: transformers collects them with forward hooks on the
+    routers inside the blocks, a side way out of a block a traced graph cannot repeat (boundary mode)."""
+    t = package("transformers")
+    config = t.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                              num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                              num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                              output_router_logits=True)
+    return t.Qwen3MoeForCausalLM(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+
+
+def transformers_falcon_mamba():
+    """An LM whose head casts the logits to fp32: in bf16 its output is wider than the sums behind it."""
+    t = package("transformers")
+    config = t.FalconMambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=6, expand=2)
+    return t.FalconMambaForCausalLM(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+
+
 def transformers_gpt2():
     t = package("transformers")
     config = t.GPT2Config(vocab_size=64, n_embd=32, n_layer=6, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
@@ -179,6 +293,13 @@ def transformers_vit():
     config = t.ViTConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2, intermediate_size=64,
                          image_size=16, patch_size=4)
     return t.ViTModel(config, add_pooling_layer=False), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+
+
+def transformers_clip_vision():
+    t = package("transformers")
+    config = t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                                num_channels=3, image_size=8, patch_size=2, projection_dim=32)
+    return t.CLIPVisionModel(config), (torch.randn(2, 3, 8, 8, generator=_g()),), {}
 
 
 def transformers_dinov2_registers():
@@ -267,7 +388,16 @@ ZOO: dict[str, Entry] = {
                                                  route={"start": 2, "end": -2}),
     "diffusers Flux (single-stream stack)": Entry(diffusers_flux, "single_transformer_blocks",
                                                   options={"stack": "single_transformer_blocks"}),
+    "diffusers Flux2 (across both stacks)": Entry(diffusers_flux2, "transformer_blocks → single_transformer_blocks",
+                                                  route={"start": 2, "end": -2}),
+    "diffusers QwenImage": Entry(diffusers_qwenimage, "transformer_blocks"),
     "diffusers Wan": Entry(diffusers_wan, "blocks"),
+    "diffusers LTX-Video (image to video)": Entry(diffusers_ltx_video, "transformer_blocks"),
+    "diffusers CogVideoX": Entry(diffusers_cogvideox, "transformer_blocks"),
+    "diffusers HunyuanVideo (across both stacks)": Entry(diffusers_hunyuan_video,
+                                                         "transformer_blocks → single_transformer_blocks",
+                                                         route={"start": 2, "end": -2}),
+    "diffusers HiDream (double-stream stack)": Entry(diffusers_hidream, "double_stream_blocks"),
     "diffusers Sana": Entry(diffusers_sana, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
     "diffusers Lumina2": Entry(diffusers_lumina2, "layers", special=tuple(range(5))),  # the caption's tokens
     "diffusers Chroma (across both stacks)": Entry(diffusers_chroma, "transformer_blocks → single_transformer_blocks",
@@ -280,11 +410,14 @@ ZOO: dict[str, Entry] = {
                                 options={"stack": "single_transformer_blocks"}),
     "diffusers StableAudio": Entry(diffusers_stable_audio, "transformer_blocks", special=(0,)),  # the global token
     "transformers Llama": Entry(transformers_llama, "layers"),
+    "transformers Qwen3-MoE (router logits)": Entry(transformers_qwen3_moe, "model.layers", mode="boundary"),
+    "transformers FalconMamba (LM head)": Entry(transformers_falcon_mamba, "backbone.layers"),
     "transformers GPT-2": Entry(transformers_gpt2, "h"),
     "transformers GPT-NeoX": Entry(transformers_gpt_neox, "layers"),
     "transformers Gemma3": Entry(transformers_gemma3, "layers"),
     "transformers RWKV": Entry(transformers_rwkv, "blocks", mode="boundary"),  # its forward rescales on mode flips
     "transformers ViT": Entry(transformers_vit, "layers", special=(0,)),
+    "transformers CLIP vision": Entry(transformers_clip_vision, "encoder.layers", special=(0,)),
     "transformers Dinov2 (registers)": Entry(transformers_dinov2_registers, "encoder.layer", special=tuple(range(5))),
     "transformers Mamba": Entry(transformers_mamba, "layers"),
     "timm ViT": Entry(timm_vit, "blocks", special=(0,)),
