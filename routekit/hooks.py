@@ -38,7 +38,7 @@ class Hooks:
         self.selects: list[nn.Module] = []  # the selectors of the model running now
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.grid_source: torch.Tensor | None = None
+        self.grid_source: torch.Tensor | tuple[int, ...] | None = self.plan.measured_grid
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The original forward with the routes live, choosing tokens with `routed`'s own selectors (verify runs a

@@ -89,6 +89,13 @@ class Plan:
     grid_given: bool  # True: fixed by the user; False: read at run time off the grid node/module
 
     @property
+    def measured_grid(self) -> tuple[int, ...] | None:
+        """The grid the analysis found with nothing to read it off at run time (packed latents whose sizes the call
+        named, an image patchified by reshaping): fixed for the shapes this plan serves (another shape is
+        planned again)."""
+        return self.grid if self.grid and not self.grid_given and not self.report.grid_node else None
+
+    @property
     def routes(self) -> list[Route]:
         """The routes as the user gave them."""
         return [p.route for p in self.placed]

@@ -16,7 +16,7 @@ def format_plan(plan: Any) -> str:
     tokens = r.tokens
     grid = "none found"
     if plan.grid:
-        source = "given" if plan.grid_given else f"read off {r.grid_node}" if r.grid_node else "measured off the image"
+        source = "given" if plan.grid_given else f"read off {r.grid_node}" if r.grid_node else "measured off the call"
         grid = "×".join(map(str, plan.grid)) + f" ({source})"
     others = {k: v for k, v in r.candidates.items() if k not in {s.name for s in r.stacks}}
     if plan.grid and not r.special and math.prod(plan.grid) < tokens:

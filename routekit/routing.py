@@ -177,10 +177,12 @@ class RouteSelect(nn.Module):
         self.last_index: torch.Tensor | None = None
         self.last_tokens = 0
 
-    def forward(self, stream: torch.Tensor, grid_source: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, stream: torch.Tensor, grid_source: torch.Tensor | tuple[int, ...] | None = None) -> torch.Tensor:
         batch, tokens = stream.shape[0], stream.shape[1]
         grid = self.grid
-        if grid is None and grid_source is not None:  # (B, C, H, W) or (B, C, T, H, W): the grid of this call
+        if grid is None and isinstance(grid_source, tuple):  # measured for this plan's shapes (Plan.measured_grid)
+            grid = grid_source
+        elif grid is None and grid_source is not None:  # (B, C, H, W) or (B, C, T, H, W): the grid of this call
             grid = tuple(grid_source.shape[2:])
         rows = 1 if self.shared else batch  # one selection for the whole batch (see Plan: shared)
         index = select_tokens(self.route.selector, rows, tokens, self.route.rate, self.keep, grid=grid,

@@ -56,6 +56,8 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
         grid, grid_node = _graph_grid(tr.graph, model, first_in, batch, tokens - len(special))
     if grid is None and special and call is not None:  # the image patchified by reshaping, joined with others
         grid = _grid_from_image(call, batch, tokens - len(special))
+    if grid is None and call is not None:  # packed latents, their sizes named in the call
+        grid = _grid_from_sizes(call, tokens - len(special))
     return {"grid": grid, "grid_node": grid_node, "special": special, "unknown_special": unknown}
 
 
@@ -379,6 +381,21 @@ def _recorded_special(model: nn.Module, call: tuple[tuple, dict], chains: dict, 
                 return None if offset is None else _positions(
                     [not offset <= i < offset + length for i in range(tokens)])
     return _measured(model, call, *at, batch, tokens) or ()
+
+
+_SIZE_NAMES = (("num_frames", "frames"), ("height",), ("width",))
+
+
+def _grid_from_sizes(call: tuple[tuple, dict], cells: int) -> tuple[int, ...] | None:
+    """Where the latents come packed, (B, tokens, channels), so no patch embedding shows the grid: the latent
+    sizes the call names (`num_frames`, `height`, `width`, as LTX-Video's pipeline passes them), if they multiply
+    to the image's tokens (a pixel size does not)."""
+    frames, height, width = (next((call[1][n] for n in names if type(call[1].get(n)) is int), None)
+                             for names in _SIZE_NAMES)
+    if height is None or width is None:
+        return None
+    grid = (height, width) if frames is None else (frames, height, width)
+    return grid if math.prod(grid) == cells else None
 
 
 def _grid_from_image(call: tuple[tuple, dict], batch: int, cells: int) -> tuple[int, ...] | None:

@@ -236,15 +236,21 @@ if __name__ == "__main__":
     print(table(rows))
 
 
-@pytest.mark.parametrize("selector", ["row", "frame", "tube"])
-def test_a_video_model_routes_whole_rows_frames_or_tubes(selector: str) -> None:
-    """Wan's patch embedding is a Conv3d: its T×H×W grid is found, and the video selectors route it."""
+@pytest.mark.parametrize(("name", "selector", "mode"), [
+    ("diffusers Wan", "row", "auto"), ("diffusers Wan", "frame", "auto"), ("diffusers Wan", "tube", "auto"),
+    ("diffusers LTX-Video (image to video)", "row", "auto"), ("diffusers LTX-Video (image to video)", "frame", "boundary"),
+])
+def test_a_video_model_routes_whole_rows_frames_or_tubes(name: str, selector: str, mode: str) -> None:
+    """Wan's patch embedding is a Conv3d: its T×H×W grid is read off it. LTX-Video's latents come packed, (B, T·H·W,
+    C): its grid is the sizes its pipeline names in the call (`num_frames`, `height`, `width`). Either way the
+    video selectors route it, in both modes."""
     try:
-        model, args, kwargs = ZOO["diffusers Wan"].build()
+        model, args, kwargs = ZOO[name].build()
     except Missing as err:
         pytest.skip(str(err))
     torch.set_num_threads(1)
-    routed = rk.apply(model, rk.Route(start=1, end=4, selector=selector), example_inputs=args, example_kwargs=kwargs)
+    routed = rk.apply(model, rk.Route(start=1, end=4, selector=selector), example_inputs=args, example_kwargs=kwargs,
+                      mode=mode)
     assert report_of(routed).grid == (2, 4, 4)
     rk.verify(model, routed, args, kwargs)
     routed.train()
