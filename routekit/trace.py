@@ -401,13 +401,11 @@ def _factories_take_sizes(tracer: _Tracer):
     def taking_sizes(factory):
         @functools.wraps(factory)
         def call(*args, **kwargs):
-            sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-            if "size" in kwargs:
-                sizes = kwargs["size"]
-            if tracer.running or not any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((sizes, kwargs))):
+            if tracer.running or not any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
                 return factory(*args, **kwargs)
-            if sizes is args:  # varargs: one size tuple, as every factory takes it
-                args = (tuple(args),) if factory.__name__ != "full" else args
+            number = lambda v: type(_value_of(v) if isinstance(v, fx.Proxy) else v) is int  # noqa: E731
+            if factory is not originals["full"] and args and all(map(number, args)):
+                args = (tuple(args),)  # sizes one by one: the one size tuple every factory takes (not a torch.Size)
             return tracer.create_proxy("call_function", factory, args, kwargs)
         return call
 

@@ -1100,9 +1100,10 @@ class Factories(nn.Module):
         b, n = x.shape[0], x.shape[1]
         mask = torch.ones(b, n + 1, dtype=torch.bool)
         ids = torch.zeros((b, n, 3)) + torch.zeros(b, n, 3) + torch.full((b, n, 3), 2.0) + torch.empty(size=(b, n, 3)) * 0
+        like = torch.zeros(x.shape) + torch.ones(*x.shape) + torch.randn(x.size()) * 0  # a size read whole, unpacked
         for block in self.blocks:
             x = block(x)
-        return x, mask, ids
+        return x, mask, ids, like
 
 
 def test_torch_factories_take_sizes_the_trace_computed_and_make_them_on_every_run():
@@ -1110,5 +1111,6 @@ def test_torch_factories_take_sizes_the_trace_computed_and_make_them_on_every_ru
     model = Factories()
     tr = assert_replays(model, lambda seed: ((randn(seed, 2, 5, D),), {}))
     assert tr.specialised == ()  # no size was read as a number: the graph serves any batch
-    mask, ids = run_graph(model, tr, (randn(2, 3, 7, D),), {})[1:]
+    mask, ids, like = run_graph(model, tr, (randn(2, 3, 7, D),), {})[1:]
     assert mask.shape == (3, 8) and ids.shape == (3, 7, 3) and (ids == 2).all()
+    assert like.shape == (3, 7, D) and (like == 1).all()
