@@ -45,16 +45,15 @@ def is_shape_read(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in _SHAPE_METHODS
 
 
-_KIND_ATTRS = frozenset({"dtype", "device", "is_cuda", "layout", "ndim"})
-_KIND_METHODS = frozenset({"dim", "ndimension", "get_device"})
+_SIZE_READS = frozenset({"shape", "size", "numel", "nelement"})  # the shape reads a route's token count changes
 
 
 def reads_kind(node: fx.Node) -> bool:
-    """`x.device`, `x.dtype`, `x.dim()`...: a read of what a tensor is that neither its values nor its token
-    count change, so it may read a routed block's output (HiDream takes `hidden_states.device` after each block)."""
-    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
-        return node.args[1] in _KIND_ATTRS
-    return node.op == "call_method" and node.target in _KIND_METHODS
+    """`x.device`, `x.dtype`, `x.dim()`...: a shape read (`is_shape_read`) that neither a tensor's values nor its
+    token count change, so it may read a routed block's output (HiDream takes `hidden_states.device` after each
+    block)."""
+    read = node.args[1] if node.op == "call_function" else node.target
+    return is_shape_read(node) and read not in _SIZE_READS
 
 
 def slots(node: fx.Node):
