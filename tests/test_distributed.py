@@ -157,8 +157,8 @@ def reference(kind: str) -> dict:
 
 
 def _worker(rank: int, strategy: str, kinds: list[str], folder: str) -> None:
-    # a worker killed by a signal (once: SIGABRT, "terminate called without an active exception", not seen
-    # again in 25 runs under load) prints where each of its threads was, into the fixture's captured stderr
+    # a worker killed by a signal (gloo has aborted one: "terminate called without an active exception") prints
+    # where each of its threads was, into the fixture's captured stderr
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
