@@ -34,7 +34,7 @@ from .record import record
 from .rewrite import STATE
 from .routing import RouteSelect
 from .state import eager, preserved_state, training_mode, unwrap_compiled
-from .trace import Trace, trace
+from .trace import Trace, trace, user_location
 from .values import TensorMeta, flatten
 
 Mode = Literal["auto", "graph", "boundary"]
@@ -308,7 +308,8 @@ def _dry_run(routed: nn.Module, plan: Plan, tr: Trace | None, args: tuple, kwarg
             out = routed(*args, **kwargs)
         except Exception as err:
             raise ConfigError(
-                f"the routed training graph failed on the example inputs: {type(err).__name__}: {err}"
+                f"the routed training forward failed on the example inputs at {user_location(err.__traceback__)}: "
+                f"{type(err).__name__}: {err}{_BOUNDARY_HINT if plan.mode == 'boundary' else ''}"
             ) from err
     got = [TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in flatten(out)[0]]
     graph = tr.graph if tr is not None else None
@@ -319,6 +320,16 @@ def _dry_run(routed: nn.Module, plan: Plan, tr: Trace | None, args: tuple, kwarg
         select.last_index = None
     if [_shape_or_type(g) for g in got] != [_shape_or_type(w) for w in want]:
         raise ConfigError(f"routing changed the training output shapes: original {want}, routed {got}")
+
+
+# A boundary-mode route runs the routed blocks on the kept tokens: what a block hands out other than by its return
+# value has only those, and code that joins it with every token's values fails (or, without a size check, mixes
+# token counts silently, which is why the README names the common case).
+_BOUNDARY_HINT = (
+    ". In boundary mode the routed blocks see only the kept tokens, so a value they hand out by a side way (a hook "
+    "that collects per-token outputs, such as transformers' router logits for its load-balancing loss) has only "
+    "those; turn such outputs off while training with routes (output_router_logits=False), or route blocks that "
+    "make none")
 
 
 def _shape_or_type(value: Any) -> Any:

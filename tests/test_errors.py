@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import Arch, MlpBlock, build, example_inputs
@@ -383,6 +384,23 @@ def test_a_rope_lm_whose_token_count_equals_its_head_dim_routes():
     table = report_of(routed).blocks[1].side_inputs
     assert [g.axes for s in table if s.slot == "position_embeddings" for g in s.tokens] == [(1,), (1,)]
     rk.verify(model, routed, (ids,))
+
+
+def test_a_moe_loss_over_routed_router_logits_fails_at_apply_naming_where_and_why():
+    """Qwen3-MoE asked for its router logits with a padding mask: its load-balancing loss joins every layer's logits
+    with the mask, but the routed layers' logits hold only the kept tokens (boundary mode). apply's dry run says where
+    it failed and why; the twin with the logits off (transformers' default) routes and verifies with the same mask."""
+    transformers = pytest.importorskip("transformers")
+    model, (ids,), _ = zoo.transformers_qwen3_moe()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.warns(rk.FallbackWarning), pytest.raises(rk.ConfigError) as err:
+        rk.apply(model, rk.Route(start=1, end=3), example_inputs=(ids,), example_kwargs={"attention_mask": mask})
+    assert all(w in str(err.value) for w in ("in load_balancing_loss_func", "kept tokens", "output_router_logits"))
+    model.config.output_router_logits = False
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(ids,), example_kwargs={"attention_mask": mask})
+    assert isinstance(routed, transformers.Qwen3MoeForCausalLM)
+    rk.verify(model, routed, (ids,), {"attention_mask": mask})
 
 
 def test_a_force_keep_mask_of_another_token_count_is_named():
