@@ -1099,7 +1099,8 @@ class Factories(nn.Module):
     def forward(self, x):
         b, n = x.shape[0], x.shape[1]
         mask = torch.ones(b, n + 1, dtype=torch.bool)
-        ids = torch.zeros((b, n, 3)) + torch.zeros(b, n, 3) + torch.full((b, n, 3), 2.0) + torch.empty(size=(b, n, 3)).fill_(0.0)
+        ids = torch.zeros((b, n, 3)) + torch.zeros(b, n, 3) + torch.full((b, n, 3), 2.0)
+        ids = ids + torch.empty(size=(b, n, 3)).fill_(0.0)
         like = torch.zeros(x.shape) + torch.ones(*x.shape) + torch.randn(x.size()) * 0  # a size read whole, unpacked
         for block in self.blocks:
             x = block(x)
