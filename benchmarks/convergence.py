@@ -466,13 +466,15 @@ def run_one(run: Run, plan: Study, wall_s: float) -> dict:
     info = machine()
     evaluator, classifier_accuracy = pin_classifier(plan, config, "cuda" if cuda else "cpu")
     mixer = scan_kernel(run.group.backbone, "cuda" if cuda else "cpu")
-    if cuda and not plan.quick and run.group.backbone == "mamba" and "mamba-ssm" not in (mixer or ""):
+    if cuda and not plan.quick and run.group.backbone == "mamba" and importlib.import_module(
+            "backbones.mamba").ssd_impl(cuda=True) != "kernel":
         # the chunked PyTorch scan holds every chunk's state for the backward: at the recipe's batch it needs
         # more than an H200's 140 GiB (its first step fails), and a run on another mixer would not merge with the rest
         raise SystemExit(
             f"{run.name}: needs mamba-ssm's Triton SSD on the GPU (the pure-PyTorch chunked scan runs out of memory "
-            f"at batch {config.batch}). Its Triton kernels need no build: unpack the sdist (`pip download --no-deps "
-            "--no-binary :all: mamba-ssm`) and put its `mamba_ssm` folder on PYTHONPATH")
+            f"at batch {config.batch}). Its Triton kernels need no build: fetch the sdist where torch imports (`pip "
+            "download --no-deps --no-binary :all: --no-build-isolation mamba-ssm`), unpack it and put its `mamba_ssm` "
+            "folder on PYTHONPATH")
     result: dict[str, Any] = {
         "run": run.name, "group": run.group.name, "method": run.method, "seed": run.seed, "quick": plan.quick,
         "budget_s": run.group.budget_s, "eval_every_s": run.group.eval_every_s, "wall_limit_s": wall_s,
