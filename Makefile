@@ -7,6 +7,7 @@ PYTHON ?= python3
 PINNED_TORCH := 2.13.0
 LATEST_TORCH := 2.14.1
 LATEST_TORCHVISION := 0.29.1
+LATEST_NEEDS_GIB := 10
 
 VENV := .venv
 LATEST := .venv-latest
@@ -25,6 +26,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(LATEST_STAMP): pyproject.toml
+	@free=$$(df -Pk . "$${TMPDIR:-/tmp}" | awk 'NR > 1 {print int($$4 / 1048576)}' | sort -n | head -1); \
+	if [ "$$free" -lt $(LATEST_NEEDS_GIB) ]; then \
+	  echo "make test-latest: torch $(LATEST_TORCH)'s CUDA build needs about $(LATEST_NEEDS_GIB) GiB free here and in" \
+	       "$${TMPDIR:-/tmp} (its download and its $(LATEST) of ~6 GiB); $$free GiB is free. Free disk space" \
+	       "(old clones, venvs, caches), or run \`make test-pinned\` for the pinned end of the range only." >&2; \
+	  exit 1; fi
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
 	$(LATEST)/bin/python -m pip install -q torch==$(LATEST_TORCH) torchvision==$(LATEST_TORCHVISION)

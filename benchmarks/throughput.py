@@ -151,7 +151,7 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     def step():
         train_step(runner, opt, x, t, y, cuda)
 
-    before = compile_seconds()
+    before, graphs_before = compile_seconds(), graph_counts()
     start = time.perf_counter()  # the first step holds the compilation: timed apart, never in the median
     step()
     if cuda:
@@ -168,6 +168,7 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
         stats["step_host_ms"] = timing["step_host_ms"]
     if mode != "eager":
         stats["first_step_phases_s"] = phases
+        stats.update(graph_counts(graphs_before))
     if gpu_busy and cuda:
         stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(step)
     return stats
@@ -188,6 +189,22 @@ def compile_seconds() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics
 
     return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
+def graph_counts(before: dict | None = None) -> dict:
+    """Graphs Dynamo has compiled and graph breaks it met so far (since `before`), with the break reasons seen
+    most often: a compiled model in many pieces runs eager code between them, which CUDA graphs cannot hold."""
+    from torch._dynamo.utils import counters
+
+    reasons = dict(counters["graph_break"])
+    now = {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(reasons.values()),
+           "break_reasons": reasons}
+    if before is None:
+        return now
+    new = {k: v - before["break_reasons"].get(k, 0) for k, v in reasons.items()}
+    top = sorted((k for k, v in new.items() if v > 0), key=lambda k: -new[k])[:3]
+    return {"graphs": now["graphs"] - before["graphs"], "graph_breaks": now["graph_breaks"] - before["graph_breaks"],
+            "break_reasons": {k[:200]: new[k] for k in top}}
 
 
 def first_step_phases(before: dict[str, float], first: float) -> dict[str, float]:
@@ -314,6 +331,8 @@ def table(rows: list[dict]) -> str:
                        f"{r['peak_gib']:.2f} |" + tail)
     firsts = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['first_step_s']:.1f} s ("
               + ", ".join(f"{k} {v:.1f}" for k, v in r["first_step_phases_s"].items()) + ")"
+              + (f"; {r['graphs']} graphs, {r['graph_breaks']} graph breaks" if "graphs" in r else "")
+              + "".join(f"; {n}× {reason!r}" for reason, n in r.get("break_reasons", {}).items())
               for r in rows if r.get("first_step_phases_s")]
     if firsts:
         out += ["", "First (compiling) step, seconds by phase (torch.compile's timers; the kernel compile wait is "

@@ -157,6 +157,33 @@ def test_first_step_phases_split_a_compiled_step_by_torch_compiles_own_timers():
     torch._dynamo.reset()
 
 
+def test_graph_counts_count_the_pieces_a_compiled_model_falls_into_and_why():
+    """A compiled row says how many graphs Dynamo made and which breaks split them: a model that prints between
+    two layers falls into two graphs with one break, named; the same model without the print is one graph."""
+
+    class Talks(torch.nn.Module):
+        def __init__(self, talk: bool):
+            super().__init__()
+            self.a, self.b, self.talk = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), talk
+
+        def forward(self, x):
+            x = self.a(x)
+            if self.talk:
+                print("", end="")
+            return self.b(x)
+
+    counts = {}
+    for talk in (True, False):
+        torch._dynamo.reset()
+        before = throughput.graph_counts()
+        torch.compile(Talks(talk), backend="eager")(torch.randn(2, 4))
+        counts[talk] = throughput.graph_counts(before)
+    assert counts[True]["graphs"] == 2 and counts[True]["graph_breaks"] == 1
+    assert any("print" in reason for reason in counts[True]["break_reasons"])
+    assert counts[False] == {"graphs": 1, "graph_breaks": 0, "break_reasons": {}}
+    torch._dynamo.reset()
+
+
 def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
     run_benchmark("scaling.py", "--quick", "--out", str(tmp_path), "--name", "scaling_test",
                   "--runs", str(tmp_path / "runs"))
