@@ -41,7 +41,8 @@ Mode = Literal["auto", "graph", "boundary"]
 
 
 class FallbackWarning(UserWarning):
-    """routekit placed routes at block calls (boundary mode) because the owner's forward does not trace."""
+    """routekit runs part of the model otherwise than it was asked to: routes at block calls (boundary mode)
+    because the owner's forward does not trace, or blocks compiled on their own that DAR inlines, uncompiled."""
 
 
 # ---- observing a model: trace or record, then analyse ------------------------------------------------------------
@@ -256,9 +257,25 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     with eager():
         tr, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=residual is not None)
         plan = make_plan(report, coerce_routes(routes, report.depth), residual, Probe(model, report), grid=grid)
+        _warn_uncompiled(plan)
         routed = assemble(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
         _dry_run(routed, plan, tr, args, kwargs)
     return rewrap(routed)  # in the model's modes, module by module (they are the same modules)
+
+
+def _warn_uncompiled(plan: Plan) -> None:
+    """DAR inlines every block whose residual adds it rewrites (its aggregations read sublayer outputs across
+    blocks, so a block is no longer one call): a block compiled on its own then runs its code uncompiled, a
+    slower training step nobody asked for, unless the routed model is compiled as a whole."""
+    if not plan.dar:
+        return
+    lost = [b.qualname for b in plan.report.blocks if b.compiled and b.adds]
+    if lost:
+        names = lost[0] if len(lost) == 1 else f"{lost[0]} … {lost[-1]} ({len(lost)} blocks)"
+        warnings.warn(f"routekit: {names} run under torch.compile on their own, and DAR inlines them into the routed "
+                      "model's graph (each aggregation reads sublayer outputs across blocks), so in training their "
+                      "code runs uncompiled. Compile the routed model as a whole instead: torch.compile(routed). "
+                      "Evaluation runs the original model, compiled blocks included", FallbackWarning, stacklevel=3)
 
 
 def _unwrapped(model: Any) -> nn.Module:

@@ -67,6 +67,8 @@ def format_plan(plan: Any) -> str:
                          "tokens, each static")
         if b.adds is not None:
             notes.append(f"{len(b.adds)} residual adds" if b.adds else "residual adds hidden: one DAR source")
+        if b.compiled and b.adds and plan.dar:
+            notes.append("compiled, DAR inlines it uncompiled")
         lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 58)}")
     lines.append("")
     if r.fallback:

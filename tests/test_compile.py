@@ -187,6 +187,36 @@ def test_blocks_compiled_one_by_one_are_compiled_once_per_token_count_and_stay_s
     torch._dynamo.reset()
 
 
+def test_dar_over_blocks_compiled_one_by_one_says_it_runs_them_uncompiled(recwarn):
+    """DAR inlines the blocks whose residual adds it rewrites, so blocks compiled on their own would run their code
+    uncompiled in training: apply says so (FallbackWarning, naming the blocks and the fix) and inspect marks them.
+    Its twins stay quiet: a route over the same compiled blocks (they keep their compiled calls), DAR over
+    blocks that are not compiled, and DAR over a model compiled as a whole."""
+    torch.manual_seed(0)
+    compiled = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10, compile_blocks=True)
+    plain = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
+    args = dit.example_inputs(plain, 2, generator=torch.Generator().manual_seed(1))
+    dar = rk.DAR(chunk=2)
+    with pytest.warns(rk.FallbackWarning, match=r"blocks\.0 … blocks\.3 \(4 blocks\) run under torch.compile on "
+                      r"their own.*uncompiled.*torch\.compile\(routed\)") as caught:
+        routed = rk.apply(compiled, residual=dar, example_inputs=args)
+    assert caught[0].filename == __file__  # it points at the user's apply call
+    assert "compiled, DAR inlines it uncompiled" in str(report_of(routed))
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    routed.train()(*args).square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 0  # what the warning says: the blocks' compiled calls do not run
+    recwarn.clear()
+    quiet = [rk.apply(compiled, rk.Route(start=1, end=2), example_inputs=args),
+             rk.apply(plain, residual=dar, example_inputs=args),
+             rk.apply(torch.compile(plain), residual=dar, example_inputs=args)]
+    assert not [w for w in recwarn if issubclass(w.category, rk.FallbackWarning)]
+    assert all("DAR inlines it uncompiled" not in str(report_of(q)) for q in quiet)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("selector", ["random", "importance", "row", "window", "column"])
 def test_a_routed_step_compiles_to_one_graph_with_no_host_sync_whatever_the_selector(selector):
     """What CUDA graphs (`mode="reduce-overhead"`) need of a routed step: no read of a tensor's value on the host
