@@ -230,6 +230,12 @@ def assemble(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tupl
             executor.program(routed, *example, seed=build_program(tr, plan, model, True))
         else:
             executor.attach(routed, list(state.routes))
+    if tr is not None and plan.dar is not None:
+        # DAR's eval forward is a program too (routes alone evaluate with the original forward): built now, so a
+        # trace that fails says so at apply, and a first evaluation under torch.compile(fullgraph=True), where
+        # building it would be a graph break, finds it ready
+        with training_mode(routed, False):
+            executor.program(routed, *example)
     return routed
 
 

@@ -217,6 +217,24 @@ def test_dar_over_blocks_compiled_one_by_one_says_it_runs_them_uncompiled(recwar
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dar", [rk.DAR(chunk=2), rk.DAR(chunk=2, regions=True)], ids=["dar", "regions"])
+def test_a_dar_model_compiles_to_one_graph_in_training_and_in_its_first_evaluation(dar):
+    """DAR's eval forward is a program of its own: apply builds it, so the first evaluation of a model compiled
+    with fullgraph=True finds it (building it there was a graph break, which fullgraph refuses)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
+    args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+    routed = rk.apply(model, rk.Route(start=1, end=2), residual=dar, example_inputs=args)
+    assert {training for training, _ in routed._routekit_executor.programs} == {True, False}
+    compiled = torch.compile(routed, fullgraph=True, backend="aot_eager")
+    compiled.train()(*args).square().mean().backward()
+    with torch.no_grad():
+        out = compiled.eval()(*args)
+        assert torch.allclose(out, routed.eval()(*args), atol=1e-5)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("selector", ["random", "importance", "row", "window", "column"])
 def test_a_routed_step_compiles_to_one_graph_with_no_host_sync_whatever_the_selector(selector):
     """What CUDA graphs (`mode="reduce-overhead"`) need of a routed step: no read of a tensor's value on the host
