@@ -110,8 +110,9 @@ class _Before:
         hooks = self.hooks
         if not hooks.active:
             return None
-        if self.after is not None and self.after in module._forward_hooks:
-            module._forward_hooks.move_to_end(self.after)
+        registered = module._forward_hooks
+        if self.after is not None and self.after in registered and list(registered)[-1] != self.after:
+            registered.move_to_end(self.after)  # only when a hook came since: under torch.compile, a graph break
         slot = hooks.plan.report.stack_of(self.block.index).stream_slot
         if self.first:
             hooks.gathered = {}

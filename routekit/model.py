@@ -250,7 +250,8 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     example_inputs / example_kwargs: one call's arguments, used once to trace and check shapes.
     grid: the (H, W) token grid when it cannot be read off a patch embedding. stack: the qualified
     name of the block container when several chains exist. generator: makes selections reproducible.
-    check_finite: raise NonFiniteError when a routed forward produces NaN/Inf.
+    check_finite: raise NonFiniteError when a routed forward produces NaN/Inf (for debugging: it reads the output
+    on the host every step, a sync, and under torch.compile a graph break, which fullgraph=True refuses).
     mode: "graph" rewrites the traced owner forward; "boundary" places the routes with hooks at the
     block calls; "auto" uses graph mode and falls back to boundary mode (with a FallbackWarning) when
     the owner forward does not trace. A torch.compile'd model comes back compiled the same way.

@@ -235,15 +235,17 @@ def test_a_dar_model_compiles_to_one_graph_in_training_and_in_its_first_evaluati
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
 @pytest.mark.parametrize("selector", ["random", "importance", "row", "window", "column"])
-def test_a_routed_step_compiles_to_one_graph_with_no_host_sync_whatever_the_selector(selector):
+def test_a_routed_step_compiles_to_one_graph_with_no_host_sync_whatever_the_selector(selector, mode):
     """What CUDA graphs (`mode="reduce-overhead"`) need of a routed step: no read of a tensor's value on the host
-    (it would break the graph, and fullgraph=True refuses a break), the selection drawn inside the graph."""
+    (it would break the graph, and fullgraph=True refuses a break), the selection drawn inside the graph; in
+    boundary mode too, where the routes are hooks at the block calls."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
-    routed = rk.apply(model, rk.Route(start=1, end=2, selector=selector), example_inputs=args).train()
+    routed = rk.apply(model, rk.Route(start=1, end=2, selector=selector), example_inputs=args, mode=mode).train()
     compiled = torch.compile(routed, fullgraph=True, backend="aot_eager")
     compiled(*args).square().mean().backward()
     torch._dynamo.reset()
