@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 import functools
 import inspect
 import math
 import operator
 import os
 import traceback
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,7 +298,8 @@ class _Tracer(fx.Tracer):
         else:
             snapshot = _snapshot(obj)
             setattr(self.root, name, snapshot)
-            node = self.create_node("call_function", copy.deepcopy, (self.create_node("get_attr", name, (), {}),), {})
+            copier = per_run_copy if _plainly_copied(snapshot) else copy.deepcopy
+            node = self.create_node("call_function", copier, (self.create_node("get_attr", name, (), {}),), {})
             node.meta["value"] = obj  # the forward goes on with the object itself
             self.snapshots[node.name] = snapshot
             self.specialised.append(f"{type(obj).__name__} made by the forward: each run starts from its state "
@@ -450,6 +453,58 @@ def _snapshot(obj: Any) -> Any:
         raise TraceError(f"{type(obj).__name__}, made by the forward and passed on, holds a {type(held[0]).__name__}; "
                          "routekit would copy it on every run")
     return snapshot
+
+
+# Values a deep copy returns as they are.
+_ATOMS = (int, float, complex, bool, str, bytes, type(None), type, range, frozenset, enum.Enum, torch.dtype,
+          torch.device, types.FunctionType, types.BuiltinFunctionType)
+
+
+def per_run_copy(value: Any) -> Any:
+    """The copy a graph makes on every run of the snapshot of an object the forward made (a transformers LM's
+    generation cache): what copy.deepcopy makes of it, written so that torch.compile traces it into the
+    graph. Dynamo cannot trace copy.deepcopy's memo of ids (an internal error compiling a routed Llama with its
+    cache on). Only for snapshots `_plainly_copied` accepts; any other is copied by copy.deepcopy."""
+    if isinstance(value, _ATOMS):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if type(value) in (list, tuple):
+        return type(value)(per_run_copy(v) for v in value)
+    if type(value) is dict:
+        return {k: per_run_copy(v) for k, v in value.items()}
+    new = object.__new__(type(value))
+    new.__dict__.update({k: per_run_copy(v) for k, v in value.__dict__.items()})
+    return new
+
+
+def _plainly_copied(obj: Any) -> bool:
+    """Whether `per_run_copy(obj)` makes what `copy.deepcopy(obj)` makes: a tree (nothing reached twice, which
+    deepcopy would keep shared) of atoms, plain lists, tuples and dicts, tensors that are not views and need no
+    gradient, and objects that copy as their `__dict__` (no slots, abc.ABC's empty ones aside, no `__new__`,
+    `__deepcopy__`, reduce or state methods of their own)."""
+    seen: set[int] = set()
+
+    def plain(value: Any) -> bool:
+        if isinstance(value, _ATOMS):
+            return True
+        if id(value) in seen:
+            return False
+        seen.add(id(value))
+        cls = type(value)
+        if isinstance(value, torch.Tensor):
+            return cls is torch.Tensor and not value.requires_grad and value._base is None
+        if cls in (list, tuple):
+            return all(plain(v) for v in value)
+        if cls is dict:
+            return all(isinstance(k, _ATOMS) for k in value) and all(plain(v) for v in value.values())
+        own = cls.__new__ is object.__new__ and cls.__reduce_ex__ is object.__reduce_ex__ \
+            and cls.__reduce__ is object.__reduce__ and getattr(cls, "__getstate__", None) in (None, object.__getstate__) \
+            and not hasattr(cls, "__setstate__") and not hasattr(cls, "__deepcopy__") \
+            and not any(vars(k).get("__slots__") for k in cls.__mro__) and hasattr(value, "__dict__")
+        return own and all(plain(v) for v in value.__dict__.values())
+
+    return plain(obj)
 
 
 def _fetch(root: nn.Module, target: str) -> Any:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
+import zoo
 
 import routekit as rk
 from backbones import dit
@@ -214,6 +215,29 @@ def test_dar_over_blocks_compiled_one_by_one_says_it_runs_them_uncompiled(recwar
              rk.apply(torch.compile(plain), residual=dar, example_inputs=args)]
     assert not [w for w in recwarn if issubclass(w.category, rk.FallbackWarning)]
     assert all("DAR inlines it uncompiled" not in str(report_of(q)) for q in quiet)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["transformers Llama", "transformers GPT-2"])
+def test_a_routed_lm_with_its_cache_on_compiles_to_one_graph_and_makes_a_new_cache_each_step(name):
+    """A transformers LM makes its generation cache in the forward (use_cache is on by default, in training
+    too), and the routed graph copies that cache's first state on every run. Under torch.compile that copy was
+    copy.deepcopy, which Dynamo failed on (an internal NameError): the copy is now one Dynamo traces."""
+    entry = zoo.ZOO[name]
+    try:
+        model, args, kwargs = entry.build()
+    except zoo.Missing as err:
+        pytest.skip(str(err))
+    assert model.config.use_cache
+    torch._dynamo.reset()
+    routed = rk.apply(model, rk.Route(**entry.route), example_inputs=args, example_kwargs=kwargs).train()
+    compiled = torch.compile(routed, fullgraph=True, backend="aot_eager")
+    caches = []
+    for _ in range(2):
+        out = compiled(*args, **kwargs)
+        out[0].square().mean().backward()
+        caches.append(out.past_key_values)
+    assert caches[0] is not None and caches[0] is not caches[1]
     torch._dynamo.reset()
 
 

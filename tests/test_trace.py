@@ -225,7 +225,7 @@ def test_a_cache_the_forward_makes_is_made_afresh_on_every_run_of_the_graph() ->
     tr = assert_replays(model, lambda s: ((randn(s, 2, 5, DIM),), {}))
     assert block_calls(tr, model) == ["blocks.0", "blocks.1", "blocks.2"]
     assert any("KVCache made by the forward" in s for s in tr.specialised)
-    made = next(n for n in tr.graph.nodes if n.target is copy.deepcopy)
+    made = next(n for n in tr.graph.nodes if n.target is rt.per_run_copy)  # a plain object: torch.compile traces it
     assert made.meta["rk"].keys == {}  # described as first used: the state a block traced alone (DAR) must see
     x = randn(3, 2, 5, DIM)
     want_out, want_cache = model(x)
@@ -234,6 +234,43 @@ def test_a_cache_the_forward_makes_is_made_afresh_on_every_run_of_the_graph() ->
         assert torch.equal(out, want_out) and cache is not want_cache
         assert cache.keys.keys() == want_cache.keys.keys()
         assert all(torch.equal(cache.keys[i], want_cache.keys[i]) for i in want_cache.keys)
+
+
+class Slotted:
+    __slots__ = ("keys",)
+
+    def __init__(self):
+        self.keys = {}
+
+
+class OwnCopy(KVCache):
+    def __deepcopy__(self, memo):
+        return self  # shared across runs on purpose: deepcopy's rules, not ours
+
+
+def test_the_per_run_copy_makes_what_deepcopy_makes_and_leaves_what_it_cannot_to_deepcopy() -> None:
+    """A graph copies an object the forward made on every run with `per_run_copy` (which torch.compile traces)
+    where that makes what copy.deepcopy makes: fresh objects, lists, dicts and tensors, the same atoms. Where it
+    would not (a part reached twice, slots, a copy method of the class's own, a tensor that needs a gradient or
+    is a view), the graph keeps copy.deepcopy."""
+    cache = KVCache()
+    cache.store(0, randn(1, 2, 3, DIM))
+    cache.layers = [KVCache(), (None, torch.float16, "name", 3.5), {"kind": contextlib.nullcontext}]
+    assert rt._plainly_copied(cache)
+    made, want = rt.per_run_copy(cache), copy.deepcopy(cache)
+    assert type(made) is KVCache and made is not cache and made.keys is not cache.keys
+    assert torch.equal(made.keys[0], want.keys[0]) and made.keys[0].data_ptr() != cache.keys[0].data_ptr()
+    assert type(made.layers[0]) is KVCache and made.layers[0] is not cache.layers[0]
+    assert made.layers[1:] == want.layers[1:] and made.layers[2]["kind"] is contextlib.nullcontext
+    shared = KVCache()
+    twice = KVCache()
+    twice.layers = [shared, shared]
+    view = KVCache()
+    view.store(0, randn(2, 2, 3, DIM)[0])
+    grad = KVCache()
+    grad.store(0, randn(3, 2, 3, DIM).requires_grad_())
+    for other in (twice, Slotted(), OwnCopy(), view, grad):
+        assert not rt._plainly_copied(other), type(other)
 
 
 def filled_cache(seed: int) -> KVCache:
