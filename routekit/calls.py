@@ -69,9 +69,18 @@ def _hashable(v: Any) -> Any:
 
 
 def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    """Bind a call to a forward's signature (without `self`), defaults applied; InputError if it does not fit."""
-    # under torch.compile the call is bound once, as it is traced (Dynamo traces through a cache wrapper anyway)
-    sig = _without_self(inspect.signature(forward)) if torch.compiler.is_compiling() else _signature(forward)
+    """Bind a call to a forward's signature (without `self`), defaults applied; InputError if it does not fit.
+
+    `forward` may be that signature itself (`signature_of`), as a routed model's training call passes it: read
+    before torch.compile traces the call, it spares Dynamo `inspect.signature`, which breaks the graph on some
+    forwards (a diffusers class marked allow_in_graph, as LTX-Video's transformer: `hasattr(forward, "__wrapped__")`).
+    """
+    if isinstance(forward, inspect.Signature):
+        sig = forward
+    elif torch.compiler.is_compiling():  # Dynamo traces through a cache wrapper anyway
+        sig = _without_self(inspect.signature(forward))
+    else:
+        sig = signature_of(forward)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as err:
@@ -81,7 +90,7 @@ def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments
 
 
 @functools.lru_cache(maxsize=256)
-def _signature(forward) -> inspect.Signature:
+def signature_of(forward) -> inspect.Signature:
     """A forward's signature without `self`: read once per function (every training call binds its arguments)."""
     return _without_self(inspect.signature(forward))
 

@@ -12,6 +12,7 @@ the same frozen plan, made by the same checks.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .analysis import analyse
+from .calls import signature_of
 from .config import DAR, Route, coerce_routes
 from .dar import DarState
 from .errors import ConfigError, InputError, NonFiniteError, TraceError
@@ -108,6 +110,7 @@ class RoutedModel(nn.Module):
     with the model: an attribute set on either after `apply` is seen by both (see `_OWN`)."""
 
     _routekit_base: type
+    _routekit_signature: inspect.Signature  # the base forward's, without self: read once, never under Dynamo
 
     def __getattr__(self, name: str):
         state = self.__dict__
@@ -167,8 +170,9 @@ _CLASSES: dict[type, type] = {}
 def _routed_class(cls: type) -> type:
     if cls not in _CLASSES:
         shadowed = {name: _model_first(name) for name in _class_values(cls)}
-        _CLASSES[cls] = type(f"Routed{cls.__name__}", (RoutedModel, cls), {"_routekit_base": cls,
-                                                                           "__module__": cls.__module__, **shadowed})
+        _CLASSES[cls] = type(f"Routed{cls.__name__}", (RoutedModel, cls),
+                             {"_routekit_base": cls, "_routekit_signature": signature_of(cls.forward),
+                              "__module__": cls.__module__, **shadowed})
     return _CLASSES[cls]
 
 

@@ -99,7 +99,7 @@ class Programs:
         """The program for this call, built on first use and again where one of its assumptions broke (an
         attribute it read changed, a module it traced through got hooks); `seed` fills the cache with one
         already built."""
-        bound = bind_arguments(routed._routekit_base.forward, args, kwargs)
+        bound = bind_arguments(routed._routekit_signature, args, kwargs)
         spec = call_spec(bound)
         tensors = call_inputs(bound, spec)
         bucket = self.programs.setdefault((routed.training, spec.key()), {})
@@ -135,7 +135,7 @@ class Programs:
 
 def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
     """A call's graph inputs (its tensors, and objects a graph cannot hold) in the order its program takes them."""
-    bound = bind_arguments(routed._routekit_base.forward, args, kwargs)
+    bound = bind_arguments(routed._routekit_signature, args, kwargs)
     return call_inputs(bound, call_spec(bound))
 
 
