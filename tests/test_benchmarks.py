@@ -184,6 +184,21 @@ def test_graph_counts_count_the_pieces_a_compiled_model_falls_into_and_why():
     torch._dynamo.reset()
 
 
+def test_a_compiled_row_carries_its_graph_counts_into_the_table(monkeypatch):
+    """measure() on a compiled tiny DiT (aot_eager here, Inductor on the GPU) records its graphs and breaks, and
+    the table prints them with the first step's phases: what a device call reads to see a model in pieces."""
+    compile_ = torch.compile
+    monkeypatch.setattr(throughput.torch, "compile", lambda model, **kw: compile_(model, backend="aot_eager"))
+    torch._dynamo.reset()
+    model = throughput.build("dit", "S/2", "routekit", "cpu", tiny=True)
+    stats = throughput.measure(model, "dit", 2, "compile", steps=2, warmup=1, device="cpu")
+    assert stats["graphs"] == 1 and stats["graph_breaks"] == 0 and stats["break_reasons"] == {}
+    row = {"backbone": "dit", "size": "S/2", "batch": 2, "mode": "compile", "variant": "routekit", "flop_limit": 1.4,
+           **stats, "graph_breaks": 2, "break_reasons": {"Data dependent operator": 2}}
+    assert "; 1 graphs, 2 graph breaks; 2× 'Data dependent operator'" in throughput.table([row])
+    torch._dynamo.reset()
+
+
 def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
     run_benchmark("scaling.py", "--quick", "--out", str(tmp_path), "--name", "scaling_test",
                   "--runs", str(tmp_path / "runs"))
