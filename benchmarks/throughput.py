@@ -402,6 +402,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: tiny models, batch 2, two steps (eager unless --modes)")
     args = p.parse_args()
+    dar = [v for v in args.variants or () if v in DAR_VARIANTS]
+    if "blocks" in (args.modes or ()) and dar:
+        p.error(f"--modes blocks with {', '.join(dar)}: DAR inlines the blocks, so their compiled calls would not run "
+                "and the row would time DAR uncompiled; measure DAR with --modes compile (the model compiled whole)")
     if args.quick:
         args.sizes, args.batches, args.steps, args.warmup = ["S/2"], [2], 2, 0
     args.modes = args.modes or (["eager"] if args.quick else ["eager", "compile"])

@@ -199,6 +199,14 @@ def test_a_compiled_row_carries_its_graph_counts_into_the_table(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_throughput_refuses_dar_in_blocks_mode_before_measuring_anything():
+    """DAR inlines blocks compiled one by one, so a blocks-mode DAR row would time DAR uncompiled under a
+    compiled label: refused at the command line, naming the mode that measures it."""
+    done = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--modes", "blocks", "--variants",
+                           "vanilla", "dar_static_c4"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and "DAR inlines the blocks" in done.stderr and "--modes compile" in done.stderr
+
+
 def test_scaling_quick_launches_the_recipe_and_reads_its_log(tmp_path):
     run_benchmark("scaling.py", "--quick", "--out", str(tmp_path), "--name", "scaling_test",
                   "--runs", str(tmp_path / "runs"))
