@@ -218,8 +218,9 @@ def test_dar_over_blocks_compiled_one_by_one_says_it_runs_them_uncompiled(recwar
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["transformers Llama", "transformers GPT-2", "diffusers LTX-Video (image to video)"])
-def test_a_routed_model_compiles_to_one_graph_where_the_model_does(name):
+@pytest.mark.parametrize("name, dar", [("transformers Llama", False), ("transformers GPT-2", False),
+                                       ("diffusers LTX-Video (image to video)", False), ("transformers Llama", True)])
+def test_a_routed_model_compiles_to_one_graph_where_the_model_does(name, dar):
     """Real models that compile whole compile whole routed, with fullgraph=True, step after step. A transformers
     LM makes its generation cache in the forward (use_cache is on by default, in training too), and the routed
     graph copies that cache's first state on every run: that copy was copy.deepcopy, on which Dynamo failed (an
@@ -231,7 +232,8 @@ def test_a_routed_model_compiles_to_one_graph_where_the_model_does(name):
     except zoo.Missing as err:
         pytest.skip(str(err))
     torch._dynamo.reset()
-    routed = rk.apply(model, rk.Route(**entry.route), example_inputs=args, example_kwargs=kwargs).train()
+    routed = rk.apply(model, rk.Route(**entry.route), residual=rk.DAR(chunk=2) if dar else None, example_inputs=args,
+                      example_kwargs=kwargs).train()
     compiled = torch.compile(routed, fullgraph=True, backend="aot_eager")
     outs = []
     for _ in range(2):
