@@ -75,12 +75,7 @@ def bind_arguments(forward, args: tuple, kwargs: dict) -> inspect.BoundArguments
     before torch.compile traces the call, it spares Dynamo `inspect.signature`, which breaks the graph on some
     forwards (a diffusers class marked allow_in_graph, as LTX-Video's transformer: `hasattr(forward, "__wrapped__")`).
     """
-    if isinstance(forward, inspect.Signature):
-        sig = forward
-    elif torch.compiler.is_compiling():  # Dynamo traces through a cache wrapper anyway
-        sig = _without_self(inspect.signature(forward))
-    else:
-        sig = signature_of(forward)
+    sig = forward if isinstance(forward, inspect.Signature) else signature_of(forward)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as err:

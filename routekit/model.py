@@ -275,12 +275,9 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
 
 
 def _warn_uncompiled(plan: Plan) -> None:
-    """DAR inlines every block whose residual adds it rewrites (its aggregations read sublayer outputs across
-    blocks, so a block is no longer one call): a block compiled on its own then runs its code uncompiled, a
+    """Blocks compiled on their own that DAR inlines run their code uncompiled (`Plan.uncompiled_by_dar`): a
     slower training step nobody asked for, unless the routed model is compiled as a whole."""
-    if not plan.dar:
-        return
-    lost = [b.qualname for b in plan.report.blocks if b.compiled and b.adds]
+    lost = plan.uncompiled_by_dar()
     if lost:
         names = lost[0] if len(lost) == 1 else f"{lost[0]} … {lost[-1]} ({len(lost)} blocks)"
         warnings.warn(f"routekit: {names} run under torch.compile on their own, and DAR inlines them into the routed "

@@ -116,6 +116,11 @@ class Plan:
         """{block index: route number} for every routed block."""
         return {i: k for k, r in enumerate(self.placed) for i in r.blocks}
 
+    def uncompiled_by_dar(self) -> list[str]:
+        """The blocks compiled on their own that DAR inlines (every block whose residual adds it rewrites: its
+        aggregations read sublayer outputs across blocks), so that in training their code runs uncompiled."""
+        return [b.qualname for b in self.report.blocks if self.dar and b.compiled and b.adds]
+
     def block_flop_fraction(self) -> float:
         """Fraction of block compute left with the routes, counting compute as linear in tokens."""
         report, kept = self.report, {}

@@ -51,7 +51,7 @@ def format_plan(plan: Any) -> str:
         lines.append(f"  side inputs : ({which}{'' if same else '; blocks that differ say so'})")
         lines += [f"    {_cut(str(slot), 24):<24} {kind:<10} {text}" for slot, kind, text in first]
     lines += ["", f"  {'#':>3}  {'block':<28} {'class':<24} notes"]
-    routed = plan.route_at()
+    routed, uncompiled = plan.route_at(), plan.uncompiled_by_dar()
     for b in r.blocks:
         notes = []
         if b.index in routed:
@@ -67,7 +67,7 @@ def format_plan(plan: Any) -> str:
                          "tokens, each static")
         if b.adds is not None:
             notes.append(f"{len(b.adds)} residual adds" if b.adds else "residual adds hidden: one DAR source")
-        if b.compiled and b.adds and plan.dar:
+        if b.qualname in uncompiled:
             notes.append("compiled, DAR inlines it uncompiled")
         lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 58)}")
     lines.append("")
