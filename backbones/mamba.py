@@ -53,17 +53,17 @@ INSTALL_HINT = (
 
 
 @functools.cache
-def _load_kernel() -> tuple[Callable | None, str]:
-    """The one place that imports mamba-ssm: (mamba_chunk_scan_combined, "") or (None, why not).
+def _load_kernel() -> tuple[types.ModuleType | None, str]:
+    """The one place that imports mamba-ssm: (its Triton SSD module, "") or (None, why not).
 
     `import mamba_ssm` runs its package __init__, which imports the compiled selective-scan
     extension unconditionally, so an install without that extension fails there even though the
     Triton SSD kernels we use are pure Python. When the plain import fails we load the kernel
     module under a bare stand-in for the package, which skips that __init__, then remove the stand-in.
     """
+    name = "mamba_ssm.ops.triton.ssd_combined"
     try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        return mamba_chunk_scan_combined, ""
+        return importlib.import_module(name), ""
     except (ImportError, OSError) as err:
         error = f"{type(err).__name__}: {err}"
     spec = importlib.util.find_spec("mamba_ssm")
@@ -73,7 +73,7 @@ def _load_kernel() -> tuple[Callable | None, str]:
     bare.__path__ = list(spec.submodule_search_locations)
     sys.modules["mamba_ssm"] = bare
     try:
-        return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined, ""
+        return importlib.import_module(name), ""
     except (ImportError, OSError) as err:
         return None, f"{error}; without its __init__: {type(err).__name__}: {err}"
     finally:
@@ -81,12 +81,66 @@ def _load_kernel() -> tuple[Callable | None, str]:
             del sys.modules["mamba_ssm"]
 
 
-def mamba_kernel() -> Callable:
-    """mamba-ssm's `mamba_chunk_scan_combined`, or an ImportError that says how to install it."""
-    kernel, error = _load_kernel()
-    if kernel is None:
+def _kernel_module() -> types.ModuleType:
+    kernels, error = _load_kernel()
+    if kernels is None:
         raise ImportError(INSTALL_HINT.format(error=error))
-    return kernel
+    return kernels
+
+
+# mamba-ssm's own entry point is an autograd.Function whose Triton launches Dynamo cannot trace
+# (an autotuner's `kernel[grid]`): every block broke the graph, and a compiled model fell into
+# pieces that CUDA graphs cannot hold, its step bound by the Python that launches ~40 kernels a
+# block. As a custom op with its own backward the scan is one opaque node: the model compiles
+# whole and CUDA graphs capture the kernels.
+@torch.library.custom_op("backbones::mamba_ssd", mutates_args=())
+def _mamba_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               chunk: int) -> torch.Tensor:
+    return _kernel_module()._mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk)[0]
+
+
+@_mamba_ssd.register_fake
+def _(x, dt, A, B, C, chunk):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("backbones::mamba_ssd_backward", mutates_args=())
+def _mamba_ssd_backward(dout: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                        B: torch.Tensor, C: torch.Tensor, out: torch.Tensor,
+                        chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _kernel_module()._mamba_chunk_scan_combined_bwd(dout, x, dt, A, B, C, out, chunk)
+    return tuple(g.contiguous() for g in grads[:5])
+
+
+@_mamba_ssd_backward.register_fake
+def _(dout, x, dt, A, B, C, out, chunk):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, dt, A, B, C))
+
+
+def _save_for_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5], output)
+    ctx.chunk = inputs[5]
+
+
+def _mamba_ssd_grads(ctx, dout):
+    return (*torch.ops.backbones.mamba_ssd_backward(dout.contiguous(), *ctx.saved_tensors, ctx.chunk), None)
+
+
+_mamba_ssd.register_autograd(_mamba_ssd_grads, setup_context=_save_for_backward)
+
+
+def mamba_kernel() -> Callable:
+    """mamba-ssm's Triton SSD scan as a custom op, (x, dt, A, B, C, chunk) -> y, or an ImportError that
+    says how to install it. Inputs must be contiguous."""
+    _kernel_module()
+    return torch.ops.backbones.mamba_ssd
+
+
+@torch.compiler.assume_constant_result
+def _kernel_error() -> str:
+    """"" when mamba-ssm's kernels import, else why not. A constant to Dynamo, which cannot trace the
+    import: tracing it broke a compiled model's graph at every block."""
+    return _load_kernel()[1]
 
 
 def ssd_impl(cuda: bool) -> str:
@@ -94,7 +148,7 @@ def ssd_impl(cuda: bool) -> str:
     when mamba-ssm imports, else the chunked scan."""
     if SSD_IMPL is not None:
         return SSD_IMPL
-    return "kernel" if cuda and _load_kernel()[0] is not None else "chunked"
+    return "kernel" if cuda and not _kernel_error() else "chunked"
 
 
 def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -102,9 +156,10 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     """The SSD scan by the implementation SSD_IMPL names, or the best one for x's device."""
     name = ssd_impl(x.is_cuda)
     if SSD_IMPL is None and x.is_cuda and name == "chunked":
-        warnings.warn(INSTALL_HINT.format(error=_load_kernel()[1]), stacklevel=2)
+        warnings.warn(INSTALL_HINT.format(error=_kernel_error()), stacklevel=2)
     if name == "kernel":
-        return mamba_kernel()(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), chunk)
+        return torch.ops.backbones.mamba_ssd(x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(),
+                                             C.contiguous(), chunk)
     if name == "chunked":
         return ssd_chunked(x, dt, A, B, C, chunk)
     if name == "reference":
