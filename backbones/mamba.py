@@ -14,7 +14,8 @@ convention: a mixer block has about 9·D² parameters, half a transformer block,
 are larger. mlp_ratio > 0 adds DiT's MLP as a second sublayer with its own adaLN gate.
 
 Scan implementations (`backbones.ops.ssd`): mamba-ssm's Triton SSD kernel for CUDA tensors when it
-imports, else the pure-PyTorch chunked SSD; set `SSD_IMPL` to force one.
+imports (wrapped as the custom op `backbones::mamba_ssd`, so torch.compile sees one node), else the
+pure-PyTorch chunked SSD; set `SSD_IMPL` to force one.
 """
 
 from __future__ import annotations
@@ -88,11 +89,11 @@ def _kernel_module() -> types.ModuleType:
     return kernels
 
 
-# mamba-ssm's own entry point is an autograd.Function whose Triton launches Dynamo cannot trace
-# (an autotuner's `kernel[grid]`): every block broke the graph, and a compiled model fell into
-# pieces that CUDA graphs cannot hold, its step bound by the Python that launches ~40 kernels a
-# block. As a custom op with its own backward the scan is one opaque node: the model compiles
-# whole and CUDA graphs capture the kernels.
+# mamba-ssm's entry point is an autograd.Function around Triton launches, which Dynamo broke the graph
+# at in every block: a compiled model fell into pieces that CUDA graphs cannot hold, its step bound by
+# the Python that launches some forty kernels a block. As a custom op with its own backward (the same
+# forward and backward functions the Function calls, so the same numbers) the scan is one opaque node:
+# the model compiles whole and CUDA graphs capture the kernels.
 @torch.library.custom_op("backbones::mamba_ssd", mutates_args=())
 def _mamba_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                chunk: int) -> torch.Tensor:

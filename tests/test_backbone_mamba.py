@@ -117,11 +117,16 @@ def triton_only_mamba_ssm(tmp_path, monkeypatch):
     (tmp_path / "mamba_ssm" / "ops" / "__init__.py").write_text("")
     (triton_dir / "__init__.py").write_text("")
     (triton_dir / "ssd_combined.py").write_text(
+        "import torch\n"
         "from backbones.ops.ssd import ssd_reference\n"
         "calls = []\n"
-        "def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size):\n"
-        "    calls.append(chunk_size)\n"
-        "    return ssd_reference(x, dt, A, B, C)\n")
+        "def _mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size):\n"
+        "    calls.append(('forward', chunk_size))\n"
+        "    return ssd_reference(x, dt, A, B, C).contiguous(), None\n"
+        "def _mamba_chunk_scan_combined_bwd(dout, x, dt, A, B, C, out, chunk_size):\n"
+        "    calls.append(('backward', chunk_size))\n"
+        "    _, vjp = torch.func.vjp(ssd_reference, x, dt, A, B, C)  # a custom op runs below autograd\n"
+        "    return (*vjp(dout), None, None, None, None)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     mamba._load_kernel.cache_clear()
     yield
@@ -131,16 +136,56 @@ def triton_only_mamba_ssm(tmp_path, monkeypatch):
 
 
 def test_shim_loads_the_triton_kernel_when_the_package_init_fails(triton_only_mamba_ssm, monkeypatch):
-    kernel = mamba.mamba_kernel()
-    assert kernel.__module__ == "mamba_ssm.ops.triton.ssd_combined"
+    mamba.mamba_kernel()
+    assert mamba._load_kernel()[0].__name__ == "mamba_ssm.ops.triton.ssd_combined"
     assert "mamba_ssm" not in sys.modules  # the bare stand-in is gone again
+    calls = sys.modules["mamba_ssm.ops.triton.ssd_combined"].calls
     block = perturb(small()).blocks[1]
     x, c = torch.randn(2, 64, 32), torch.randn(2, 32)
     auto = block(x, c)  # CPU tensors: the chunked scan even though a kernel imports
-    assert sys.modules["mamba_ssm.ops.triton.ssd_combined"].calls == []
+    assert calls == []
     monkeypatch.setattr(mamba, "SSD_IMPL", "kernel")
-    torch.testing.assert_close(block(x, c), auto, atol=1e-5, rtol=1e-5)
-    assert sys.modules["mamba_ssm.ops.triton.ssd_combined"].calls == [block.mixer.chunk]
+    kernel_out = block(x, c)
+    torch.testing.assert_close(kernel_out, auto, atol=1e-5, rtol=1e-5)
+    kernel_out.square().sum().backward()
+    assert calls == [("forward", block.mixer.chunk), ("backward", block.mixer.chunk)]
+
+
+def test_the_kernel_is_a_custom_op_with_a_true_fake_and_backward(triton_only_mamba_ssm):
+    """torch.library's own check: the fake (what compile sees) matches the kernel's shapes, dtypes and
+    strides, and the registered backward gives the kernel's gradients."""
+    mamba.mamba_kernel()
+    args = [a.detach().requires_grad_() for a in ssd_args(2, 24, 1, 2, 4, 3, seed=1)]
+    torch.library.opcheck(torch.ops.backbones.mamba_ssd.default, (*args, 8))
+    got = torch.ops.backbones.mamba_ssd(*args, 8)
+    want = ssd_reference(*[a.detach().requires_grad_() for a in args])
+    torch.testing.assert_close(got, want)
+
+
+def test_choosing_the_scan_does_not_break_a_compiled_graph(triton_only_mamba_ssm):
+    """Reading whether mamba-ssm imports inside a compiled forward broke the graph at every block (Dynamo
+    cannot trace an import); the answer is a constant to Dynamo now. fullgraph fails on any break."""
+    torch._dynamo.reset()
+    choose = torch.compile(lambda x: x * len(mamba.ssd_impl(cuda=True)), backend="eager", fullgraph=True)
+    assert choose(torch.ones(1)).item() == len("kernel")
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_a_dim_on_the_kernel_compiles_to_one_graph(triton_only_mamba_ssm, monkeypatch, routed):
+    """mamba-ssm's autograd.Function breaks Dynamo's graph at its Triton launches, one piece per block (more
+    when routed) that CUDA graphs cannot hold; as a custom op the scan is one node of one graph."""
+    import routekit as rk
+
+    monkeypatch.setattr(mamba, "SSD_IMPL", "kernel")
+    model = small()
+    args = inputs(model)
+    if routed:
+        model = rk.apply(model, rk.Route(start=1, end=1, selector="row"), example_inputs=args)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.train(), backend="aot_eager", fullgraph=True)
+    compiled(*args).square().mean().backward()
+    calls = sys.modules["mamba_ssm.ops.triton.ssd_combined"].calls
+    assert [kind for kind, _ in calls].count("backward") == len(model.blocks)
 
 
 def test_unknown_ssd_impl_lists_the_valid_ones(monkeypatch):
