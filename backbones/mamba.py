@@ -89,11 +89,11 @@ def _kernel_module() -> types.ModuleType:
     return kernels
 
 
-# mamba-ssm's entry point is an autograd.Function around Triton launches, which Dynamo broke the graph
-# at in every block: a compiled model fell into pieces that CUDA graphs cannot hold, its step bound by
-# the Python that launches some forty kernels a block. As a custom op with its own backward (the same
-# forward and backward functions the Function calls, so the same numbers) the scan is one opaque node:
-# the model compiles whole and CUDA graphs capture the kernels.
+# mamba-ssm's entry point is an autograd.Function around autotuned Triton launches, all of which Dynamo
+# must trace to compile a model, and a compiled DiM broke into pieces at the scan that CUDA graphs cannot
+# hold, its step bound by the Python that launches some forty kernels a block. As a custom op with its
+# own backward (the same forward and backward functions the Function calls, so the same numbers) the
+# scan is one opaque node: the model compiles whole and CUDA graphs capture the kernels.
 @torch.library.custom_op("backbones::mamba_ssd", mutates_args=())
 def _mamba_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                chunk: int) -> torch.Tensor:
