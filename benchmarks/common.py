@@ -122,25 +122,33 @@ def time_ms(step: Callable[[], object], steps: int, warmup: int, cuda: bool) -> 
         step()
     if cuda:
         torch.cuda.synchronize()
-    times, host = [], []
-    for _ in range(steps):
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            start = time.perf_counter()
-            step()
-            host.append((time.perf_counter() - start) * 1e3)
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e3)
-            host.append(times[-1])
+    times, host = zip(*(time_step(step, cuda) for _ in range(steps)))
+    return step_stats(list(times), list(host))
+
+
+def time_step(step: Callable[[], object], cuda: bool) -> tuple[float, float]:
+    """One call of ``step``: its milliseconds (on a GPU from its first kernel to its last; on a CPU wall clock) and
+    the milliseconds the call took to return (``time_ms`` says what each tells)."""
+    if not cuda:
+        start = time.perf_counter()
+        step()
+        took = (time.perf_counter() - start) * 1e3
+        return took, took
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    start = time.perf_counter()
+    step()
+    host = (time.perf_counter() - start) * 1e3
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end), host
+
+
+def step_stats(times: list[float], host: list[float]) -> dict[str, float]:
+    """Median, 90th percentile and fastest of step times, and the median host time (``time_ms``'s result)."""
     ordered = sorted(times)
     return {"median_ms": statistics.median(times), "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "min_ms": min(times), "step_host_ms": statistics.median(host)}
+            "min_ms": ordered[0], "step_host_ms": statistics.median(host)}
 
 
 def kept_rows(path: Path, measured: Callable[[dict], bool]) -> list[dict]:

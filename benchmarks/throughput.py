@@ -34,6 +34,7 @@ import argparse
 import importlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,7 +55,9 @@ from benchmarks.common import (  # noqa: E402
     kept_rows,
     machine,
     scan_kernel,
+    step_stats,
     time_ms,
+    time_step,
     write,
 )
 
@@ -135,8 +138,9 @@ def train_step(model: nn.Module, opt, x, t, y, autocast: bool) -> torch.Tensor:
     return loss
 
 
-def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, warmup: int, device: str,
-            gpu_busy: bool = False) -> dict:
+def prepare(model: nn.Module, backbone: str, batch: int, mode: str, device: str) -> tuple[Callable[[], None], dict]:
+    """The model's train step (AdamW, fixed inputs, compiled as `mode` says), run once: the step and what its first,
+    compiling, call took."""
     cuda = device == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     x, t, y = inputs_for(backbone, model, batch, device)
@@ -157,21 +161,59 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
     if cuda:
         torch.cuda.synchronize()
     first = time.perf_counter() - start
-    phases = first_step_phases(before, first)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    timing = time_ms(step, steps, warmup, cuda)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    stats = {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
-             "peak_gib": peak, "first_step_s": first}
+    stats = {"first_step_s": first}
+    if mode != "eager":
+        stats["first_step_phases_s"] = first_step_phases(before, first)
+        stats.update(graph_counts(graphs_before))
+    return step, stats
+
+
+def timed(timing: dict, stats: dict, cuda: bool) -> dict:
+    stats = {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"], **stats}
     if cuda:  # on a CPU the host time is the step time
         stats["step_host_ms"] = timing["step_host_ms"]
-    if mode != "eager":
-        stats["first_step_phases_s"] = phases
-        stats.update(graph_counts(graphs_before))
+    return stats
+
+
+def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, warmup: int, device: str,
+            gpu_busy: bool = False) -> dict:
+    cuda = device == "cuda"
+    step, first = prepare(model, backbone, batch, mode, device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    stats = timed(time_ms(step, steps, warmup, cuda), first, cuda)
+    stats["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     if gpu_busy and cuda:
         stats["gpu_busy_ms"], stats["top_kernels"] = gpu_busy_ms(step)
     return stats
+
+
+def measure_interleaved(models: dict[str, nn.Module], backbone: str, batch: int, mode: str, steps: int, warmup: int,
+                        device: str, gpu_busy: bool = False) -> dict[str, dict]:
+    """`measure` for several variants at once, their timed steps taken in turn (round r starts at variant r), so
+    that a host whose speed drifts during the call (another tenant, clocks) slows every variant alike: a step that
+    waits on the host moved 20-35% between calls, and variants timed one after another each met another host.
+    All models stay on the device, so a variant's peak memory is not its own: not reported."""
+    cuda = device == "cuda"
+    prepared = {}
+    for variant, model in models.items():
+        step, first = prepare(model, backbone, batch, mode, device)
+        for _ in range(warmup):
+            step()
+        prepared[variant] = step, first
+    samples: dict[str, list[tuple[float, float]]] = {variant: [] for variant in models}
+    names = list(models)
+    for r in range(steps):
+        for variant in names[r % len(names):] + names[:r % len(names)]:
+            samples[variant].append(time_step(prepared[variant][0], cuda))
+    results = {}
+    for variant, (step, first) in prepared.items():
+        times, host = zip(*samples[variant])
+        timing = step_stats(list(times), list(host))
+        results[variant] = {**timed(timing, first, cuda), "peak_gib": float("nan"), "interleaved": True}
+        if gpu_busy and cuda:
+            results[variant]["gpu_busy_ms"], results[variant]["top_kernels"] = gpu_busy_ms(step)
+    return results
 
 
 # Where a compiled model's first step goes, by torch.compile's own timers (torch._dynamo.utils): tracing the
@@ -277,29 +319,58 @@ def run(args, device: str, save=lambda rows: None, rows: list[dict] | None = Non
                 free_memory()
             for batch in args.batches:
                 for mode in args.modes:
-                    for variant in variants:
-                        torch._dynamo.reset()
-                        model = None
-                        try:
-                            model = build(backbone, size, variant, device, args.quick,
-                                          compile_blocks=mode == "blocks")
-                            stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy)
-                        except torch.OutOfMemoryError:  # recorded as such; the other rows still run
-                            nan = float("nan")
-                            stats = {"step_ms": nan, "p90_ms": nan, "min_ms": nan, "peak_gib": nan, "first_step_s": nan,
-                                     "status": "out of memory"}
+                    measured = (_interleaved if args.interleave else _one_by_one)(args, backbone, size, batch, mode,
+                                                                                 variants, device)
+                    for variant, stats in measured:  # saved as each comes, so a call cut short keeps its rows
                         row = {"backbone": backbone, "size": size, "batch": batch, "mode": mode, "variant": variant,
                                "flop_limit": flops["vanilla"] / flops[variant], **stats}
                         if args.add:
                             row["commit"] = args.commit
                         rows.append(row)
                         save(rows)
-                        print(f"{backbone} {size} b{batch} {mode:8s} {variant:9s} {stats['step_ms']:8.2f} ms "
-                              f"(p90 {stats['p90_ms']:.2f}) "
-                              f"peak {stats['peak_gib']:.1f} GiB (first step {stats['first_step_s']:.1f} s)", flush=True)
-                        del model
-                        free_memory()
     return rows
+
+
+OUT_OF_MEMORY = {"step_ms": float("nan"), "p90_ms": float("nan"), "min_ms": float("nan"), "peak_gib": float("nan"),
+                 "first_step_s": float("nan"), "status": "out of memory"}
+
+
+def _report(backbone: str, size: str, batch: int, mode: str, variant: str, stats: dict) -> None:
+    print(f"{backbone} {size} b{batch} {mode:8s} {variant:9s} {stats['step_ms']:8.2f} ms (p90 {stats['p90_ms']:.2f}) "
+          f"peak {stats['peak_gib']:.1f} GiB (first step {stats['first_step_s']:.1f} s)", flush=True)
+
+
+def _one_by_one(args, backbone: str, size: str, batch: int, mode: str, variants: list[str], device: str):
+    """Each variant built, measured and freed in turn (its peak memory its own): yields (variant, stats)."""
+    for variant in variants:
+        torch._dynamo.reset()
+        model = None
+        try:
+            model = build(backbone, size, variant, device, args.quick, compile_blocks=mode == "blocks")
+            stats = measure(model, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy)
+        except torch.OutOfMemoryError:  # recorded as such; the other rows still run
+            stats = dict(OUT_OF_MEMORY)
+        _report(backbone, size, batch, mode, variant, stats)
+        del model
+        free_memory()
+        yield variant, stats
+
+
+def _interleaved(args, backbone: str, size: str, batch: int, mode: str, variants: list[str], device: str):
+    """Every variant built, then measured together (`measure_interleaved`): yields (variant, stats)."""
+    torch._dynamo.reset()
+    models = {}
+    try:
+        for variant in variants:
+            models[variant] = build(backbone, size, variant, device, args.quick, compile_blocks=mode == "blocks")
+        out = measure_interleaved(models, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy)
+    except torch.OutOfMemoryError:  # all on the device at once: the group is out of memory together
+        out = {variant: dict(OUT_OF_MEMORY) for variant in variants}
+    models.clear()
+    free_memory()
+    for variant, stats in out.items():
+        _report(backbone, size, batch, mode, variant, stats)
+        yield variant, stats
 
 
 def table(rows: list[dict]) -> str:
@@ -329,6 +400,10 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {variant} | {r['step_ms']:.2f} | "
                        f"{r.get('p90_ms', float('nan')):.2f} | {ratio} | {rel} | {r['flop_limit']:.3f}× | {share} | "
                        f"{r['peak_gib']:.2f} |" + tail)
+    together = sorted({f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']}" for r in rows if r.get("interleaved")})
+    if together:
+        out += ["", "Timed interleaved (`--interleave`: the variants' steps taken in turn, every model on the device, so "
+                "no variant's peak memory is its own and none is reported): " + ", ".join(together) + "."]
     firsts = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['first_step_s']:.1f} s ("
               + ", ".join(f"{k} {v:.1f}" for k, v in r["first_step_phases_s"].items()) + ")"
               + (f"; {r['graphs']} graphs, {r['graph_breaks']} graph breaks" if "graphs" in r else "")
@@ -397,6 +472,9 @@ def main() -> None:
     p.add_argument("--name", default=None, help="results file stem (default throughput_<backbones>)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--gpu-busy", action="store_true", help="also profile the GPU's kernel time per step")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every variant of a configuration at once and take their timed steps in turn, so a "
+                   "drifting host slows all alike (for host-bound small batches); peak memory is then not reported")
     p.add_argument("--add", action="store_true", help="keep the rows of the results file for the configurations "
                    "(backbone, size, batch, mode, variant) this call does not measure, each with its commit")
     p.add_argument("--quick", action="store_true",

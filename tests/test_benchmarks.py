@@ -140,6 +140,30 @@ def test_throughput_quick_runs_every_kind_of_variant_and_the_two_routes_agree_on
     assert "Token mixer (mamba)" in (tmp_path / "t.md").read_text()
 
 
+def test_interleaved_timing_takes_the_variants_steps_in_turn(monkeypatch):
+    """--interleave: each variant compiled and warmed first, then round r times one step of each variant starting
+    at variant r, so a drift of the host during the call falls on all alike; peak memory is not reported."""
+    calls = []
+    monkeypatch.setattr(throughput, "prepare",
+                        lambda model, *rest: (lambda: calls.append(model), {"first_step_s": 0.5}))
+    monkeypatch.setattr(throughput, "time_step", lambda step, cuda: (step(), (len(calls), 1.0))[1])
+    out = throughput.measure_interleaved({"a": "A", "b": "B", "c": "C"}, "dit", 2, "eager", steps=3, warmup=1,
+                                         device="cpu")
+    assert "".join(calls) == "ABC" + "ABC" + "BCA" + "CAB"
+    # each sample is the count of calls so far: a took the 4th, 9th and 11th step, b the 5th, 7th, 12th, c 6th, 8th, 10th
+    assert out["a"]["step_ms"] == 9 and out["b"]["min_ms"] == 5 and out["c"]["p90_ms"] == 10
+    assert all(r["interleaved"] and r["first_step_s"] == 0.5 and r["peak_gib"] != r["peak_gib"] for r in out.values())
+
+
+def test_throughput_quick_interleaved_says_so(tmp_path):
+    run_benchmark("throughput.py", "--quick", "--variants", "vanilla", "routekit", "--interleave", "--out",
+                  str(tmp_path), "--name", "t")
+    rows = labelled(tmp_path, "t", "python benchmarks/throughput.py --quick")["rows"]
+    assert [r["variant"] for r in rows] == ["vanilla", "routekit"]
+    assert all(r["interleaved"] and r["step_ms"] > 0 for r in rows)
+    assert "Timed interleaved (`--interleave`" in (tmp_path / "t.md").read_text()
+
+
 def test_first_step_phases_split_a_compiled_step_by_torch_compiles_own_timers():
     """The first compiled step's seconds by phase come from torch.compile's timers on this torch (a renamed timer
     would read 0 and leave everything under "other"): Dynamo and AOTAutograd both take time, and the phases add
