@@ -115,7 +115,8 @@ def _mamba_ssd_backward(dout: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A
 
 @_mamba_ssd_backward.register_fake
 def _(dout, x, dt, A, B, C, out, chunk):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, dt, A, B, C))
+    dx, ddt, dB, dC = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, dt, B, C))
+    return dx, ddt, torch.empty_like(A, dtype=torch.float32), dB, dC  # mamba-ssm's dA is fp32 whatever A is
 
 
 def _save_for_backward(ctx, inputs, output):
