@@ -61,9 +61,11 @@ def table(rows: list[dict]) -> str:
              "peak GiB vanilla → routed | token mixer | file (commit) |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
+        # rows timed interleaved (`throughput.py --interleave`) had every variant on the device: no peak of their own
+        peak = "–" if r["peak_gib"][0] != r["peak_gib"][0] else f"{r['peak_gib'][0]:.1f} → {r['peak_gib'][1]:.1f}"
         lines.append(f"| {r['backbone']} | {r['size']} | {r['batch']} | {r['mode']} | {r['vanilla_ms']:.1f} | "
                      f"{r['routed_ms']:.1f} | {r['speedup']:.3f}× | {r['flop_limit']:.3f}× | {r['of_limit']:.3f} | "
-                     f"{r['peak_gib'][0]:.1f} → {r['peak_gib'][1]:.1f} | {r['mixer']} | {r['file']} ({r['commit']}) |")
+                     f"{peak} | {r['mixer']} | {r['file']} ({r['commit']}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -108,6 +108,16 @@ def test_summary_names_the_token_mixer_each_file_ran(tmp_path):
     assert next(iter(summarise.collect(tmp_path).values()))["routekit"]["mixer"] == "mamba-ssm Triton SSD"
 
 
+def test_summary_shows_no_peak_for_rows_timed_interleaved(tmp_path):
+    """An interleaved call had every variant on the device, so its rows carry no peak (NaN): a dash, not 'nan'."""
+    rows = [{**_row(v, ms), "peak_gib": float("nan"), "interleaved": True} for v, ms in (("vanilla", 90), ("routekit", 60))]
+    _write(tmp_path / "throughput_i.json", "2026-01-01", rows)
+    _write(tmp_path / "throughput_o.json", "2025-01-01", [{**_row(v, ms), "batch": 256} for v, ms in
+                                                           (("vanilla", 90), ("routekit", 60))])
+    text = summarise.table(summarise.rows_of(summarise.collect(tmp_path)))
+    assert "nan" not in text and "| – |" in text and "| 1.0 → 1.0 |" in text
+
+
 def test_summary_writes_its_table_and_never_reads_it_back(tmp_path):
     _write(tmp_path / "throughput_a.json", "2026-01-01", [_row("vanilla", 100.0), _row("routekit", 60.0)])
     for _ in range(2):  # the second run finds throughput_backbones.json among throughput_*.json
