@@ -103,20 +103,25 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
             parent = node.target.rsplit(".", 1)[0] if "." in node.target else ""
             if parent in containers:
                 calls.setdefault(parent, []).append(node)
-    chains = {}
+    chains, layers = {}, {}
     for parent, nodes in calls.items():
         best = max(_chains(nodes), key=lambda rl: len(rl[0]))
-        if len(best[0]) >= 2:
+        layer = next((m for n in best[0] if _is_layer(m := model.get_submodule(n.target))), None)
+        if len(best[0]) >= 2 and layer is not None:
+            layers[parent] = f"{parent}'s members include torch's own {type(layer).__name__}: layers, not blocks"
+        elif len(best[0]) >= 2:
             chains[parent] = best
     if stack is not None:
         if not isinstance(stack, str) or stack not in chains:
+            why = layers.get(stack) or (_unchained(calls[stack]) if len(calls.get(stack, ())) >= 2 else None)
             raise AnalysisError(
-                f"stack {stack!r} is not a chain of blocks in {type(model).__name__}; "
-                f"chains found: {_listing({k: len(v[0]) for k, v in chains.items()})}"
+                f"stack {stack!r} is not a chain of blocks in {type(model).__name__}"
+                + (f" ({why})" if isinstance(stack, str) and why else "")
+                + f"; chains found: {_listing({k: len(v[0]) for k, v in chains.items()}) or 'none'}"
             )
         chosen = stack
     elif not chains:
-        why = "".join(f"; {_unchained(nodes)}" for nodes in calls.values() if len(nodes) >= 2)
+        why = "".join(f"; {layers.get(k) or _unchained(nodes)}" for k, nodes in calls.items() if len(nodes) >= 2)
         raise AnalysisError(
             f"no block stack found in {type(model).__name__}: routekit looks for a ModuleList/Sequential "
             "whose members are called one after another, each feeding its output to the next. Containers "
@@ -125,7 +130,21 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
     else:
         token_chains = [k for k in chains if _carries_stream(*chains[k])]
         chosen = max(token_chains or chains, key=lambda k: len(chains[k][0]))
+        broken = [k for k in token_chains if len(calls[k]) > len(chains[chosen][0]) > len(chains[k][0])]
+        if broken:  # a longer stack cut into pieces by the owner's code: the longest piece may be a side branch
+            k = max(broken, key=lambda k: len(calls[k]))
+            raise AnalysisError(
+                f"the longest block chain in {type(model).__name__} is {chosen} ({len(chains[chosen][0])} blocks), but "
+                f"{k} has {len(calls[k])} blocks that chain only {len(chains[k][0])} at a time: {_unchained(calls[k])}. "
+                f"{chosen} may be a side branch (a control network's blocks beside the model's own); pass "
+                f"stack={chosen!r} to route it, or stack={k!r} to route one of {k}'s chained runs")
     return chosen, chains
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """One of torch's own layers (a Linear, a Dropout, an activation), not a block: a FeedForward's list of layers
+    (GlmImage's prior projector, called on a side input) chains like blocks but is no stack to route."""
+    return type(module).__module__.startswith("torch.nn.") and not any(True for _ in module.children())
 
 
 def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Literal["graph", "boundary"] = "graph",

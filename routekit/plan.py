@@ -20,7 +20,7 @@ from .config import DAR, Route
 from .errors import ConfigError
 from .findings import BlockInfo, GraphReport, Shrink
 from .report import draw_plan, format_plan
-from .selectors import selector
+from .selectors import selector, selector_names
 
 if TYPE_CHECKING:
     from .probe import RouteAnswer
@@ -356,11 +356,12 @@ def _shrink(k: int, route: Route, blocks, grid) -> tuple[int, ...]:
     kept = spec.kept_grid(grid, route.rate) if spec.kept_grid else None
     if kept is None:
         names = [s.slot if s.argument is None else s.argument for s in takers[0].side_inputs if s.grid]
+        fitting = [n for n in selector_names() if (f := selector(n).kept_grid) and f(grid, route.rate) is not None]
         raise ConfigError(
             f"route {k}: {takers[0].qualname} is handed the token grid's sizes as numbers (arguments "
             f"{', '.join(map(repr, names))}), so the tokens it keeps must form a grid smaller than the "
-            f"{'×'.join(map(str, grid))} one, which selector {route.selector!r}'s do not; use selector='row', 'window' "
-            "or 'column' ('frame' for video)"
+            f"{'×'.join(map(str, grid))} one, which selector {route.selector!r}'s do not; selectors that keep such a "
+            f"grid on this one: {', '.join(map(repr, fitting)) or 'none'}"
         )
     return tuple(axis - len(grid) for axis in range(len(grid)) if kept[axis] != grid[axis])
 

@@ -145,11 +145,13 @@ def grid_image(images: list[Image], first_call: int, batch: int, tokens: int) ->
 
 
 def image_input(args: tuple, kwargs: dict, batch: int) -> torch.Tensor | None:
-    """The call's image (or video): its one floating (batch, C, H, W) or (batch, C, T, H, W) input, else its first
-    argument where that is a floating (batch, ...) tensor (audio latents (B, C, L), packed latents (B, N, C))."""
-    found = [t for t in _tensors(args, kwargs) if t.is_floating_point() and t.dim() in (4, 5) and t.shape[0] == batch]
-    if len(found) == 1:
-        return found[0]
+    """The call's image (or video): its first argument where that is a floating (batch, ...) tensor of three or
+    more axes (latents (B, C, H, W), packed latents (B, N, C), audio latents (B, C, L): the first argument of
+    every diffusers and timm model and of ViTs), else its one floating (batch, C, H, W) or (batch, C, T, H, W)
+    input. The first argument comes first because a text encoder's stacked layers (Krea2's (B, L, layers, D))
+    are 4-D too: taken for the image, they would make the text look like the image and the image like text."""
     first = args[0] if args else next(iter(kwargs.values()), None)
-    plain = isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() >= 3
-    return first if not found and plain and first.shape[0] == batch else None
+    if isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() >= 3 and first.shape[0] == batch:
+        return first
+    found = [t for t in _tensors(args, kwargs) if t.is_floating_point() and t.dim() in (4, 5) and t.shape[0] == batch]
+    return found[0] if len(found) == 1 else None

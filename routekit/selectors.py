@@ -216,8 +216,8 @@ def random_columns(batch: int, tokens: int, rate: float, *, grid: Grid | None = 
     return (rows[None, :, None] * width + cols[:, None, :]).flatten(1)
 
 
-def _fewer_frames(grid: Grid, rate: float) -> Grid:
-    return (kept_count(grid[0], rate), *grid[1:])
+def _fewer_frames(grid: Grid, rate: float) -> Grid | None:
+    return (kept_count(grid[0], rate), *grid[1:]) if len(grid) == 3 else None  # frames of a video only
 
 
 @_builtin("frame", needs_grid=True, keeps_rows=True, kept_grid=_fewer_frames)

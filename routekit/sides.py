@@ -82,8 +82,9 @@ def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
 
     Batched: the first axis is the batch (or 1, a table shared by it). Token axes: every later axis as long
     as the stream (an attention mask (B, 1, N, N) has two); the last axis only where it is the only one left
-    (a mask (B, N), positions (N,)) or the one before it is a token axis too and it is not as long as the
-    stream's features (a mask (B, 1, N, N)), for elsewhere it holds features;
+    (a mask (B, N), positions (N,)), or the one before it is a token axis too and it is not as long as the
+    stream's features (a mask (B, 1, N, N)), or the tensor is boolean (a key-padding mask (B, 1, 1, N)), for
+    elsewhere it holds features;
     failing those, one axis as long as the stream joined with another sequence the block takes (a joint
     text + image table, or a boolean mask over both, whose last axis is the keys': HunyuanVideo's (B, 1, 1, N + L);
     `joint` says so, and where the stream's part lies is read off the block).
@@ -94,8 +95,10 @@ def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
     start = 1 if batched else 0
     last = len(shape) - 1
     axes = [a for a in range(start, len(shape)) if shape[a] == tokens]
-    if last in axes and last - start >= 1 and (last - 1 not in axes or shape[last] == channels):
-        axes.remove(last)  # a table's last axis holds its features, which may happen to number as many
+    if last in axes and last - start >= 1 and meta.dtype != torch.bool and (last - 1 not in axes
+                                                                         or shape[last] == channels):
+        axes.remove(last)  # a table's last axis holds its features, which may happen to number as many; a
+        # boolean mask has none: its last axis holds the keys (a key-padding mask (B, 1, 1, N))
     if axes:
         return tuple(axes), batched, False
     features = last if len(shape) >= 2 and meta.dtype != torch.bool else None  # a mask's last axis holds keys

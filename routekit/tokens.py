@@ -46,11 +46,12 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
     unknown = None
     if special is None:  # what the graph or the recording does not show, measured: conclusive only if it finds some
         at = _measure_point(chains, name, batch, tokens)
-        special = _measured(model, call, *at, batch, tokens) if call is not None else None
+        special = _measured(model, call, (at, (nodes[0].target, slot)), batch, tokens) if call is not None else None
         if not special:
             special, unknown = (), (
-                "the stream joins tokens of several sources along the token axis, and routekit could not tell "
-                "which were made from the image" if images is None else
+                "routekit could not read off the graph which of the stream's tokens were made from the image (a join "
+                "along the token axis, or a write into the tokens, it cannot follow), nor measure any that were not"
+                if images is None else
                 "routekit could not measure which of the stream's tokens were not made from the image")
     if images is None:
         grid, grid_node = _graph_grid(tr.graph, model, first_in, batch, tokens - len(special))
@@ -349,24 +350,30 @@ def _recorded_grid(model: nn.Module, images: list[Image], tr: Trace, first: Bloc
     return grid, image.module, special
 
 
-def _measured(model: nn.Module, call: tuple[tuple, dict], block: str, slot: Slot, batch: int,
+def _measured(model: nn.Module, call: tuple[tuple, dict], points: tuple[tuple[str, Slot], ...], batch: int,
               tokens: int) -> tuple[int, ...] | None:
-    """The special positions measured where the graph does not show them: the tokens of the stream entering
-    `block` that do not change with the call's image (class and register tokens, text a block did not mix with
-    the image); () where all change, None where there is no image to change."""
+    """The special positions measured where the graph does not show them: the tokens of the stream entering the
+    first of `points` (block, stream slot) that the call's image reaches at all, that do not change with that
+    image (class and register tokens, text a block did not mix with the image); () where all change. None where
+    there is no image to change, or it reaches none of the points (an earlier chain that runs beside the image's
+    path, as GlmImage's prior-token projector does: every token there would look special)."""
     image = image_input(*call, batch)
     if image is None:
         return None
-    special = tokens_not_from(model, *call, block, slot, image=image)
-    return () if special == tuple(range(tokens)) else special
+    for block, slot in dict.fromkeys(points):
+        special = tokens_not_from(model, *call, block, slot, image=image)
+        if len(special) < tokens:
+            return special
+    return None
 
 
 def _recorded_special(model: nn.Module, call: tuple[tuple, dict], chains: dict, chosen: str, at: tuple[str, Slot],
                       batch: int, tokens: int) -> tuple[int, ...] | None:
     """The special tokens of a recording with no grid: where the stack joins an earlier chain's tokens with others
     (text joined to a double-stream stack's image tokens), all but the positions holding that chain's output;
-    else the tokens that do not change with the image at `at` (`_measure_point`). A call with no image to change
-    (token ids in) has nothing to tell apart: (). None where a join is not found."""
+    else the tokens that do not change with the image at `at` (`_measure_point`), or at the stack's first block
+    where the image does not reach `at`. A call with no image to change (token ids in) has nothing to tell
+    apart: (). None where a join is not found, or the image reaches neither point."""
     nodes, (slot, _) = chains[chosen]
     order = {node: i for i, node in enumerate(nodes[0].graph.nodes)}
     earlier = sorted(((n, link) for parent, (n, link) in chains.items() if parent != chosen
@@ -380,7 +387,9 @@ def _recorded_special(model: nn.Module, call: tuple[tuple, dict], chains: dict, 
                 offset = token_offset(model, *call, nodes[0].target, slot, others[-1].target, out_index)
                 return None if offset is None else _positions(
                     [not offset <= i < offset + length for i in range(tokens)])
-    return _measured(model, call, *at, batch, tokens) or ()
+    if image_input(*call, batch) is None:
+        return ()
+    return _measured(model, call, (at, (nodes[0].target, slot)), batch, tokens)
 
 
 _SIZE_NAMES = (("num_frames", "frames"), ("height",), ("width",))

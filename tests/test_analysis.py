@@ -14,6 +14,7 @@ from torch import nn
 
 import routekit as rk
 from routekit.errors import ConfigError
+from routekit.record import image_input
 from routekit.residuals import find_residual_adds
 from routekit.sides import _grid_axis, _token_axes
 from routekit.trace import trace
@@ -105,10 +106,18 @@ def test_a_stack_nested_two_modules_deep_is_found():
 
 
 def test_a_stack_of_image_blocks_is_refused_with_an_analysis_error_naming_its_stream():
-    class Convs(nn.Module):
+    class ConvBlock(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(3))
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.conv(x)
+
+    class Convs(nn.Module):
+        def __init__(self, block=ConvBlock):
+            super().__init__()
+            self.blocks = nn.ModuleList(block() for _ in range(3))
 
         def forward(self, x):
             for block in self.blocks:
@@ -117,6 +126,8 @@ def test_a_stack_of_image_blocks_is_refused_with_an_analysis_error_naming_its_st
 
     with pytest.raises(rk.AnalysisError, match="batch, tokens, channels"):
         rk.inspect(built(Convs), (torch.randn(2, 4, 6, 6),))
+    with pytest.raises(rk.AnalysisError, match="blocks's members include torch's own Conv2d: layers, not blocks"):
+        rk.inspect(built(Convs, lambda: nn.Conv2d(4, 4, 3, padding=1)), (torch.randn(2, 4, 6, 6),))
 
 
 def test_the_stream_out_of_a_tuple_block_is_its_stream_item_whatever_else_reads_the_tuple():
@@ -171,6 +182,23 @@ def test_a_zero_dimensional_tensor_handed_to_the_blocks_is_a_per_sample_input():
 def test_a_table_as_long_as_the_stream_joined_with_another_input_is_a_joint_table():
     assert _token_axes(TensorMeta((2, 3 + 6, D), torch.float32), 2, 6, D, {3}) == ((1,), True, True)
     assert _token_axes(TensorMeta((2, 6, D), torch.float32), 2, 6, D, {3}) == ((1,), True, False)
+
+
+def test_a_boolean_key_padding_mask_is_cut_along_its_keys_and_a_float_table_keeps_its_features():
+    """A (B, 1, 1, N) boolean mask over the stream's tokens (Krea2's) has no features: its last axis is the keys.
+    A float (B, 1, N) table whose features happen to number N keeps them."""
+    assert _token_axes(TensorMeta((2, 1, 1, 6), torch.bool), 2, 6, D, set()) == ((3,), True, False)
+    assert _token_axes(TensorMeta((2, 1, 6), torch.float32), 2, 6, D, set()) is None
+
+
+def test_the_image_is_the_first_argument_before_any_other_four_axis_input():
+    """Packed latents (B, N, C) first and a text encoder's stacked layers (B, L, layers, D) beside them (Krea2):
+    the latents are the image. An LM's token ids first: the one 4-D floating input is."""
+    latents, text = torch.randn(2, 16, 4), torch.randn(2, 5, 3, 8)
+    assert image_input((latents,), {"encoder_hidden_states": text}, 2) is latents
+    ids, pixels = torch.zeros(2, 7, dtype=torch.long), torch.randn(2, 3, 8, 8)
+    assert image_input((ids,), {"pixel_values": pixels}, 2) is pixels
+    assert image_input((ids,), {"a": pixels, "b": pixels.clone()}, 2) is None  # two: none is the image
 
 
 @pytest.mark.parametrize(("name", "axis"), [("rows", -2), ("cols", -1), ("columns", -1), ("t", -3), ("time", -3),
@@ -315,3 +343,90 @@ def test_residual_adds_without_an_output_to_end_at_are_the_chain_found():
     block = built(PostNorm)
     assert residual_adds(block, with_output=True) == []  # the chain does not end at the output
     assert residual_adds(block, with_output=False) == ["add"]
+
+
+class PriorAdded(nn.Module):
+    """GlmImage's shape: prior tokens run through a FeedForward's list of torch layers and are added onto the
+    image tokens, after an in-place write the graph cannot follow; then the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, D, 2, 2)
+        self.prior = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.0), nn.Linear(D, D))
+        self.blocks = nn.ModuleList(Mlp() for _ in range(4))
+
+    def forward(self, image, prior, drop):
+        x = self.embed(image).flatten(2).transpose(1, 2)
+        prior = self.prior(prior)
+        prior[drop] *= 0.0
+        x = x + prior
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_list_of_torch_layers_is_no_block_stack():
+    args = (torch.randn(2, 3, 4, 4), torch.randn(2, 4, D), torch.zeros(2, 4, dtype=torch.bool))
+    report = rk.inspect(built(PriorAdded), args)
+    assert report.stack == "blocks" and len(report.blocks) == 4
+    # nothing shows which tokens the image made: said, not guessed (the layers' stream kept every token before)
+    assert report.stacks[0].unknown_special and "write into the tokens" in report.stacks[0].unknown_special
+    routed = rk.apply(built(PriorAdded), rk.Route(start=1, end=2, keep=[]), example_inputs=args)
+    rk.verify(built(PriorAdded), routed, args)
+
+
+class ControlAdded(nn.Module):
+    """WanVACE's shape: a control branch's blocks (a shorter stack of their own) make hints the owner adds onto the
+    stream between the model's blocks, cutting the model's chain into pieces shorter than the control chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Mlp() for _ in range(6))
+        self.control = nn.ModuleList(Mlp() for _ in range(3))
+
+    def forward(self, x, c):
+        hints = []
+        for block in self.control:
+            c = block(c)
+            hints.append(c)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i % 2 == 1:
+                x = x + hints[i // 2]
+        return x
+
+
+def test_a_stack_cut_into_pieces_by_the_owner_is_not_replaced_by_a_side_branch_silently():
+    args = (torch.randn(2, 6, D), torch.randn(2, 6, D))
+    with pytest.raises(rk.AnalysisError, match=r"blocks has 6 blocks that chain only 2 at a time.*stack='control'"):
+        rk.inspect(built(ControlAdded), args)
+    assert rk.inspect(built(ControlAdded), args, stack="control").stack == "control"  # named: as asked
+
+
+def test_special_tokens_are_measured_where_the_image_reaches():
+    """The prior projector's input holds none of the image: every token there looks unchanged, so the measurement
+    moves on to the stack's own first block, where every token changes with the image."""
+    from routekit.tokens import _measured
+
+    args = (torch.randn(2, 3, 4, 4), torch.randn(2, 4, D), torch.zeros(2, 4, dtype=torch.bool))
+    model = built(PriorAdded)
+    assert _measured(model, (args, {}), (("prior.0", 0), ("blocks.0", 0)), 2, 4) == ()
+    assert _measured(model, (args, {}), (("prior.0", 0),), 2, 4) is None
+
+
+def test_a_named_stack_that_does_not_chain_says_why():
+    """Latte's shape: a stack whose members each take a reshaped stream (the owner's code between them)."""
+
+    class Reshaped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Mlp() for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x).flip(1)
+            return x
+
+    with pytest.raises(rk.AnalysisError, match=r"stack 'blocks' is not a chain of blocks in Reshaped \(blocks.0's "
+                                               r"output reaches blocks.1 only through flip.*; chains found: none"):
+        rk.inspect(built(Reshaped), torch.randn(2, 6, D), stack="blocks")

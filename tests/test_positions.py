@@ -121,5 +121,44 @@ def test_grid_sizes_handed_to_blocks_as_numbers_follow_the_kept_grid(mode, selec
     assert routed(image).shape == (2, 48, DIM)
     rk.verify(model, routed, (image,))
     with pytest.raises(rk.ConfigError, match=r"sizes as numbers \(arguments 'height', 'width'\).*than the 6×8 one.*"
-                                             r"selector='row'"):
+                                             r"keep such a grid on this one: 'column', 'row', 'window'"):
         rk.apply(model, rk.Route(start=1, end=2, selector="importance"), example_inputs=(image,), mode=mode)
+
+
+class VideoSized(nn.Module):
+    """A block handed a video grid's frames, height and width as numbers (as SanaVideo's temporal convolution)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(DIM, DIM, 3, padding=1)
+
+    def forward(self, x, frames, height, width):
+        video = x.transpose(1, 2).reshape(x.shape[0], DIM, frames, height, width)
+        return x + self.conv(video).flatten(2).transpose(1, 2)
+
+
+class VideoOwner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv3d(3, DIM, (1, 2, 2), (1, 2, 2))
+        self.blocks = nn.ModuleList(VideoSized() for _ in range(4))
+
+    def forward(self, video):
+        x = self.embed(video)
+        frames, height, width = x.shape[2:]
+        x = x.flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x, frames, height, width)
+        return x
+
+
+def test_a_video_grid_handed_to_blocks_names_the_selectors_that_fit_it():
+    """Rows and windows of a T×H×W grid differ from frame to frame: no smaller grid. The refusal names what fits."""
+    torch.manual_seed(0)
+    model, video = VideoOwner(), torch.randn(2, 3, 4, 4, 4)
+    with pytest.raises(rk.ConfigError, match=r"selector 'row''s do not; selectors that keep such a grid on this one: "
+                                             r"'column', 'frame'$"):
+        rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(video,))
+    routed = rk.apply(model, rk.Route(start=1, end=2, selector="frame"), example_inputs=(video,))
+    rk.verify(model, routed, (video,))
+    assert routed.train()(video).shape == video.new_empty(2, 16, DIM).shape

@@ -90,7 +90,8 @@ def test_a_join_the_graph_does_not_show_is_refused_by_name_unless_keep_is_given(
 
     torch.manual_seed(0)
     model, inputs = Hidden(), joined_inputs()
-    with pytest.raises(rk.ConfigError, match=r"could not tell which were made from the image.*pass keep=\[\.\.\.\]"):
+    with pytest.raises(rk.ConfigError, match=r"could not read off the graph which of the stream.s tokens were made "
+                                             r"from the image.*pass keep=\[\.\.\.\]"):
         rk.apply(model, rk.Route(start=1, end=2), example_inputs=inputs)
     routed = rk.apply(model, rk.Route(start=1, end=2, keep=range(4)), example_inputs=inputs)
     routed.train()
@@ -106,7 +107,8 @@ def test_a_per_sample_join_of_image_and_caption_is_refused_unless_keep_is_given(
         model, args, kwargs = zoo.diffusers_zimage()
     except Missing as err:
         pytest.skip(str(err))
-    with pytest.raises(rk.ConfigError, match=r"could not tell which were made from the image.*pass keep=\[\.\.\.\]"):
+    with pytest.raises(rk.ConfigError, match=r"could not read off the graph which of the stream.s tokens were made "
+                                             r"from the image.*pass keep=\[\.\.\.\]"):
         rk.apply(model, rk.Route(start=1, end=4), example_inputs=args)
     routed = rk.apply(model, rk.Route(start=1, end=4, keep=range(-32, 0)), example_inputs=args)
     assert report_of(routed).mode == "graph"

@@ -220,6 +220,26 @@ def diffusers_auraflow():
     return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
 
 
+def diffusers_krea2():
+    """Packed latents (B, N, C) first, the text encoder's stacked layers (B, L, layers, D) beside them (a 4-D
+    floating input that is not the image), the text joined in front of the image tokens, and a boolean
+    key-padding mask (B, 1, 1, L + N) the owner builds over both: one sample's text padded."""
+    diffusers = package("diffusers")
+    if not hasattr(diffusers, "Krea2Transformer2DModel"):
+        raise Missing(f"diffusers {diffusers.__version__} has no Krea2Transformer2DModel")
+    from diffusers.pipelines.krea2.pipeline_krea2 import Krea2Pipeline
+
+    model = diffusers.Krea2Transformer2DModel(
+        in_channels=16, num_layers=6, attention_head_dim=16, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=64, timestep_embed_dim=32, text_hidden_dim=24, num_text_layers=3, text_num_attention_heads=2,
+        text_num_key_value_heads=2, text_intermediate_size=48, num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
+        axes_dims_rope=(4, 6, 6))
+    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 3, 24, generator=_g(1)), "timestep": torch.tensor([0.3, 0.7]),
+              "position_ids": Krea2Pipeline.prepare_position_ids(5, 4, 4, "cpu"),
+              "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)}
+    return model, (torch.randn(2, 16, 16, generator=_g()),), kwargs
+
+
 def diffusers_stable_audio():
     diffusers = package("diffusers")
     model = diffusers.StableAudioDiTModel(
@@ -408,6 +428,7 @@ ZOO: dict[str, Entry] = {
     "diffusers AuraFlow": Entry(diffusers_auraflow, "single_transformer_blocks",
                                 special=tuple(range(13)),  # its 8 register tokens, then the 5 text tokens
                                 options={"stack": "single_transformer_blocks"}),
+    "diffusers Krea2 (padded text)": Entry(diffusers_krea2, "transformer_blocks", special=tuple(range(5))),  # its text
     "diffusers StableAudio": Entry(diffusers_stable_audio, "transformer_blocks", special=(0,)),  # the global token
     "transformers Llama": Entry(transformers_llama, "layers"),
     "transformers Qwen3-MoE (router logits)": Entry(transformers_qwen3_moe, "model.layers", mode="boundary"),
