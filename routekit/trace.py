@@ -193,7 +193,20 @@ class _ConcreteProxy(_ConcreteMixin, fx.Proxy):
 
 
 class _ConcreteAttribute(_ConcreteMixin, fx.proxy.Attribute):
-    pass
+    @property
+    def node(self) -> fx.Node:
+        """fx's lazy getattr node, refused by name where the attribute is a string (`x.device.type`): the tracer
+        hands strings on as themselves, so there is no node, and fx's own property would fail with an
+        AttributeError that hides behind `__getattr__`. A graph would keep the example's device type; the code
+        that reads it stays eager instead (a leafed module, or boundary mode), which also keeps any autocast
+        region it opens with that type."""
+        if self._node is None:
+            made = self.tracer.create_proxy("call_function", getattr, (self.root, self.attr), {})
+            if not isinstance(made, fx.Proxy):
+                raise TraceError(f"the forward compares or passes on .{self.attr} = {made!r} at {user_location()}, "
+                                 "a string read off a value, which a traced graph would fix to the example's")
+            self._node = made.node
+        return self._node
 
 
 class _Tracer(fx.Tracer):

@@ -1152,3 +1152,40 @@ def test_torch_factories_take_sizes_the_trace_computed_and_make_them_on_every_ru
     mask, ids, like = run_graph(model, tr, (randn(2, 3, 7, D),), {})[1:]
     assert mask.shape == (3, 8) and ids.shape == (3, 7, 3) and (ids == 2).all()
     assert like.shape == (3, 7, D) and (like == 1).all()
+
+
+def test_a_device_type_read_leaves_its_module_eager_and_says_why():
+    """diffusers' rotary tables test `freqs.device.type == "npu"`: a string read off a tensor has no graph node, so
+    the module that reads it stays eager (leafed) with that reason, not fx's hidden AttributeError('node'); the
+    model around it still traces, routes and verifies."""
+
+    class Rope(nn.Module):
+        def forward(self, x):
+            freqs = x * 2
+            if freqs.device.type == "npu":
+                freqs = freqs.float()
+            return freqs
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = Rope()
+            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+                                        for _ in range(4))
+
+        def forward(self, x):
+            x = self.rope(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    import routekit as rk
+    from routekit.model import report_of
+
+    torch.manual_seed(0)
+    model, x = Owner(), torch.randn(2, 6, 8)
+    leafed = dict(trace(model, (x,)).leafed)
+    assert "rope" in leafed and ".type = 'cpu'" in leafed["rope"] and "node" not in leafed["rope"]
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
+    assert report_of(routed).mode == "graph"
+    rk.verify(model, routed, (x,))
