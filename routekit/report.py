@@ -66,7 +66,7 @@ def format_plan(plan: Any) -> str:
             notes.append(f"compiled: {r.stack_of(b.index).tokens} and {plan.placed[routed[b.index]].kept_at(b.stack)} "
                          "tokens, each static")
         if b.adds is not None:
-            notes.append(f"{len(b.adds)} residual adds" if b.adds else "residual adds hidden: one DAR source")
+            notes.append(f"{len(b.adds)} residual adds" if b.adds else "no residual add found on its stream: one DAR source")
         if b.qualname in uncompiled:
             notes.append("compiled, DAR inlines it uncompiled")
         lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 58)}")
