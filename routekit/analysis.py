@@ -113,10 +113,11 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
             chains[parent] = best
     if stack is not None:
         if not isinstance(stack, str) or stack not in chains:
-            why = layers.get(stack) or (_unchained(calls[stack]) if len(calls.get(stack, ())) >= 2 else None)
+            named = isinstance(stack, str)
+            why = named and (layers.get(stack) or (_unchained(calls[stack]) if len(calls.get(stack, ())) >= 2 else None))
             raise AnalysisError(
                 f"stack {stack!r} is not a chain of blocks in {type(model).__name__}"
-                + (f" ({why})" if isinstance(stack, str) and why else "")
+                + (f" ({why})" if why else "")
                 + f"; chains found: {_listing({k: len(v[0]) for k, v in chains.items()}) or 'none'}"
             )
         chosen = stack

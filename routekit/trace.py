@@ -176,8 +176,10 @@ class _ConcreteMixin:
         return hash(value) if isinstance(value, (int, float, str)) else object.__hash__(self)
 
     def __eq__(self, other):
-        if isinstance(other, fx.Proxy) and other.tracer is not self.tracer:
-            return False  # a proxy kept from an earlier attempt (e.g. in an lru_cache) is not this trace's value
+        if self.tracer.finished or (isinstance(other, fx.Proxy) and other.tracer is not self.tracer):
+            # a proxy kept from an earlier trace or attempt, as the key of an lru_cache the forward filled
+            # (BEiT's position index, keyed by sizes read off the input), equals nothing: the lookup misses
+            return False
         return fx.Proxy.__eq__(self, other)
 
 
@@ -222,6 +224,7 @@ class _Tracer(fx.Tracer):
         self.objects: dict[int, tuple[Any, fx.Node]] = {}  # id -> (object the forward made, its node)
         self.snapshots: dict[str, Any] = {}  # node name -> that object's state when the forward first used it
         self.running = 0  # > 0 while a node runs for real: module calls and attribute reads are the real ones
+        self.finished = False  # set once the trace ends: its proxies may outlive it as keys of the forward's caches
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         """Container members (the blocks), torch's own layers, and any module with hooks: the graph calls it
@@ -564,6 +567,8 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                 at = "" if where == "<unknown location>" else f" at {where}"  # a value met after the forward returned
                 detail = str(err).splitlines()[0] if isinstance(err, TraceError) else _short(err)
                 raise TraceError(f"cannot trace {type(model).__name__}.forward{at}: {detail}") from None
+            finally:
+                tracer.finished = True
     if recorder.writes:
         raise TraceError(
             f"cannot trace {type(model).__name__}.forward: it sets {recorder.writes[0]} as it runs, which a traced "

@@ -1189,3 +1189,39 @@ def test_a_device_type_read_leaves_its_module_eager_and_says_why():
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
     assert report_of(routed).mode == "graph"
     rk.verify(model, routed, (x,))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_index(window: tuple[int, int]) -> torch.Tensor:
+    return torch.arange(window[0] * window[1])
+
+
+def test_an_lru_cache_keyed_by_a_traced_size_serves_the_eager_model_after_the_trace():
+    """transformers' BEiT keys an lru_cached position index by sizes read off the input. The trace fills that cache
+    with its proxy as the key; the original model's next eager call (and the routed model's eval) must miss it and
+    compute the index anew, not compare its number with the finished trace's proxy."""
+    import routekit as rk
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+                                        for _ in range(4))
+
+        def forward(self, x):
+            x = x + _cached_index((x.shape[1], 1))[None, :, None].to(x.dtype)  # a tuple key, as BEiT's window
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    _cached_index.cache_clear()
+    torch.manual_seed(0)
+    model, x = Owner(), torch.randn(2, 5, 8)
+    trace(model, (x,))  # the cache's first entry: the trace's, keyed by its proxy of x.shape[1]
+    with torch.no_grad():
+        model.eval()(x)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), routed.eval()(x))
+    rk.verify(model, routed, (x,))
