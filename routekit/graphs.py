@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import sys
 from typing import Any
 
 import networkx as nx
@@ -104,5 +105,8 @@ def compile_graph(graph: fx.Graph, label: str):
     filename = f"<routekit {label} {next(_counter)}>"
     linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
     namespace = dict(code.globals)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # numpy 2 writes a numpy scalar constant as `np.float64(...)` (DINOv3's log-scale draw)
+        namespace.setdefault("np", numpy)
     exec(compile(code.src, filename, "exec"), namespace)
     return namespace["forward"]

@@ -1225,3 +1225,28 @@ def test_an_lru_cache_keyed_by_a_traced_size_serves_the_eager_model_after_the_tr
     with torch.no_grad():
         assert torch.equal(model(x), routed.eval()(x))
     rk.verify(model, routed, (x,))
+
+
+def test_a_numpy_scalar_the_forward_computes_runs_in_the_routed_program():
+    """DINOv3 draws its position jitter between numpy-computed bounds: numpy 2 writes such a constant as
+    `np.float64(...)` in the generated code, which must run there."""
+    np = pytest.importorskip("numpy")
+    import routekit as rk
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+                                        for _ in range(4))
+
+        def forward(self, x):
+            x = x * np.log(np.float64(2.0))
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Owner(), torch.randn(2, 6, 8)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
+    rk.verify(model, routed, (x,))
+    assert routed.train()(x).shape == x.shape
