@@ -11,6 +11,7 @@ Writes benchmarks/results/throughput_backbones.{json,md,png}.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         # rows timed interleaved (`throughput.py --interleave`) had every variant on the device: no peak of their own
-        peak = "–" if r["peak_gib"][0] != r["peak_gib"][0] else f"{r['peak_gib'][0]:.1f} → {r['peak_gib'][1]:.1f}"
+        peak = "–" if math.isnan(r["peak_gib"][0]) else f"{r['peak_gib'][0]:.1f} → {r['peak_gib'][1]:.1f}"
         lines.append(f"| {r['backbone']} | {r['size']} | {r['batch']} | {r['mode']} | {r['vanilla_ms']:.1f} | "
                      f"{r['routed_ms']:.1f} | {r['speedup']:.3f}× | {r['flop_limit']:.3f}× | {r['of_limit']:.3f} | "
                      f"{peak} | {r['mixer']} | {r['file']} ({r['commit']}) |")

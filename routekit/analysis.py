@@ -28,7 +28,7 @@ from .graphs import Slot, between, reads_kind, slot_value, slots
 from .guards import hooked
 from .probe import token_offset, trace_block
 from .record import Image
-from .residuals import timestep_embeddings, without_residual
+from .residuals import plain_layer, timestep_embeddings, without_residual
 from .sides import joint_order, meta_of, parameter_names, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
@@ -106,7 +106,9 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
     chains, layers = {}, {}
     for parent, nodes in calls.items():
         best = max(_chains(nodes), key=lambda rl: len(rl[0]))
-        layer = next((m for n in best[0] if _is_layer(m := model.get_submodule(n.target))), None)
+        # a FeedForward's list of torch layers (GlmImage's prior projector, run on a side input) chains like
+        # blocks but is no stack to route
+        layer = next((m for n in best[0] if plain_layer(m := model.get_submodule(n.target))), None)
         if len(best[0]) >= 2 and layer is not None:
             layers[parent] = f"{parent}'s members include torch's own {type(layer).__name__}: layers, not blocks"
         elif len(best[0]) >= 2:
@@ -140,12 +142,6 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
                 f"{chosen} may be a side branch (a control network's blocks beside the model's own); pass "
                 f"stack={chosen!r} to route it, or stack={k!r} to route one of {k}'s chained runs")
     return chosen, chains
-
-
-def _is_layer(module: nn.Module) -> bool:
-    """One of torch's own layers (a Linear, a Dropout, an activation), not a block: a FeedForward's list of layers
-    (GlmImage's prior projector, called on a side input) chains like blocks but is no stack to route."""
-    return type(module).__module__.startswith("torch.nn.") and not any(True for _ in module.children())
 
 
 def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Literal["graph", "boundary"] = "graph",

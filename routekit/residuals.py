@@ -78,6 +78,12 @@ def find_residual_adds(graph: fx.Graph, stream: fx.Node, output: fx.Node | None 
     return adds
 
 
+def plain_layer(module: nn.Module) -> bool:
+    """One of torch.nn's plain layers (a Linear, a Dropout, an activation): no residual inside and no block of a
+    stack. torch's composite layers (a TransformerEncoderLayer, which adds inside) and the user's own are not."""
+    return type(module).__module__.startswith("torch.nn.") and next(module.children(), None) is None
+
+
 def without_residual(model: nn.Module, block: BlockInfo) -> bool:
     """Whether a block's own trace shows no residual connection and hides none: no add of token-carrying values,
     and every module it calls one of torch.nn's plain layers (any other module may add a residual inside)."""
@@ -88,7 +94,7 @@ def without_residual(model: nn.Module, block: BlockInfo) -> bool:
             return False
         if node.op == "call_module":
             module = model.get_submodule(block.qualname).get_submodule(node.target)
-            if not type(module).__module__.startswith("torch.nn") or next(module.children(), None) is not None:
+            if not plain_layer(module):
                 return False  # its own code, or torch's composite layers (a TransformerEncoderLayer adds inside)
     return True
 

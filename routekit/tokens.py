@@ -354,12 +354,13 @@ def _measured(model: nn.Module, call: tuple[tuple, dict], points: tuple[tuple[st
               tokens: int) -> tuple[int, ...] | None:
     """The special positions measured where the graph does not show them: the tokens of the stream entering the
     first of `points` (block, stream slot) that the call's image reaches at all, that do not change with that
-    image (class and register tokens, text a block did not mix with the image); () where all change. None where
-    there is no image to change, or it reaches none of the points (an earlier chain that runs beside the image's
-    path, as GlmImage's prior-token projector does: every token there would look special)."""
+    image (class and register tokens, text a block did not mix with the image); () where all change, or where
+    there is no image to change (token ids in: nothing to tell apart). None where the image reaches none of the
+    points (an earlier chain that runs beside the image's path, as GlmImage's prior-token projector does: every
+    token there would look special)."""
     image = image_input(*call, batch)
     if image is None:
-        return None
+        return ()
     for block, slot in dict.fromkeys(points):
         special = tokens_not_from(model, *call, block, slot, image=image)
         if len(special) < tokens:
@@ -387,8 +388,6 @@ def _recorded_special(model: nn.Module, call: tuple[tuple, dict], chains: dict, 
                 offset = token_offset(model, *call, nodes[0].target, slot, others[-1].target, out_index)
                 return None if offset is None else _positions(
                     [not offset <= i < offset + length for i in range(tokens)])
-    if image_input(*call, batch) is None:
-        return ()
     return _measured(model, call, (at, (nodes[0].target, slot)), batch, tokens)
 
 

@@ -1154,10 +1154,28 @@ def test_torch_factories_take_sizes_the_trace_computed_and_make_them_on_every_ru
     assert like.shape == (3, 7, D) and (like == 1).all()
 
 
+class _Encoders(nn.Module):
+    """Four of torch's encoder layers after the owner's own `prefix` (a module, or a function the trace reads)."""
+
+    def __init__(self, prefix):
+        super().__init__()
+        self.prefix = prefix
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+                                    for _ in range(4))
+
+    def forward(self, x):
+        x = self.prefix(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def test_a_device_type_read_leaves_its_module_eager_and_says_why():
     """diffusers' rotary tables test `freqs.device.type == "npu"`: a string read off a tensor has no graph node, so
     the module that reads it stays eager (leafed) with that reason, not fx's hidden AttributeError('node'); the
     model around it still traces, routes and verifies."""
+    import routekit as rk
+    from routekit.model import report_of
 
     class Rope(nn.Module):
         def forward(self, x):
@@ -1166,26 +1184,10 @@ def test_a_device_type_read_leaves_its_module_eager_and_says_why():
                 freqs = freqs.float()
             return freqs
 
-    class Owner(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.rope = Rope()
-            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-                                        for _ in range(4))
-
-        def forward(self, x):
-            x = self.rope(x)
-            for block in self.blocks:
-                x = block(x)
-            return x
-
-    import routekit as rk
-    from routekit.model import report_of
-
     torch.manual_seed(0)
-    model, x = Owner(), torch.randn(2, 6, 8)
+    model, x = _Encoders(Rope()), torch.randn(2, 6, 8)
     leafed = dict(trace(model, (x,)).leafed)
-    assert "rope" in leafed and ".type = 'cpu'" in leafed["rope"] and "node" not in leafed["rope"]
+    assert "prefix" in leafed and ".type = 'cpu'" in leafed["prefix"] and "node" not in leafed["prefix"]
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
     assert report_of(routed).mode == "graph"
     rk.verify(model, routed, (x,))
@@ -1202,21 +1204,12 @@ def test_an_lru_cache_keyed_by_a_traced_size_serves_the_eager_model_after_the_tr
     compute the index anew, not compare its number with the finished trace's proxy."""
     import routekit as rk
 
-    class Owner(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-                                        for _ in range(4))
-
-        def forward(self, x):
-            x = x + _cached_index((x.shape[1], 1))[None, :, None].to(x.dtype)  # a tuple key, as BEiT's window
-            for block in self.blocks:
-                x = block(x)
-            return x
+    def position(x):  # a tuple key, as BEiT's window
+        return x + _cached_index((x.shape[1], 1))[None, :, None].to(x.dtype)
 
     _cached_index.cache_clear()
     torch.manual_seed(0)
-    model, x = Owner(), torch.randn(2, 5, 8)
+    model, x = _Encoders(position), torch.randn(2, 5, 8)
     trace(model, (x,))  # the cache's first entry: the trace's, keyed by its proxy of x.shape[1]
     with torch.no_grad():
         model.eval()(x)
@@ -1233,20 +1226,8 @@ def test_a_numpy_scalar_the_forward_computes_runs_in_the_routed_program():
     np = pytest.importorskip("numpy")
     import routekit as rk
 
-    class Owner(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-                                        for _ in range(4))
-
-        def forward(self, x):
-            x = x * np.log(np.float64(2.0))
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     torch.manual_seed(0)
-    model, x = Owner(), torch.randn(2, 6, 8)
+    model, x = _Encoders(lambda x: x * np.log(np.float64(2.0))), torch.randn(2, 6, 8)
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
     rk.verify(model, routed, (x,))
     assert routed.train()(x).shape == x.shape
