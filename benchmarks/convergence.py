@@ -326,8 +326,11 @@ def _describe(part: str, sides: dict[str, list[str]]) -> str:
 
 
 def _recipe_conflict(runs: list[dict], part: str, what: str) -> str | None:
-    """The line for runs that disagree on a recipe part, naming the fields of the first two sides that differ."""
-    sides = _sides(runs, lambda r: r["fingerprint"][part])
+    """The line for runs that disagree on a recipe part, naming the fields of the first two sides that differ.
+    Each run's recipe is read again by today's config (`parse_config`), not compared by the hash it was saved
+    with: a field the config gained since (DAR's `regions`) takes its default, which is what the run did (a new
+    option is off by default), so the runs made before it still merge with those made after."""
+    sides = _sides(runs, lambda r: recipe_digests(parse_config(r["config"]))[part])
     if len(sides) < 2:
         return None
     first, other = (next(r for r in runs if r["file"] == files[0]) for files in list(sides.values())[:2])

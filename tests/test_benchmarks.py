@@ -374,6 +374,21 @@ def test_convergence_merges_code_declared_the_same_and_says_so(tmp_path):
         convergence.report(plan)
 
 
+def test_convergence_merges_a_run_saved_before_its_config_gained_a_field(tmp_path):
+    """DAR gained `regions` (off by default) after the first DAR seed ran: that run's saved recipe lacks the
+    field, and so its saved method hash differs from a later seed's. Read again by today's config, the field
+    takes its default and the two seeds merge; a field that truly differs is still refused (the twin above)."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    fake_result(plan, "dit_b2/vanilla/0", [(10, 0.5, 10.0)])
+    fake_result(plan, "dit_b2/dar/1", [(10, 0.5, 9.0)])
+    fake_result(plan, "dit_b2/dar/0", [(10, 0.5, 8.0)], method="an older hash")
+    run = plan.find("dit_b2/dar/0")
+    stored = json.loads((plan.results / run.file).read_text())
+    assert stored["config"]["dar"].pop("regions") is False
+    (plan.results / run.file).write_text(json.dumps(stored))
+    assert convergence.report(plan)["done"] == 3
+
+
 def test_convergence_report_without_runs_names_every_planned_run_as_missing(tmp_path):
     plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
     (tmp_path / "convergence.png").write_text("a stale picture")
