@@ -201,6 +201,8 @@ def measure_interleaved(models: dict[str, nn.Module], backbone: str, batch: int,
         for _ in range(warmup):
             step()
         prepared[variant] = step, first
+    if cuda:
+        torch.cuda.synchronize()  # the first timed step's host time must not include warm-up work still queued
     samples: dict[str, list[tuple[float, float]]] = {variant: [] for variant in models}
     names = list(models)
     for r in range(steps):

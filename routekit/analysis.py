@@ -29,7 +29,7 @@ from .guards import hooked
 from .probe import token_offset, trace_block
 from .record import Image
 from .residuals import plain_layer, timestep_embeddings, without_residual
-from .sides import joint_order, meta_of, parameter_names, resolved, side_input
+from .sides import image_tables, joint_order, meta_of, parameter_names, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
 from .trace import Trace
@@ -182,6 +182,8 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         stacks.append(Stack(name, len(blocks), len(these), slot, out_index, stream, **info))
         blocks.extend(these)
     decided: dict = {}
+    blocks = [image_tables(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream, stacks[b.stack].special,
+                           stacks[b.stack].grid[-1] if stacks[b.stack].grid else 1, decided) for b in blocks]
     blocks = [resolved(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream, _fewer(stacks[b.stack]),
                        decided) for b in blocks]
     granularity, timestep, embeddings = None, None, ()

@@ -34,7 +34,9 @@ class Gather(NamedTuple):
     axes: its token axes (an attention mask (B, 1, N, N) has two). batched: its first axis is the batch
     (of size B, or 1 for a table shared by the batch); otherwise it is one table for every sample, e.g. a
     RoPE table (N, d). rest_first: the token axes are longer than the stream, other tokens first (a joint
-    text + image table: text rows, then image rows); otherwise the stream's tokens come first.
+    text + image table: text rows, then image rows); otherwise the stream's tokens come first. Token axes
+    shorter than the stream hold its tokens but the leading special ones (a rotary table over the image's
+    patches only, which the block lines up with the stream's last tokens: `sides.image_tables`).
     """
 
     path: tuple
@@ -80,6 +82,13 @@ class SideInput:
         if self.grid:
             return "grid"
         return "per-sample" if any(isinstance(v, TensorMeta) for v in pytree.tree_leaves(self.meta)) else "constant"
+
+    def leaf(self, path: tuple) -> Any:
+        """What it holds at `path` (keys and indices, as a `Gather`'s)."""
+        meta = self.meta
+        for key in path:
+            meta = meta[key]
+        return meta
 
     def describe(self) -> str:
         """One line, whatever it holds: tensors as dtype[shape], containers by their entries, an object (a cache)

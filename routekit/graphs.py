@@ -18,21 +18,48 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from .values import TensorMeta
+
 Slot = int | str  # a positional index or a keyword name in a block call
 
 
 def to_networkx(graph: fx.Graph) -> nx.DiGraph:
-    """Data-flow graph: an edge from every input node to the node that uses its value. A read of a tensor's
-    shape is no use of its values (`head_dim = key.shape[-1] // heads` does not make what it reshapes depend on
-    `key`): such a read has no edge from the tensor."""
+    """Data-flow graph: an edge from every input node to the node that uses its value. A read of what a tensor
+    is rather than what it holds is no use of its values (`head_dim = key.shape[-1] // heads` does not make what
+    it reshapes depend on `key`, nor does OmniGen's `time_proj(t).type_as(hidden_states)` make its time token
+    from the image): such a read has no edge from the tensor (`is_shape_read`, `kind_only`)."""
     g = nx.DiGraph()
     for order, node in enumerate(graph.nodes):
         g.add_node(node.name, op=node.op, target=str(node.target), order=order)
         shape_read = is_shape_read(node)
+        kinds = kind_only(node)
         for inp in node.all_input_nodes:
-            if not (shape_read and inp is node.args[0]):
+            if not (shape_read and inp is node.args[0]) and inp not in kinds:
                 g.add_edge(inp.name, node.name)
     return g
+
+
+_LIKE = frozenset({torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+                   torch.randn_like, torch.randint_like})
+_NEW = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
+
+
+def kind_only(node: fx.Node) -> set[fx.Node]:
+    """The inputs of `node` whose values it does not read, only their shape, dtype or device: the tensor
+    `x.type_as(y)` and `x.to(y)` take the dtype of, the one `torch.zeros_like(y)` takes the shape of, the one
+    `y.new_zeros(...)` is called on."""
+    args = node.args
+    if node.op == "call_method" and node.target in ("type_as", "to") and len(args) >= 2:
+        return {args[1]} if isinstance(args[1], fx.Node) and _is_tensor(args[1]) else set()
+    if node.op == "call_method" and node.target in _NEW and args:
+        return {args[0]} if isinstance(args[0], fx.Node) else set()
+    if node.op == "call_function" and node.target in _LIKE and args:
+        return {args[0]} if isinstance(args[0], fx.Node) else set()
+    return set()
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("rk"), TensorMeta) or isinstance(node.meta.get("value"), torch.Tensor)
 
 
 _SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})

@@ -165,6 +165,7 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, pr
     planned = []
     for k, (route, (start, end)) in enumerate(zip(routes, spans)):
         keep = _checked_keep(k, route, report.stack_of(start), grid)
+        _check_image_tables(k, route, report.blocks[start:end + 1], report, keep)
         shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
         _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid)
         answer = probe.route(route, start, end, keep, grid, shrink, bodies=residual is not None)
@@ -278,6 +279,28 @@ def _checked_keep(k: int, route: Route, report, grid) -> tuple[int, ...]:
     return keep
 
 
+def _check_image_tables(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport,
+                        keep: tuple[int, ...]) -> None:
+    """Refuse a keep without the special tokens where a block of the route takes a table over the image's tokens
+    only (`sides.image_tables`): the block lines it up with the stream's last tokens, so the special ones must
+    all stay before them."""
+    special = resolve_keep(report.stack_of(blocks[0].index).special, report.stack_of(blocks[0].index).tokens)
+    if set(special) <= set(keep):
+        return
+    for block in blocks:
+        tokens = report.stack_of(block.index).tokens
+        for side in block.side_inputs:
+            short = next((g for g in side.tokens if side.leaf(g.path).shape[g.axes[0]] < tokens), None)
+            if short is not None:
+                where = "".join(f"[{p!r}]" for p in short.path)
+                raise ConfigError(
+                    f"route {k}: keep={list(route.keep)} sets aside special tokens, but {block.qualname}'s input "
+                    f"{side.slot!r}{where} ({side.describe()}) is a table over the image's tokens only, which the "
+                    f"block lines up with the stream's last tokens: every token before them must stay. Leave keep "
+                    f"unset to keep the special tokens ({suggestion(report.special)}), or keep them all"
+                )
+
+
 def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport, grid) -> None:
     """Refuse blocks the route cannot contain or pass through, as the report shows them, and a grid selector
     without a grid."""
@@ -333,6 +356,12 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
 def _check_answer(k: int, route: Route, blocks: tuple[BlockInfo, ...], answer: RouteAnswer, grid) -> None:
     """Refuse the selector where the probe found a block of the route that cannot take what it keeps."""
     for block in blocks:
+        if block.index in answer.stuck:
+            raise ConfigError(
+                f"route {k}: {block.qualname} ({block.cls}) fails on fewer tokens than the stream's, whole grid rows "
+                "fewer too, so no selector can route it: it holds or is handed something as long as the stream "
+                "that a route does not cut (a position bias of its own, say); end the route before this block"
+            )
         if block.index in answer.fails:
             raise ConfigError(
                 f"route {k}: {block.qualname} ({block.cls}) fails on the {answer.kept} tokens selector "

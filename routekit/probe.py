@@ -34,11 +34,13 @@ from .values import TensorMeta
 
 
 def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, device, tokens: int | None = None,
-                      shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True) -> tuple[list, dict]:
+                      shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True,
+                      index: torch.Tensor | None = None) -> tuple[list, dict]:
     """Tensors shaped like `block`'s inputs (zeros, or seeded normals with `random`): to trace or probe a block
     alone. With `tokens`, as a route's blocks see them: the stream and every token-carrying tensor cut to the
-    first `tokens` tokens (tables without a batch axis kept so where `shared`, else made one per sample), and
-    the grid's sizes along the axes `shrink` names shrunk in proportion."""
+    first `tokens` tokens, or to each sample's `index` (batch, tokens) (tables without a batch axis kept so
+    where `shared`, else made one per sample), and the grid's sizes along the axes `shrink` names shrunk in
+    proportion."""
     generator = torch.Generator().manual_seed(0)
 
     def fake(meta):
@@ -53,7 +55,7 @@ def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, d
         values[side.slot] = pytree.tree_map(fake, side.meta)
     if tokens is not None:
         full = values[stream_slot]
-        index = torch.arange(tokens, device=device).expand(full.shape[0], tokens)
+        index = torch.arange(tokens, device=device).expand(full.shape[0], tokens) if index is None else index.to(device)
         values[stream_slot] = gather_tokens(full, index)
         for side in block.side_inputs:
             sizes = tuple(Shrink(path) for path, axis in side.grid if axis in shrink)
@@ -78,10 +80,12 @@ def block_runs(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Te
 
 
 def run_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int,
-              shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True) -> Any:
+              shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True,
+              index: torch.Tensor | None = None) -> Any:
     """The block's output as a route's block on `tokens` tokens (`fake_block_inputs`), or None where it fails;
     no lasting side effects."""
-    args, kwargs = fresh(fake_block_inputs(block, stream_slot, stream, _device(model), tokens, shrink, random, shared))
+    args, kwargs = fresh(fake_block_inputs(block, stream_slot, stream, _device(model), tokens, shrink, random, shared,
+                                           index))
     with preserved_state(model, [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]):
         torch.manual_seed(0)
         try:
@@ -217,6 +221,7 @@ class RouteAnswer:
     rows: tuple[int, ...] = ()  # blocks that fail on a token count that is not whole grid rows
     shared: bool = False  # one selection for the batch: a block computes otherwise with a table made per sample
     bodies: tuple[BlockInfo, ...] = ()  # blocks traced again at the kept count (DAR), where their trace was shape-bound
+    stuck: tuple[int, ...] = ()  # blocks that fail on whole grid rows fewer too: no selector helps them
 
 
 class Probe:
@@ -237,7 +242,7 @@ class Probe:
         counts = report.joined_counts(start, end, kept)
         first = report.blocks[start].stack
         blocks = [(b, report.stack_of(b.index), counts[b.stack - first]) for b in report.blocks[start:end + 1]]
-        fails, rows = [], []
+        fails, rows, stuck = [], [], []
         for block, stack, count in blocks:
             if selector_spec(route.selector).kept_grid is not None:  # the kept tokens form a smaller grid: run on it
                 if not block_runs(model, block, stack.stream_slot, stack.stream, count, shrink):
@@ -245,26 +250,45 @@ class Probe:
             elif grid is not None and grid[-1] != 1 and not block_runs(model, block, stack.stream_slot,
                                                                          stack.stream, stack.tokens - 1, shrink):
                 rows.append(block.index)  # one token fewer than the grid breaks it: it reshapes to rows
+            if (grid is not None and (fails + rows)[-1:] == [block.index] and not any(s.grid for s in block.side_inputs)
+                    and not block_runs(model, block, stack.stream_slot, stack.stream, stack.tokens - grid[-1])):
+                stuck.append(block.index)  # nor a whole row fewer (handed no grid sizes): it takes the stream's count
         shared = any(self._shared(block, stack, count, shrink) for block, stack, count in blocks)
         traced = ()
         if bodies:
             traced = tuple(self._body(block, stack, count, shrink, shared) for block, stack, count in blocks
                            if block.adds and block.body is not None and block.body.specialised
                            and count != stack.tokens)
-        return RouteAnswer(kept, tuple(fails), tuple(rows), shared, traced)
+        return RouteAnswer(kept, tuple(fails), tuple(rows), shared, traced, tuple(stuck))
 
     def _shared(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...]) -> bool:
         """Whether the block reads a table without a batch axis (a RoPE table (N, d)) and does not compute the same
-        with it made one per sample (B, N', d): probed on random inputs at the kept count, each way."""
+        with it made one per sample (B, N', d): probed on random inputs at the kept count, each sample keeping
+        other tokens (`_differing`), against the table shared by the batch and cut at each sample's tokens. Alike
+        samples would hide a block that broadcasts a per-sample table against its heads (B, H, N', d): it runs,
+        wherever the batch is as large as the heads, mixing one sample's positions into another's."""
         if not any(not g.batched for s in block.side_inputs for g in s.tokens):
             return False
+        index = _differing(stack.stream.shape[0], count, stack.tokens)
         args = (self.model, block, stack.stream_slot, stack.stream, count, shrink, True)
-        one, per_sample = run_block(*args, shared=True), run_block(*args, shared=False)
-        if one is None or per_sample is None:
-            return per_sample is None
-        same = [a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in
-                zip(pytree.tree_leaves(one), pytree.tree_leaves(per_sample)) if isinstance(a, torch.Tensor)]
-        return not same or not all(same)
+        per_sample = run_block(*args, shared=False, index=index)
+        if per_sample is None:
+            return True
+        for row in index.unique(dim=0):
+            one = run_block(*args, shared=True, index=row.expand_as(index))
+            if one is None:
+                return False
+            mine = (index == row).all(dim=1)
+            for a, b in zip(pytree.tree_leaves(one), pytree.tree_leaves(per_sample)):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                if not isinstance(b, torch.Tensor) or a.shape != b.shape:
+                    return True
+                if a.dim() and a.shape[0] == len(index):
+                    a, b = a[mine], b[mine]
+                if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                    return True
+        return False
 
     def _body(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...], shared: bool) -> BlockInfo:
         """The block traced alone as the route hands it its inputs (the kept count, grid sizes shrunk, tables as
@@ -272,3 +296,10 @@ class Probe:
         body, adds, _ = trace_block(self.model, block, stack.stream_slot, stack.stream, stack.stream_out_index,
                                     count, shrink, shared)
         return replace(block, body=body, adds=adds)
+
+
+def _differing(batch: int, count: int, tokens: int) -> torch.Tensor:
+    """(batch, count) sorted indices that differ between samples where the stream has tokens to spare: the first
+    count - 1 tokens for all (a route's always-kept tokens lead its streams), then one of the rest per sample."""
+    last = count - 1 + torch.arange(batch) % (tokens - count + 1)
+    return torch.cat([torch.arange(count - 1).expand(batch, count - 1), last[:, None]], dim=1)

@@ -125,6 +125,9 @@ def keys(path: tuple) -> tuple:
 def _gather_axis(x: torch.Tensor, index: torch.Tensor, axis: int, tokens: int, batched: bool, rest_first: bool,
                  shared: bool) -> torch.Tensor:
     rest = x.shape[axis] - tokens
+    if rest < 0:  # a table over the stream's tokens less its first -rest, special ones every route keeps (the plan
+        # refuses a keep without them), so they lead every row of the sorted index: the rest index the table
+        return _gather_axis(x, index[:, -rest:] + rest, axis, tokens + rest, batched, False, shared)
     if rest:  # a joint table: the other tokens stay, the stream's part is gathered
         own = x.narrow(axis, rest if rest_first else 0, tokens)
         other = x.narrow(axis, 0 if rest_first else tokens, rest)

@@ -150,7 +150,7 @@ def resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Tens
         elif not block_runs(model, block, stream_slot, stream, fewer):
             sides[i] = unchanged
     open_ = [(i, j) for i, side in enumerate(sides) for j, g in enumerate(side.tokens)
-             if len(g.axes) >= 2 and g.axes[-1] == len(_leaf_at(side.meta, g.path).shape) - 1]
+             if len(g.axes) >= 2 and g.axes[-1] == len(side.leaf(g.path).shape) - 1]
     if not open_ or fewer < 1:
         return replace(block, side_inputs=tuple(sides))
 
@@ -174,10 +174,52 @@ def resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Tens
     return replace(block, side_inputs=tuple(sides))
 
 
-def _leaf_at(meta: Any, path: tuple) -> Any:
-    for key in path:
-        meta = meta[key]
-    return meta
+def image_tables(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, special: tuple[int, ...],
+                 row: int, decided: dict) -> BlockInfo:
+    """`block` with its tables over the image's tokens only cut as the stream is: tensors the shapes left
+    unclassified with an axis as long as the stream less its `special` tokens, where those lead the stream.
+
+    DINOv3 hands each block a rotary table over the patches alone, and the block lines it up with the stream's
+    last tokens by length, taking the tokens before them for class and registers. Left whole, such a table
+    puts every kept token at a wrong position, or fails where the stream gets shorter than the table: so a
+    block that runs with the tables whole on fewer tokens than they have rows does not line them up so (a text
+    sequence that happens to be as long), and one that runs only with them cut (the kept image tokens' rows:
+    the special ones, which every route keeps, lead each sorted index) does. `row`: the grid's last size (1
+    without a grid), so the probe keeps whole rows. `decided` carries the answer from block to block.
+    """
+    batch, tokens, _ = stream.shape
+    k = len(special)
+    count = tokens - row * (k // row + 1)  # whole rows fewer, the stream shorter than the tables
+    if not k or tuple(special) != tuple(range(k)) or count <= k:
+        return block
+    found = {}
+    for i, side in enumerate(block.side_inputs):
+        taken = {g.path for g in side.tokens}
+        for path, leaf in pytree.tree_flatten_with_path(side.meta, is_leaf=is_opaque)[0]:
+            axes = _image_axes(leaf, batch, tokens - k) if isinstance(leaf, TensorMeta) else None
+            if axes and keys(path) not in taken:
+                found.setdefault(i, []).append(Gather(keys(path), *axes))
+    if not found:
+        return block
+    cut = tuple(replace(s, tokens=s.tokens + tuple(found.get(i, ()))) for i, s in enumerate(block.side_inputs))
+    key = (block.cls, tuple((block.side_inputs[i].node, tuple(g.path for g in gs)) for i, gs in found.items()))
+    if key not in decided:
+        decided[key] = (not block_runs(model, block, stream_slot, stream, count)
+                        and block_runs(model, replace(block, side_inputs=cut), stream_slot, stream, count))
+    return replace(block, side_inputs=cut) if decided[key] else block
+
+
+def _image_axes(meta: TensorMeta, batch: int, rows: int) -> tuple[tuple[int, ...], bool] | None:
+    """(axes as long as `rows`, batched) of a tensor, read as `_token_axes` reads token axes: the first axis is
+    the batch's where it is as long (or 1) and a later axis has `rows`, and a last axis after another holds
+    features unless the tensor is boolean."""
+    shape = meta.shape
+    batched = len(shape) >= 2 and shape[0] in (batch, 1) and rows in shape[1:]
+    start = 1 if batched else 0
+    last = len(shape) - 1
+    axes = tuple(a for a in range(start, len(shape)) if shape[a] == rows
+                 and not (a == last and last > start and meta.dtype != torch.bool))
+    return (axes, batched) if axes else None
 
 
 def joint_order(model: nn.Module, block: BlockInfo, joint: dict, stream_slot: Slot, stream: TensorMeta) -> BlockInfo:

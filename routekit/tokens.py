@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import AnalysisError
 from .findings import BlockInfo, Stack
-from .graphs import CATS, Slot, slot_value, to_networkx
+from .graphs import CATS, Slot, kind_only, slot_value, to_networkx
 from .probe import token_offset, tokens_not_from
 from .record import Image, grid_image, image_input
 from .trace import Trace
@@ -248,7 +248,7 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
             if made is not None and len(made) == count:
                 return made
         call = node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
-        feeding = [a for a in call.all_input_nodes if carries(a, count)]
+        feeding = [a for a in call.all_input_nodes if carries(a, count) and a not in kind_only(call)]
         batched = [a for a in feeding if a.meta["rk"].shape[0] == batch] or feeding
         if not batched:
             parts = [a.meta["rk"].shape[1] for a in call.all_input_nodes if isinstance(a.meta.get("rk"), TensorMeta)

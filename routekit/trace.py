@@ -414,8 +414,18 @@ def _factories_take_sizes(tracer: _Tracer):
     with proxies for b and n is refused by torch's argument parser ("takes 1 positional argument") before any
     proxy is asked for its value (HunyuanVideo's attention mask, HiDream's ids), and `torch.zeros((b, n))` reads
     them as numbers, tying the graph to the example's batch. Either becomes a node computing its size from the
-    shapes it was read off, on each run."""
+    shapes it was read off, on each run. So do `torch.finfo` and `torch.iinfo` of a dtype read off a value
+    (transformers' eager masks fill with `torch.finfo(x.dtype).min`): torch refuses the proxy, and the example's
+    dtype baked in would go stale when the model is cast."""
     originals = {name: getattr(torch, name) for name in _FACTORIES}
+
+    def taking_dtypes(info):
+        @functools.wraps(info)
+        def call(dtype=None):
+            if tracer.running or not isinstance(dtype, fx.Proxy):
+                return info() if dtype is None else info(dtype)
+            return tracer.create_proxy("call_function", info, (dtype,), {})
+        return call
 
     def taking_sizes(factory):
         @functools.wraps(factory)
@@ -428,12 +438,15 @@ def _factories_take_sizes(tracer: _Tracer):
             return tracer.create_proxy("call_function", factory, args, kwargs)
         return call
 
+    infos = {name: getattr(torch, name) for name in ("finfo", "iinfo")}
     for name, factory in originals.items():
         setattr(torch, name, taking_sizes(factory))
+    for name, info in infos.items():
+        setattr(torch, name, taking_dtypes(info))
     try:
         yield
     finally:
-        for name, factory in originals.items():
+        for name, factory in {**originals, **infos}.items():
             setattr(torch, name, factory)
 
 

@@ -215,6 +215,20 @@ def test_a_block_that_needs_whole_rows_refuses_token_selectors_and_takes_row_sel
     assert routed.train()(x).shape == (2, 20, 8)
 
 
+@pytest.mark.parametrize("selector", ["random", "row"])
+def test_a_block_that_takes_no_fewer_tokens_is_refused_without_suggesting_a_selector(selector: str) -> None:
+    """BEiT with a relative position bias per layer adds an (N, N) table of its own to the attention: no
+    selector helps, and the refusal must not send the user to 'row' (it did: any failure on one token fewer was
+    read as a block that reshapes to rows). Its twin: BEiT as configured by default routes (the zoo)."""
+    try:
+        model, args, _ = zoo.transformers_beit(bias_per_layer=True)
+    except zoo.Missing as err:
+        pytest.skip(str(err))
+    with pytest.raises(rk.ConfigError, match="no selector can route it") as err:
+        rk.apply(model, routes=rk.Route(start=1, end=4, selector=selector), example_inputs=args)
+    assert "layers.1 (BeitLayer)" in str(err.value) and "selector='row'" not in str(err.value)
+
+
 class LongSkip(nn.Module):
     """U-ViT-like: block 1's output also feeds the head, so no route may pass through block 1."""
 

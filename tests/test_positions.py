@@ -164,3 +164,90 @@ def test_a_video_grid_handed_to_blocks_names_the_selectors_that_fit_it():
     routed = rk.apply(model, rk.Route(start=1, end=2, selector="frame"), example_inputs=(video,))
     rk.verify(model, routed, (video,))
     assert routed.train()(video).shape == video.new_empty(2, 16, DIM).shape
+
+
+def _dinov3(augment: bool):
+    zoo = pytest.importorskip("zoo")
+    try:
+        return zoo.transformers_dinov3(augment)
+    except zoo.Missing as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+@pytest.mark.parametrize("rate", [0.5, 0.25])
+def test_a_table_over_the_image_tokens_only_is_cut_at_the_kept_image_tokens(mode, rate):
+    """DINOv3's rotary table covers its 16 patches, not its class and 4 register tokens: a routed block must
+    get the kept patches' rows, so that it still takes the 5 tokens before them for the prefix. Left whole, a
+    rate of 0.25 ran with every kept token at a wrong position, and 0.5 failed."""
+    model, (image,), _ = _dinov3(augment=False)
+    start = 2
+    routed = rk.apply(model, rk.Route(start=start, end=4, rate=rate), example_inputs=(image,), mode=mode)
+    side = report_of(routed).blocks[start].side_inputs[0]
+    assert side.kind == "per-token", side
+    seen = {}
+    handle = routed.get_submodule(f"model.layer.{start}").register_forward_hook(
+        lambda m, a, out: seen.setdefault("out", out), prepend=True)  # before a hook executor's scatter
+    routed.train()
+    routed(image)
+    handle.remove()
+    kept = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(2, -1)
+    assert (kept[:, :5] == torch.arange(5)).all()
+    with torch.no_grad():  # the stream entering block `start`, and each sample's kept tokens at their own rows
+        cos, sin = model.rope_embeddings(image)
+        x = model.embeddings(image)
+        for layer in model.model.layer[:start]:
+            x = layer(x, position_embeddings=(cos, sin))
+        want = torch.cat([model.model.layer[start](x[b:b + 1, i], position_embeddings=(cos[i[5:] - 5], sin[i[5:] - 5]))
+                          for b, i in enumerate(kept)])
+    torch.testing.assert_close(seen["out"], want)
+    rk.verify(model, routed, (image,))
+
+
+def test_a_route_that_sets_aside_the_tokens_before_an_image_only_table_is_refused():
+    model, (image,), _ = _dinov3(augment=False)
+    with pytest.raises(rk.ConfigError, match=r"table over the image's tokens only.*keep=\[0, 1, 2, 3, 4\]"):
+        rk.apply(model, rk.Route(start=1, end=4, keep=[]), example_inputs=(image,))
+
+
+class CrossText(nn.Module):
+    """A block cross-attending to a caption exactly as long as the image's patches."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
+
+    def forward(self, x, text):
+        return x + self.attn(x, text, text, need_weights=False)[0]
+
+
+class ClassTokenCaptioned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, DIM, 2, 2)
+        self.cls = nn.Parameter(torch.randn(1, 1, DIM))
+        self.blocks = nn.ModuleList(CrossText() for _ in range(4))
+
+    def forward(self, image, text):
+        x = self.embed(image).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        for block in self.blocks:
+            x = block(x, text)
+        return x
+
+
+def test_a_sequence_as_long_as_the_image_tokens_that_the_block_takes_whole_is_not_cut():
+    """The twin of the DINOv3 test: a caption of 16 tokens beside 1 + 16 stream tokens looks like a table over
+    the patches by its length, but the block runs with it whole on fewer tokens, so it stays whole."""
+    torch.manual_seed(0)
+    model, image, text = ClassTokenCaptioned(), torch.randn(2, 3, 8, 8), torch.randn(2, 16, DIM)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(image, text))
+    plan = report_of(routed)
+    assert plan.special == (0,) and plan.blocks[1].side_inputs[0].kind == "per-sample", plan
+    seen = {}
+    handle = routed.get_submodule("blocks.1").register_forward_pre_hook(lambda m, args: seen.update(text=args[1]))
+    routed.train()
+    routed(image, text)
+    handle.remove()
+    assert seen["text"] is text or torch.equal(seen["text"], text)
+    rk.verify(model, routed, (image, text))

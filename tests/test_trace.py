@@ -1231,3 +1231,22 @@ def test_a_numpy_scalar_the_forward_computes_runs_in_the_routed_program():
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
     rk.verify(model, routed, (x,))
     assert routed.train()(x).shape == x.shape
+
+
+def test_a_mask_filled_with_the_streams_finfo_traces_and_follows_a_cast_of_the_model():
+    """transformers' eager attention (Gemma2's default) fills its mask with `torch.finfo(x.dtype).min`, which
+    torch refuses for a traced dtype: the model fell back to boundary mode and took no DAR. The dtype is read
+    on each run, so a model cast after `apply` fills its bf16 mask with bf16's minimum, as eager does."""
+    import zoo
+
+    import routekit as rk
+    from routekit.model import report_of
+    try:
+        model, args, _ = zoo.transformers_gemma2()
+    except zoo.Missing as err:
+        pytest.skip(str(err))
+    routed = rk.apply(model, rk.Route(start=1, end=4), residual=rk.DAR(kernel="torch"), example_inputs=args,
+                      mode="graph")
+    assert report_of(routed).report.mode == "graph" and report_of(routed).dar is not None
+    model.to(torch.bfloat16), routed.to(torch.bfloat16)
+    assert "matches DAR without routes" in rk.verify(model, routed, args)["train"]

@@ -192,6 +192,23 @@ def diffusers_sana():
     return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
 
 
+def diffusers_omnigen():
+    """OmniGen fills its mask with `torch.finfo(dtype).min` and casts its time token `type_as` the image. Its
+    own collator makes the mask and positions, the second prompt left-padded."""
+    diffusers = package("diffusers")
+    from diffusers.pipelines.omnigen.processor_omnigen import OmniGenCollator
+    model = diffusers.OmniGenTransformer2DModel(
+        in_channels=4, patch_size=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=64, num_layers=6, pad_token_id=0, vocab_size=64, pos_embed_max_size=16, time_step_dim=32,
+        rope_scaling={"short_factor": [1.0] * 8, "long_factor": [1.0] * 8})
+    text = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    collator = OmniGenCollator(pad_token_id=0, hidden_size=32)
+    kwargs = {"timestep": torch.tensor([0.3, 0.7]), "input_ids": torch.randint(1, 64, (2, 5), generator=_g(1)) * text,
+              "input_img_latents": [], "input_image_sizes": {}, "attention_mask": collator.create_mask(text, [16, 16])[0],
+              "position_ids": collator.create_position(text, [16, 16])}
+    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+
+
 def diffusers_lumina2():
     model = package("diffusers").Lumina2Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, hidden_size=32, num_layers=6, num_refiner_layers=1,
@@ -262,6 +279,16 @@ def transformers_llama():
     return t.LlamaModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
 
 
+def transformers_gemma2():
+    """Gemma2 as configured by default: eager attention, whose mask transformers fills with
+    `torch.finfo(dtype).min`, and a sliding window on every other layer."""
+    t = package("transformers")
+    config = t.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                            num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                            sliding_window=4)
+    return t.Gemma2Model(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+
+
 def transformers_qwen3_moe():
     """A mixture of experts asked for its router logits: transformers collects them with forward hooks on the
     routers inside the blocks, a side way out of a block a traced graph cannot repeat (boundary mode)."""
@@ -327,6 +354,30 @@ def transformers_dinov2_registers():
     config = t.Dinov2WithRegistersConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
                                          intermediate_size=64, image_size=16, patch_size=4, num_register_tokens=4)
     return t.Dinov2WithRegistersModel(config), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+
+
+def transformers_dinov3(augment: bool = True):
+    """DINOv3's rotary table covers the patches alone; its blocks line it up with the stream's last tokens by
+    length. Two heads and a batch of two: a per-sample table broadcast against the heads runs, mixing samples.
+    `augment`: the position jitter, shift and rescale it draws in training (off: the table is a function of
+    the image's size alone)."""
+    t = package("transformers")
+    if not hasattr(t, "DINOv3ViTConfig"):
+        raise Missing(f"transformers {t.__version__} has no DINOv3")
+    extra = {} if augment else {"pos_embed_shift": None, "pos_embed_jitter": None, "pos_embed_rescale": None}
+    config = t.DINOv3ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                               image_size=16, patch_size=4, num_register_tokens=4, **extra)
+    return t.DINOv3ViTModel(config), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+
+
+def transformers_beit(bias_per_layer: bool = False):
+    """BEiT as configured by default (no relative position bias), or with a relative position bias of each
+    layer's own, an (N, N) table over the stream's tokens that a route cannot cut."""
+    t = package("transformers")
+    extra = {"use_relative_position_bias": True} if bias_per_layer else {}
+    config = t.BeitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                          image_size=16, patch_size=4, vocab_size=64, **extra)
+    return t.BeitModel(config), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
 
 
 def transformers_mamba():
@@ -429,8 +480,10 @@ ZOO: dict[str, Entry] = {
                                 special=tuple(range(13)),  # its 8 register tokens, then the 5 text tokens
                                 options={"stack": "single_transformer_blocks"}),
     "diffusers Krea2 (padded text)": Entry(diffusers_krea2, "transformer_blocks", special=tuple(range(5))),  # its text
+    "diffusers OmniGen": Entry(diffusers_omnigen, "layers", special=tuple(range(6))),  # its text, its time token
     "diffusers StableAudio": Entry(diffusers_stable_audio, "transformer_blocks", special=(0,)),  # the global token
     "transformers Llama": Entry(transformers_llama, "layers"),
+    "transformers Gemma2 (eager attention)": Entry(transformers_gemma2, "layers"),
     "transformers Qwen3-MoE (router logits)": Entry(transformers_qwen3_moe, "model.layers", mode="boundary"),
     "transformers FalconMamba (LM head)": Entry(transformers_falcon_mamba, "backbone.layers"),
     "transformers GPT-2": Entry(transformers_gpt2, "h"),
@@ -440,6 +493,8 @@ ZOO: dict[str, Entry] = {
     "transformers ViT": Entry(transformers_vit, "layers", special=(0,)),
     "transformers CLIP vision": Entry(transformers_clip_vision, "encoder.layers", special=(0,)),
     "transformers Dinov2 (registers)": Entry(transformers_dinov2_registers, "encoder.layer", special=tuple(range(5))),
+    "transformers DINOv3 (rotary over patches)": Entry(transformers_dinov3, "model.layer", special=tuple(range(5))),
+    "transformers BEiT": Entry(transformers_beit, "layers", special=(0,)),
     "transformers Mamba": Entry(transformers_mamba, "layers"),
     "timm ViT": Entry(timm_vit, "blocks", special=(0,)),
     "U-ViT (out-blocks)": Entry(uvit, "out_blocks", route={"start": 1, "end": 2}, special=(0, 1),
