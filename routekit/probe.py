@@ -26,7 +26,7 @@ from .config import Route
 from .findings import BlockInfo, GraphReport, Shrink
 from .graphs import Slot
 from .residuals import find_residual_adds
-from .routing import gather_tokens, route_side, select_tokens
+from .routing import gather_tokens, is_opaque, route_side, select_tokens
 from .selectors import selector as selector_spec
 from .state import fresh, preserved_state, training_mode
 from .trace import Trace, trace
@@ -269,8 +269,11 @@ class Probe:
         wherever the batch is as large as the heads, mixing one sample's positions into another's."""
         if not any(not g.batched for s in block.side_inputs for g in s.tokens):
             return False
-        index = _differing(stack.stream.shape[0], count, stack.tokens)
-        args = (self.model, block, stack.stream_slot, stack.stream, count, shrink, True)
+        stream = stack.stream
+        if stream.shape[0] == 1:  # one sample shows nothing of how a block mixes samples: probe two
+            stream, block = _two_samples(stream, block)
+        index = _differing(stream.shape[0], count, stack.tokens)
+        args = (self.model, block, stack.stream_slot, stream, count, shrink, True)
         per_sample = run_block(*args, shared=False, index=index)
         if per_sample is None:
             return True
@@ -303,3 +306,15 @@ def _differing(batch: int, count: int, tokens: int) -> torch.Tensor:
     count - 1 tokens for all (a route's always-kept tokens lead its streams), then one of the rest per sample."""
     last = count - 1 + torch.arange(batch) % (tokens - count + 1)
     return torch.cat([torch.arange(count - 1).expand(batch, count - 1), last[:, None]], dim=1)
+
+
+def _two_samples(stream: TensorMeta, block: BlockInfo) -> tuple[TensorMeta, BlockInfo]:
+    """The stream and the block's inputs of an example of one sample, made two: every tensor whose first axis is
+    the batch's (1) doubled, tables without a batch axis as they are."""
+    def twice(meta: Any) -> Any:
+        if isinstance(meta, TensorMeta) and meta.shape and meta.shape[0] == 1:
+            return TensorMeta((2, *meta.shape[1:]), meta.dtype)
+        return meta
+
+    sides = tuple(replace(s, meta=pytree.tree_map(twice, s.meta, is_leaf=is_opaque)) for s in block.side_inputs)
+    return twice(stream), replace(block, side_inputs=sides)

@@ -174,15 +174,18 @@ def _dinov3(augment: bool):
         pytest.skip(str(err))
 
 
-@pytest.mark.parametrize("mode", ["graph", "boundary"])
-@pytest.mark.parametrize("rate", [0.5, 0.25])
-def test_a_table_over_the_image_tokens_only_is_cut_at_the_kept_image_tokens(mode, rate):
+@pytest.mark.parametrize(("mode", "rate", "example"), [("graph", 0.5, 2), ("boundary", 0.5, 2), ("graph", 0.25, 2),
+                                                       ("boundary", 0.25, 2), ("graph", 0.5, 1)])
+def test_a_table_over_the_image_tokens_only_is_cut_at_the_kept_image_tokens(mode, rate, example):
     """DINOv3's rotary table covers its 16 patches, not its class and 4 register tokens: a routed block must
     get the kept patches' rows, so that it still takes the 5 tokens before them for the prefix. Left whole, a
-    rate of 0.25 ran with every kept token at a wrong position, and 0.5 failed."""
+    rate of 0.25 ran with every kept token at a wrong position, and 0.5 failed. Its 2 heads meet a batch of 2:
+    a table cut per sample, broadcast against the heads, runs and mixes samples, so the route selects once for
+    the batch; an example of one sample shows no mixing, so the probe asks with two."""
     model, (image,), _ = _dinov3(augment=False)
     start = 2
-    routed = rk.apply(model, rk.Route(start=start, end=4, rate=rate), example_inputs=(image,), mode=mode)
+    routed = rk.apply(model, rk.Route(start=start, end=4, rate=rate), example_inputs=(image[:example],), mode=mode)
+    assert report_of(routed).placed[0].shared
     side = report_of(routed).blocks[start].side_inputs[0]
     assert side.kind == "per-token", side
     seen = {}
