@@ -392,6 +392,15 @@ def timm_vit():
     return model, (torch.randn(2, 3, 64, 64, generator=_g()),), {}
 
 
+def timm_eva():
+    """EVA with a rotary table over the patches alone, which its attention applies after a fixed count of
+    prefix tokens (class and 2 registers)."""
+    timm = package("timm")
+    model = timm.models.eva.Eva(img_size=16, patch_size=4, embed_dim=32, depth=6, num_heads=2, mlp_ratio=2.0,
+                                use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=2, num_classes=0)
+    return model, (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+
+
 class UViT(nn.Module):
     """U-ViT (Bao et al., 2023), small: the time and the class become tokens in front of the image's, and long
     skips join each in-block's output to the out-block of the same depth."""
@@ -497,6 +506,7 @@ ZOO: dict[str, Entry] = {
     "transformers BEiT": Entry(transformers_beit, "layers", special=(0,)),
     "transformers Mamba": Entry(transformers_mamba, "layers"),
     "timm ViT": Entry(timm_vit, "blocks", special=(0,)),
+    "timm EVA (rotary over patches)": Entry(timm_eva, "blocks", special=(0, 1, 2)),
     "U-ViT (out-blocks)": Entry(uvit, "out_blocks", route={"start": 1, "end": 2}, special=(0, 1),
                                 options={"stack": "out_blocks"}),
 }
