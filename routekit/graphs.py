@@ -46,10 +46,11 @@ _NEW = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"
 
 def kind_only(node: fx.Node) -> set[fx.Node]:
     """The inputs of `node` whose values it does not read, only their shape, dtype or device: the tensor
-    `x.type_as(y)` and `x.to(y)` take the dtype of, the one `torch.zeros_like(y)` takes the shape of, the one
-    `y.new_zeros(...)` is called on."""
+    `x.type_as(y)` and `x.to(y)` take the dtype of, `x.expand_as(y)` the shape of (`view_as`, `reshape_as`), the
+    one `torch.zeros_like(y)` takes the shape of, the one `y.new_zeros(...)` is called on."""
     args = node.args
-    if node.op == "call_method" and node.target in ("type_as", "to") and len(args) >= 2:
+    if node.op == "call_method" and node.target in ("type_as", "to", "expand_as", "view_as", "reshape_as") \
+            and len(args) >= 2:
         return {args[1]} if isinstance(args[1], fx.Node) and _is_tensor(args[1]) else set()
     if node.op == "call_method" and node.target in _NEW and args:
         return {args[0]} if isinstance(args[0], fx.Node) else set()

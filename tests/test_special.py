@@ -76,20 +76,22 @@ def test_without_a_grid_the_owners_tokens_are_special_all_the_same():
 
 
 class TimeToken(nn.Module):
-    """A time token joined in front of the patches, cast to the image's dtype with `type_as` (OmniGen's): the
-    image gives it a dtype, not its values."""
+    """A time token joined in front of the patches, cast to the image's dtype with `type_as` (OmniGen's), and
+    registers shaped `expand_as` the patches: the image gives them a dtype and a shape, not its values."""
 
     def __init__(self):
         super().__init__()
         self.embed = nn.Conv2d(3, DIM, 2, 2)
         self.time = nn.Linear(1, DIM)
+        self.registers = nn.Parameter(torch.randn(1, 2, DIM))
         self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(DIM, 2, 2 * DIM, 0.0, batch_first=True)
                                     for _ in range(4))
 
     def forward(self, image, t):
         patches = self.embed(image).flatten(2).transpose(1, 2)
         token = self.time(t[:, None].type_as(patches)).type_as(patches)
-        x = torch.cat([token[:, None], patches, torch.zeros_like(patches[:, :1])], dim=1)
+        registers = self.registers.expand_as(patches[:, :2])
+        x = torch.cat([token[:, None], registers, patches, torch.zeros_like(patches[:, :1])], dim=1)
         for block in self.blocks:
             x = block(x)
         return x
@@ -97,12 +99,13 @@ class TimeToken(nn.Module):
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
 def test_a_token_that_takes_only_the_images_dtype_or_shape_is_special(mode):
-    """`type_as(image)` and `zeros_like(image)` read what the image is, not what it holds: the time token and
-    the padding token are the owner's (graph mode called them the image's, and routed them)."""
+    """`type_as(image)`, `expand_as(image)` and `zeros_like(image)` read what the image is, not what it holds: the
+    time token, the registers and the padding token are the owner's (graph mode called them the image's, and
+    routed them)."""
     torch.manual_seed(0)
     model, inputs = TimeToken(), (torch.randn(2, 3, 8, 8), torch.tensor([0.3, 0.7]))
     plan = rk.inspect(model, inputs, mode=mode)
-    assert plan.special == (0, -1) and plan.grid == (4, 4), plan
+    assert plan.special == (0, 1, 2, -1) and plan.grid == (4, 4), plan
 
 
 def test_a_join_the_graph_does_not_show_is_refused_by_name_unless_keep_is_given():
