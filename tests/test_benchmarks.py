@@ -323,6 +323,7 @@ def test_convergence_report_says_in_numbers_where_each_method_wins_and_loses(tmp
     assert tread["equal_steps"]["ratio"]["mean"] == pytest.approx(50 * 10 ** (-1 / 3) / 10)  # at step 20
     text = (tmp_path / "convergence.md").read_text()
     assert f"{0.5 / reached:.2f}× as fast" in text and "Per step it loses" in text
+    assert f"vanilla's FD in ≤ 0.70× vanilla's seconds): {reached / 0.5:.2f}×, not met." in text
     assert "DAR on DiT-B/2 loses per training second: FD 20 vs vanilla 10" in text
     assert "different routekit sources" in text and "r2: dit_b2/tread_seed0.json" in text
     assert "3 of 20 planned runs exist" in text and (tmp_path / "convergence.png").exists()
