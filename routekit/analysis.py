@@ -173,6 +173,13 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
                 f"the stream into {nodes[0].target} is {stream!r}; routekit routes a (batch, tokens, channels) "
                 "stream between blocks"
             )
+        batch = _call_batch(tr.graph)
+        if batch is not None and stream.shape[0] != batch and stream.shape[1] == batch:
+            raise AnalysisError(
+                f"the stream into {nodes[0].target} is {stream!r}, with the batch ({batch}, as the model's inputs "
+                "have it) on its second axis: the blocks run sequence-first, (tokens, batch, channels). routekit "
+                "routes a (batch, tokens, channels) stream; here it would set whole samples aside, not tokens"
+            )
         these = _blocks(model, nodes, slot, out_index, stream, first=len(blocks), stack=k)
         these = _with_escapes(these, by_name, stream.shape[1], _next_stream_in(chains, names, k))
         if k == 0:
@@ -196,6 +203,14 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
         {k: len(v[0]) for k, v in chains.items()}, leafed=dict(tr.leafed), specialised=tuple(tr.specialised),
         requested=stack, fallback=fallback, residual=granularity, timestep=timestep, embeddings=embeddings,
     )
+
+
+def _call_batch(graph: fx.Graph) -> int | None:
+    """The batch of the call: the first axis most of the model's tensor inputs share (latents, timesteps,
+    captions), the first input's where they tie; None without tensor inputs."""
+    firsts = [m.shape[0] for n in graph.nodes if n.op == "placeholder"
+              and isinstance(m := n.meta.get("rk"), TensorMeta) and m.shape]
+    return max(dict.fromkeys(firsts), key=firsts.count) if firsts else None
 
 
 def _fewer(stack: Stack) -> int:

@@ -229,6 +229,35 @@ def test_a_block_that_takes_no_fewer_tokens_is_refused_without_suggesting_a_sele
     assert "layers.1 (BeitLayer)" in str(err.value) and "selector='row'" not in str(err.value)
 
 
+class SequenceFirst(nn.Module):
+    """Blocks that run on a (tokens, batch, channels) stream, as ErnieImage's do (torch's own default layout)."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Conv2d(3, 16, 2, 2)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=batch_first)
+                                    for _ in range(4))
+
+    def forward(self, image):
+        x = self.embed(image).flatten(2).transpose(1, 2)
+        x = x if self.batch_first else x.transpose(0, 1)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_sequence_first_stream_is_refused_not_routed_by_samples() -> None:
+    """A (tokens, batch, channels) stream read as (batch, tokens, channels) had its routes set whole samples
+    aside (ErnieImage's: verify passed, the routed sample skipped blocks 1-4 whole). Its twin, batch first,
+    routes."""
+    image = torch.randn(2, 3, 8, 8)
+    with pytest.raises(rk.AnalysisError, match=r"float32\[16, 2, 16\], with the batch \(2.*sequence-first"):
+        rk.inspect(SequenceFirst(batch_first=False), (image,))
+    routed = rk.apply(SequenceFirst(batch_first=True), rk.Route(start=1, end=2), example_inputs=(image,))
+    assert report_of(routed).tokens == 16
+
+
 class LongSkip(nn.Module):
     """U-ViT-like: block 1's output also feeds the head, so no route may pass through block 1."""
 
