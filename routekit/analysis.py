@@ -48,7 +48,8 @@ def _link(prev: fx.Node, nxt: fx.Node) -> tuple[Slot, int | None] | None:
 
 
 def _chains(calls: list[fx.Node]):
-    """Maximal runs of consecutive calls linked through one consistent (slot, output index)."""
+    """Maximal runs of consecutive calls linked through one consistent (slot, output index), each block handing
+    on the stream in the shape it took it (`_steady`)."""
     run, link = [calls[0]], None
     for prev, nxt in zip(calls, calls[1:]):
         this = _link(prev, nxt)
@@ -56,9 +57,32 @@ def _chains(calls: list[fx.Node]):
             run.append(nxt)
             link = this
         else:
-            yield run, link
+            yield from _steady(run, link)
             run, link = [nxt], None
-    yield run, link
+    yield from _steady(run, link)
+
+
+def _steady(run: list[fx.Node], link: tuple | None):
+    """`run` split around the blocks that change the stream's shape (Hiera's pooling blocks, which start its
+    stages with fewer tokens and more channels): a route's blocks all see one stream, and its scatter puts their
+    output back in the stream it cut."""
+    if link is None:
+        yield run, link
+        return
+    piece = []
+    for node in run:
+        inp = getattr(slot_value(node, link[0]), "meta", {}).get("rk")
+        out = node.meta.get("rk")
+        out = out[link[1]] if link[1] is not None and isinstance(out, (tuple, list)) else out
+        if isinstance(inp, TensorMeta) and isinstance(out, TensorMeta) and inp.shape != out.shape:
+            if piece:
+                yield piece, link
+            yield [node], None
+            piece = []
+        else:
+            piece.append(node)
+    if piece:
+        yield piece, link if len(piece) > 1 else None
 
 
 def _unchained(nodes: list[fx.Node]) -> str:

@@ -430,3 +430,40 @@ def test_a_named_stack_that_does_not_chain_says_why():
     with pytest.raises(rk.AnalysisError, match=r"stack 'blocks' is not a chain of blocks in Reshaped \(blocks.0's "
                                                r"output reaches blocks.1 only through flip.*; chains found: none"):
         rk.inspect(built(Reshaped), torch.randn(2, 6, D), stack="blocks")
+
+
+class Pool(nn.Module):
+    """A stage's first block: it halves the tokens and doubles nothing else (Hiera's pooling blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(x.reshape(x.shape[0], -1, 2, D).mean(2))
+
+
+class Staged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Mlp(), Pool(), Mlp(), Mlp(), Mlp()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_blocks_that_change_the_streams_shape_end_the_stack_at_them():
+    """One container holding stages (Hiera's blocks, pooling at each stage's start): the stack was the whole
+    chain with its first block's stream, so every probe ran later blocks on the wrong shape and routes failed at
+    the first training step. The stack is the longest run of blocks keeping one shape, and routes there run."""
+    torch.manual_seed(0)
+    model, x = Staged(), torch.randn(2, 16, D)
+    routed = rk.apply(model, rk.Route(start=0, end=1), example_inputs=(x,))
+    report = rk.inspect(model, (x,))
+    assert [b.qualname for b in report.report.blocks] == ["blocks.2", "blocks.3", "blocks.4"]
+    assert report.tokens == 8
+    routed.train()
+    assert routed(x).shape == (x.shape[0], 8, D)
+    rk.verify(model, routed, (x,))
