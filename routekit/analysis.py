@@ -18,13 +18,14 @@ import operator
 from dataclasses import replace
 from typing import Any, Literal
 
+import networkx as nx
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
-from .graphs import Slot, between, reads_kind, slot_value, slots
+from .graphs import Slot, between, reads_kind, slot_value, slots, to_networkx
 from .guards import hooked
 from .probe import token_offset, trace_block
 from .record import Image
@@ -281,12 +282,24 @@ def _chain(graph: fx.Graph, chains: dict, chosen: str, measure=None) -> list[str
             return False
         return True
 
+    # where several stacks join into the next (Flux3's noisy latent and its reference image, each through stacks of
+    # its own), the chain goes on through the one whose stream the image made, the model's first tensor input;
+    # the last to join where the graph does not show it (a recording)
+    image = None if measure is not None else next(
+        (n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)), None)
+    flow = to_networkx(graph) if image is not None else None
+
+    def from_image(a: str) -> bool:
+        stream_in = slot_value(chains[a][0][0], chains[a][1][0])
+        return isinstance(stream_in, fx.Node) and (stream_in is image or image.name in nx.ancestors(flow, stream_in.name))
+
     names = [chosen]
     while True:
         before = [a for a in carrying if a not in names and joined(a, names[0])]
         if not before:
             break
-        names.insert(0, before[-1])
+        made = [a for a in before if image is not None and from_image(a)]
+        names.insert(0, (made or before)[-1])
     while True:
         after = [b for b in carrying if b not in names and joined(names[-1], b)]
         if not after:

@@ -121,3 +121,46 @@ def test_the_importance_selector_keeps_the_tokens_of_largest_l1_norm():
     kept = selector(3, 10, 0.5, stream=stream)
     want = stream.abs().sum(-1).topk(5, dim=1).indices.sort(dim=1).values
     assert torch.equal(kept, want)
+
+
+class _Mixer(torch.nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.fc(torch.nn.functional.layer_norm(x, x.shape[-1:]))
+
+
+class WithReference(torch.nn.Module):
+    """A noisy latent and a reference image, each through a stack of its own, then one stack over both joined
+    (latent first), as Flux3 runs an image condition; the reference's stack runs last."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.latent_in, self.reference_in = torch.nn.Linear(4, dim), torch.nn.Linear(4, dim)
+        self.latent = torch.nn.ModuleList(_Mixer(dim) for _ in range(2))
+        self.reference = torch.nn.ModuleList(_Mixer(dim) for _ in range(2))
+        self.joint = torch.nn.ModuleList(_Mixer(dim) for _ in range(4))
+
+    def forward(self, latents, reference):
+        x, r = self.latent_in(latents), self.reference_in(reference)
+        for block in self.latent:
+            x = block(x)
+        for block in self.reference:
+            r = block(r)
+        x = torch.cat([x, r], dim=1)
+        for block in self.joint:
+            x = block(x)
+        return x[:, :latents.shape[1]]
+
+
+def test_of_two_stacks_joining_the_next_the_chain_takes_the_one_the_image_made():
+    """Flux3 with a reference image routed the reference's tokens and kept the noisy latent's as special: the
+    chain went on through whichever stack joined last. It goes through the one made from the model's first
+    input, and the reference's tokens are the joint stack's special ones."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 8, 4), torch.randn(2, 8, 4))
+    plan = rk.inspect(WithReference(), inputs)
+    assert [s.name for s in plan.stacks] == ["latent", "joint"]
+    assert plan.stacks[1].special == tuple(range(-8, 0))
