@@ -339,15 +339,20 @@ def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: 
         node, out = by_name[block.node], by_name[block.stream_out]
         nxt = by_name[blocks[i + 1].node] if i + 1 < len(blocks) else None
         if nxt is not None:
-            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u is not nxt and not reads_kind(u))
+            escapes = tuple(f"{out.name} → {_named(u)}" for u in out.users if u is not nxt and not reads_kind(u))
         elif next_in is not None:
-            escapes = tuple(f"{out.name} → {u.name}" for u in out.users if u not in joining and not reads_kind(u))
+            escapes = tuple(f"{out.name} → {_named(u)}" for u in out.users if u not in joining and not reads_kind(u))
         else:
             escapes = ()
         aux = tuple(f"{a.name} → {u.name}" for a in node.users if a is not out and out is not node
                     and _carries_tokens(a.meta["rk"], tokens) for u in a.users)
         result.append(replace(block, escapes=escapes, aux_escapes=aux))
     return result
+
+
+def _named(node: fx.Node) -> str:
+    """A node as a user reads it: a module call by the module's path (`blocks.4`), anything else by its name."""
+    return node.target if node.op == "call_module" else node.name
 
 
 def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], stacks: list[Stack],

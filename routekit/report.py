@@ -108,8 +108,9 @@ def format_plan(plan: Any) -> str:
 
 
 def _sides(block: Any) -> list[tuple]:
-    """A block's side inputs as the table shows them: (slot, kind, what it holds)."""
-    return [(s.slot, s.kind, s.describe()) for s in block.side_inputs]
+    """A block's side inputs as the table shows them: (parameter name, or slot where the signature tells none; kind;
+    what it holds)."""
+    return [(s.argument if isinstance(s.argument, str) else s.slot, s.kind, s.describe()) for s in block.side_inputs]
 
 
 def _short_paths(text: str) -> str:

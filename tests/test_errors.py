@@ -282,6 +282,27 @@ def test_a_route_through_a_block_whose_output_escapes_is_refused_but_may_end_the
     assert routed.train()(x).shape == x.shape
 
 
+class LongSkipProjected(LongSkip):
+    """Block 1's output also feeds a projection of the owner's, a module at a dotted path."""
+
+    def __init__(self):
+        super().__init__()
+        self.skips = nn.ModuleDict({"proj": nn.Linear(8, 8)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return x + self.skips["proj"](outs[1])
+
+
+def test_a_module_the_escaping_output_feeds_is_named_by_its_path() -> None:
+    """The refusal named the fx node (`skips_proj`, HunyuanDiT's `blocks_4`), not the module a user knows."""
+    with pytest.raises(rk.ConfigError, match=r"its output is also used by skips\.proj, outside the chain"):
+        rk.apply(LongSkipProjected(), routes=rk.Route(start=0, end=2), example_inputs=torch.randn(2, 6, 8))
+
+
 class PerTokenAux(nn.Module):
     """Blocks return (x, per-token score (B, N)) and the owner sums the scores: they escape the blocks."""
 
