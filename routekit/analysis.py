@@ -189,6 +189,7 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     by_name = {n.name: n for n in tr.graph.nodes}
     stacks: list[Stack] = []
     blocks: list[BlockInfo] = []
+    batch = _call_batch(tr.graph)
     for k, name in enumerate(names):
         nodes, (slot, out_index) = chains[name]
         first_in = slot_value(nodes[0], slot)
@@ -198,7 +199,6 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
                 f"the stream into {nodes[0].target} is {stream!r}; routekit routes a (batch, tokens, channels) "
                 "stream between blocks"
             )
-        batch = _call_batch(tr.graph)
         if batch is not None and stream.shape[0] != batch and stream.shape[1] == batch:
             raise AnalysisError(
                 f"the stream into {nodes[0].target} is {stream!r}, with the batch ({batch}, as the model's inputs "
@@ -287,19 +287,22 @@ def _chain(graph: fx.Graph, chains: dict, chosen: str, measure=None) -> list[str
     # the last to join where the graph does not show it (a recording)
     image = None if measure is not None else next(
         (n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)), None)
-    flow = to_networkx(graph) if image is not None else None
 
-    def from_image(a: str) -> bool:
-        stream_in = slot_value(chains[a][0][0], chains[a][1][0])
-        return isinstance(stream_in, fx.Node) and (stream_in is image or image.name in nx.ancestors(flow, stream_in.name))
+    def made(candidates: list[str]) -> list[str]:
+        """Those of `candidates` whose stream the image made (asked only where there is a choice)."""
+        if image is None or len(candidates) < 2:
+            return []
+        flow = to_networkx(graph)
+        ins = [slot_value(chains[a][0][0], chains[a][1][0]) for a in candidates]
+        return [a for a, i in zip(candidates, ins)
+                if isinstance(i, fx.Node) and (i is image or image.name in nx.ancestors(flow, i.name))]
 
     names = [chosen]
     while True:
         before = [a for a in carrying if a not in names and joined(a, names[0])]
         if not before:
             break
-        made = [a for a in before if image is not None and from_image(a)]
-        names.insert(0, (made or before)[-1])
+        names.insert(0, (made(before) or before)[-1])
     while True:
         after = [b for b in carrying if b not in names and joined(names[-1], b)]
         if not after:

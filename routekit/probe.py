@@ -245,12 +245,15 @@ class Probe:
         fails, rows, stuck = [], [], []
         for block, stack, count in blocks:
             if selector_spec(route.selector).kept_grid is not None:  # the kept tokens form a smaller grid: run on it
-                if not block_runs(model, block, stack.stream_slot, stack.stream, count, shrink):
+                failed = not block_runs(model, block, stack.stream_slot, stack.stream, count, shrink)
+                if failed:
                     fails.append(block.index)
-            elif grid is not None and grid[-1] != 1 and not block_runs(model, block, stack.stream_slot,
-                                                                         stack.stream, stack.tokens - 1, shrink):
-                rows.append(block.index)  # one token fewer than the grid breaks it: it reshapes to rows
-            if (grid is not None and (fails + rows)[-1:] == [block.index] and not any(s.grid for s in block.side_inputs)
+            else:  # one token fewer than the grid breaks it: it reshapes to rows
+                failed = grid is not None and grid[-1] != 1 and not block_runs(
+                    model, block, stack.stream_slot, stack.stream, stack.tokens - 1, shrink)
+                if failed:
+                    rows.append(block.index)
+            if (failed and grid is not None and not any(s.grid for s in block.side_inputs)
                     and not block_runs(model, block, stack.stream_slot, stack.stream, stack.tokens - grid[-1])):
                 stuck.append(block.index)  # nor a whole row fewer (handed no grid sizes): it takes the stream's count
         shared = any(self._shared(block, stack, count, shrink) for block, stack, count in blocks)

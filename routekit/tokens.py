@@ -248,7 +248,8 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
             if made is not None and len(made) == count:
                 return made
         call = node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
-        feeding = [a for a in call.all_input_nodes if carries(a, count) and a not in kind_only(call)]
+        kinds = kind_only(call)
+        feeding = [a for a in call.all_input_nodes if carries(a, count) and a not in kinds]
         batched = [a for a in feeding if a.meta["rk"].shape[0] == batch] or feeding
         if not batched:
             parts = [a.meta["rk"].shape[1] for a in call.all_input_nodes if isinstance(a.meta.get("rk"), TensorMeta)

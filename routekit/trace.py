@@ -409,7 +409,7 @@ _FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn")
 
 
 @contextlib.contextmanager
-def _factories_take_sizes(tracer: _Tracer):
+def _torch_takes_traced_values(tracer: _Tracer):
     """torch's factories, while the owner forward is traced, take sizes the trace computed: `torch.ones(b, n)`
     with proxies for b and n is refused by torch's argument parser ("takes 1 positional argument") before any
     proxy is asked for its value (HunyuanVideo's attention mask, HiDream's ids), and `torch.zeros((b, n))` reads
@@ -564,7 +564,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
             recorder = Recorder(model, leaves)  # the trace runs on its copy of the module tree
             tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})), recorder)
             try:
-                with recorder.recording(), _factories_take_sizes(tracer):
+                with recorder.recording(), _torch_takes_traced_values(tracer):
                     graph = tracer.trace(recorder.root)
                 break
             except _Untraceable as err:
