@@ -98,9 +98,29 @@ def _unchained(nodes: list[fx.Node]) -> str:
                     f"({getattr(between[0].target, '__name__', between[0].target)}), an op of the owner's between "
                     "the blocks; routekit needs each block's output to be the next block's input (a residual add "
                     "inside the block, as DiT, ViT and LLM blocks have it)")
-        if not _link(prev, nxt):
+        link = _link(prev, nxt)
+        if not link:
             return f"{nxt.target} does not read {prev.target}'s output"
+        inp = getattr(slot_value(prev, link[0]), "meta", {}).get("rk")
+        out = prev.meta.get("rk")
+        out = out[link[1]] if link[1] is not None and isinstance(out, (tuple, list)) else out
+        if isinstance(inp, TensorMeta) and isinstance(out, TensorMeta) and inp.shape != out.shape:
+            return (f"{prev.target} changes the stream's shape ({inp} → {out}), as a stage "
+                    "does, and no two members in a row keep it: a stack is a run of blocks that hand on the stream "
+                    "as they took it")
     return "its members are not called one after another"
+
+
+def _inside_a_member(stack: str, calls: dict[str, list[fx.Node]]) -> str | None:
+    """Why a container never shows in the trace: it runs inside a member of another container (Swin's
+    `layers.1.blocks` inside stage `layers.1`), and the trace calls members whole, never tracing into them."""
+    member = next((n.target for nodes in calls.values() for n in nodes
+                   if stack == n.target or stack.startswith(f"{n.target}.")), None)
+    if member is None:
+        return None
+    where = "it is" if member == stack else f"it runs inside {member}, which is"
+    return (f"{where} called whole, as one member of {member.rsplit('.', 1)[0] or '<root>'}: routekit routes the "
+            "blocks of an outermost container")
 
 
 def _containers(model: nn.Module) -> set[str]:
@@ -141,7 +161,8 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
     if stack is not None:
         if not isinstance(stack, str) or stack not in chains:
             named = isinstance(stack, str)
-            why = named and (layers.get(stack) or (_unchained(calls[stack]) if len(calls.get(stack, ())) >= 2 else None))
+            why = named and (layers.get(stack) or (_unchained(calls[stack]) if len(calls.get(stack, ())) >= 2 else None)
+                             or _inside_a_member(stack, calls))
             raise AnalysisError(
                 f"stack {stack!r} is not a chain of blocks in {type(model).__name__}"
                 + (f" ({why})" if why else "")

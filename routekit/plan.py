@@ -168,6 +168,12 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, pr
         _check_image_tables(k, route, report.blocks[start:end + 1], report, keep)
         shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
         _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid)
+        if selector(route.selector).needs_grid and not given and report.stack_of(start).reordered:
+            raise ConfigError(
+                f"route {k}: selector {route.selector!r} keeps runs of tokens as lines of the grid, but "
+                f"{report.stack_of(start).reordered}: use a selector that reads no grid (selector='random'), or "
+                "pass grid= only if the stream's own order is a grid's"
+            )
         answer = probe.route(route, start, end, keep, grid, shrink, bodies=residual is not None)
         _check_answer(k, route, report.blocks[start:end + 1], answer, grid)
         stacks = tuple(range(report.blocks[start].stack, report.blocks[end].stack + 1))
@@ -355,13 +361,18 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
 
 def _check_answer(k: int, route: Route, blocks: tuple[BlockInfo, ...], answer: RouteAnswer, grid) -> None:
     """Refuse the selector where the probe found a block of the route that cannot take what it keeps."""
+    stuck = [b for b in blocks if b.index in answer.stuck]
+    if stuck:
+        block = stuck[0]
+        fix = ("and so does every block of the route: no route can hold them" if len(stuck) == len(blocks) else
+               f"start the route after block {block.index}" if block is blocks[0] else
+               f"end the route before block {block.index}")
+        raise ConfigError(
+            f"route {k}: {block.qualname} ({block.cls}) fails on fewer tokens than the stream's, whole grid rows "
+            "fewer too, so no selector can route it: it holds or is handed something as long as the stream that a "
+            f"route does not cut (a position bias of its own, say); {fix}"
+        )
     for block in blocks:
-        if block.index in answer.stuck:
-            raise ConfigError(
-                f"route {k}: {block.qualname} ({block.cls}) fails on fewer tokens than the stream's, whole grid rows "
-                "fewer too, so no selector can route it: it holds or is handed something as long as the stream "
-                "that a route does not cut (a position bias of its own, say); end the route before this block"
-            )
         if block.index in answer.fails:
             raise ConfigError(
                 f"route {k}: {block.qualname} ({block.cls}) fails on the {answer.kept} tokens selector "

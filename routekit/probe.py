@@ -114,51 +114,58 @@ def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: T
 
 # ---- the model run up to a block: which stream tokens come from what -----------------------------------------
 
+class _Stop(Exception):
+    """Raised where a measurement has what it came for: the rest of the model does not run."""
+
+
+def _stream_into(model: nn.Module, args: tuple, kwargs: dict, block: str, slot,
+                 hooks: dict[str, Any] | None = None) -> torch.Tensor | None:
+    """The stream entering `block` on one call, the model run in eval mode up to it (the block is not run), with
+    forward hooks `hooks` ({module: hook}) in place while it runs, the random draws of a fresh seed, and no lasting
+    effect on the model; None where the call does not reach the block or hands it no tensor there."""
+    seen: list[Any] = []
+
+    def capture(mod, a, kw):
+        seen.append(a[slot] if isinstance(slot, int) else kw.get(slot))
+        raise _Stop
+
+    handles = [model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)]
+    handles += [model.get_submodule(name).register_forward_hook(hook) for name, hook in (hooks or {}).items()]
+    try:
+        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False), torch.no_grad():
+            torch.manual_seed(0)  # the same random draws on every run (preserved_state restores the streams)
+            model(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen[0] if seen and isinstance(seen[0], torch.Tensor) else None
+
+
+def _other(t: torch.Tensor) -> torch.Tensor:
+    """Values far from a tensor's own, the same on every call: what a measurement puts in to see what changes."""
+    generator = torch.Generator(t.device).manual_seed(0)
+    return torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * 3 + 1
+
+
 def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, *, module: str | None = None,
                     image: torch.Tensor | None = None) -> tuple[int, ...]:
     """Positions of the stream entering `block` that depend neither on module `module`'s output nor on the
     input tensor `image` (the one given): class, register and text tokens, made from something else.
 
-    The model runs twice in eval mode up to `block` (which is not run): once as it is, once with that output
-    (or input) replaced by other values. A token that comes out the same both times was not made from it.
-    Positions are counted from the start for the first half of the stream, from the end (negative) after.
+    The model runs twice up to `block`: once as it is, once with that output (or input) replaced by other
+    values. A token that comes out the same both times was not made from it. Positions are counted from the
+    start for the first half of the stream, from the end (negative) after.
     """
-    seen: list[torch.Tensor] = []
-
-    class _Stop(Exception):
-        pass
-
-    def capture(mod, a, kw):
-        seen.append(a[slot] if isinstance(slot, int) else kw[slot])
-        raise _Stop
-
-    def other(t: torch.Tensor) -> torch.Tensor:
-        generator = torch.Generator(t.device).manual_seed(0)
-        return torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * 3 + 1
-
-    calls = [(args, kwargs), (args, kwargs)]
-    if image is not None:
-        calls[1] = pytree.tree_map(lambda v: other(v) if v is image else v, (args, kwargs))
-    stop = model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
-            for run, (a, kw) in enumerate(calls):
-                handle = None
-                if run and module is not None:
-                    handle = model.get_submodule(module).register_forward_hook(lambda m, i, out: other(out))
-                torch.manual_seed(0)  # the same random draws in both runs (preserved_state restores the streams)
-                try:
-                    model(*a, **kw)
-                except _Stop:
-                    pass
-                finally:
-                    if handle is not None:
-                        handle.remove()
-    finally:
-        stop.remove()
-    if len(seen) != 2 or seen[0].shape != seen[1].shape or seen[0].dim() != 3:
+    changed_args, changed_kwargs = (args, kwargs) if image is None else \
+        pytree.tree_map(lambda v: _other(v) if v is image else v, (args, kwargs))
+    first = _stream_into(model, args, kwargs, block, slot)
+    second = _stream_into(model, changed_args, changed_kwargs, block, slot,
+                          None if module is None else {module: lambda m, i, out: _other(out)})
+    if first is None or second is None or first.shape != second.shape or first.dim() != 3:
         return ()
-    same = (seen[0] == seen[1]).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
+    same = (first == second).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
     tokens = same.shape[0]
     return tuple(i if i < tokens / 2 else i - tokens for i in same.nonzero().flatten().tolist())
 
@@ -168,35 +175,81 @@ def token_offset(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, 
     """Where the stream entering `block` holds the tokens `source` (a block called before it) handed on, as one
     run of positions: their offset, where a slice of the stream equals that output exactly (output `index` of a
     tuple); None where none does. The stream joins them with others (the text of a joint stack)."""
-    seen: dict[str, torch.Tensor] = {}
-
-    class _Stop(Exception):
-        pass
-
-    def capture(mod, a, kw):
-        seen["stream"] = a[slot] if isinstance(slot, int) else kw[slot]
-        raise _Stop
-
-    def output(mod, a, out):
-        seen["source"] = out if index is None else out[index]
-
-    handles = [model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True),
-               model.get_submodule(source).register_forward_hook(output)]
-    try:
-        with preserved_state(model, _tensors(args, kwargs)), training_mode(model, False):
-            torch.manual_seed(0)
-            model(*args, **kwargs)
-    except _Stop:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    stream, part = seen.get("stream"), seen.get("source")
-    if not isinstance(stream, torch.Tensor) or not isinstance(part, torch.Tensor) or stream.dim() != part.dim() \
+    seen: list[Any] = []
+    stream = _stream_into(model, args, kwargs, block, slot,
+                          {source: lambda m, i, out: seen.append(out if index is None else out[index])})
+    part = seen[-1] if seen else None  # its last call before the block
+    if stream is None or not isinstance(part, torch.Tensor) or stream.dim() != part.dim() \
             or stream.shape[0] != part.shape[0] or part.shape[1] > stream.shape[1]:
         return None
     length = part.shape[1]
     return next((o for o in range(stream.shape[1] - length + 1) if torch.equal(stream[:, o:o + length], part)), None)
+
+
+def grid_cells(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, grid: tuple[int, ...],
+               image_tokens: list[int], *, module: str | None = None,
+               image: torch.Tensor | None = None) -> tuple[int, ...] | None:
+    """Which cell of `grid` (counted in its raster order, rows after rows) each of the stream's image tokens
+    (`image_tokens`, their positions in the stream entering `block`) was made from: the grid module `module`'s
+    output, or where there is none the pixels of the input `image`, changed one set of cells at a time.
+
+    Grid selectors keep whole rows of the grid, by stream position: that is only a row of the image if the
+    tokens reach the blocks in raster order, which the graph does not show (an owner may reorder them after the
+    patch embedding, as Hiera's mask units do). Run j changes the cells whose index has bit j set, so
+    ⌈log2 cells⌉ runs besides the model's own spell each token's cell. None where they do not (a token that
+    changes with no cell or more than one: an embedding that mixes tokens before the blocks, patches that
+    overlap in the pixels, a nondeterministic kernel): nothing is claimed.
+    """
+    cells = math.prod(grid)
+    if len(image_tokens) != cells:
+        return None
+    where = (_cell_index(grid, (1,) * len(grid)) if module is not None
+             else None if image is None else _cell_index(grid, _patch(image, grid)))
+    if where is None:
+        return None
+
+    def changed(mask: torch.Tensor | None) -> torch.Tensor | None:
+        if mask is None:
+            return _stream_into(model, args, kwargs, block, slot)
+        if module is not None:
+            swap = {module: lambda m, i, out: torch.where(mask.to(out.device), _other(out), out)}
+            return _stream_into(model, args, kwargs, block, slot, swap)
+        a, kw = pytree.tree_map(lambda v: torch.where(mask.to(v.device), _other(v), v) if v is image else v,
+                                (args, kwargs))
+        return _stream_into(model, a, kw, block, slot)
+
+    base = changed(None)
+    if base is None or base.dim() != 3:
+        return None
+    code = torch.zeros(cells, dtype=torch.long)
+    for bit in range(max(1, (cells - 1).bit_length())):
+        picked = (torch.arange(cells) >> bit) & 1
+        stream = changed(((where >> bit) & 1).bool())
+        if stream is None or stream.shape != base.shape:
+            return None
+        moved = (stream != base)[:, image_tokens].flatten(2).any(-1).any(0).long().cpu()
+        if int(moved.sum()) != int(picked.sum()):
+            return None  # a token that changed with other cells than its own, or with none
+        code |= moved << bit
+    return tuple(code.tolist()) if sorted(code.tolist()) == list(range(cells)) else None
+
+
+def _patch(image: torch.Tensor, grid: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The pixels per cell along each axis of an image made into `grid`; None where they do not divide."""
+    spatial = image.shape[2:]
+    if len(spatial) != len(grid) or any(d % g for d, g in zip(spatial, grid)):
+        return None
+    return tuple(d // g for d, g in zip(spatial, grid))
+
+
+def _cell_index(grid: tuple[int, ...], patch: tuple[int, ...] | None) -> torch.Tensor | None:
+    """(*grid·patch) raster index of the cell each pixel (or grid point, with patch 1) lies in."""
+    if patch is None:
+        return None
+    index = torch.arange(math.prod(grid)).reshape(grid)
+    for axis, size in enumerate(patch):
+        index = index.repeat_interleave(size, dim=axis)
+    return index
 
 
 # ---- a route's blocks, for the plan ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from torch import nn
 from .errors import AnalysisError
 from .findings import BlockInfo, Stack
 from .graphs import CATS, Slot, kind_only, slot_value, to_networkx
-from .probe import token_offset, tokens_not_from
+from .probe import grid_cells, token_offset, tokens_not_from
 from .record import Image, grid_image, image_input
 from .trace import Trace
 from .values import TensorMeta
@@ -59,7 +59,13 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
         grid = _grid_from_image(call, batch, tokens - len(special))
     if grid is None and call is not None:  # packed latents, their sizes named in the call
         grid = _grid_from_sizes(call, tokens - len(special))
-    return {"grid": grid, "grid_node": grid_node, "special": special, "unknown_special": unknown}
+    reordered = None
+    if grid is not None and call is not None:
+        module = grid_node if images is not None or grid_node is None else _module_of(tr.graph, grid_node)
+        reordered = _reordered(model, call, _measure_point(chains, name, batch, tokens), grid, module, special,
+                               tokens, batch)
+    return {"grid": grid, "grid_node": grid_node, "special": special, "unknown_special": unknown,
+            "reordered": reordered}
 
 
 def joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous: Stack, stream: TensorMeta,
@@ -74,7 +80,7 @@ def joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous
     for p, from_image in enumerate(made):
         special[offset + p] = not from_image
     return {"grid": previous.grid, "grid_node": previous.grid_node, "special": _positions(special),
-            "unknown_special": previous.unknown_special, "joined_at": offset}
+            "unknown_special": previous.unknown_special, "reordered": previous.reordered, "joined_at": offset}
 
 
 def _stream_out(chains: dict, name: str) -> fx.Node | None:
@@ -146,6 +152,31 @@ def _graph_grid(graph: fx.Graph, model: nn.Module, stream_in: fx.Node, batch: in
         if math.prod(grid) == cells:
             return grid, node.name
     return None, None
+
+
+def _module_of(graph: fx.Graph, node_name: str) -> str | None:
+    """The module a graph node calls (a patch embedding's path); None for a node of another kind."""
+    node = next((n for n in graph.nodes if n.name == node_name), None)
+    return node.target if node is not None and node.op == "call_module" else None
+
+
+def _reordered(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, Slot], grid: tuple[int, ...],
+               module: str | None, special: tuple[int, ...], tokens: int, batch: int) -> str | None:
+    """Why the grid's rows are not runs of the stream, where measuring (`probe.grid_cells`, at `at`: a block and
+    its stream slot) finds the image's tokens reach the blocks in another order than the grid's rows (an owner
+    that reorders them after the patch embedding: Hiera's mask units); None where they come in raster order, or
+    the order cannot be measured (nothing is claimed then)."""
+    skipped = {p % tokens for p in special}
+    positions = [p for p in range(tokens) if p not in skipped]
+    image = None if module is not None else image_input(*call, batch)
+    cells = grid_cells(model, *call, *at, grid, positions, module=module, image=image)
+    if cells is None or cells == tuple(range(len(cells))):
+        return None
+    token, cell = next((positions[i], c) for i, c in enumerate(cells) if c != i)
+    size = "×".join(map(str, grid))
+    return (f"the image's tokens enter {at[0]} in another order than the rows of the {size} grid "
+            f"{module or 'the image'} makes (token {token} comes from its cell {cell}, counted row by row), "
+            "so a run of tokens is no row of the image")
 
 
 def _positions(flags: list[bool]) -> tuple[int, ...]:

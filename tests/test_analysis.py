@@ -248,13 +248,15 @@ def test_tokens_not_made_from_the_image_are_measured_special_and_the_grid_is_the
     assert head_runs == [1]  # in the trace; measuring runs the model up to the first block, no further
 
 
-def test_a_model_whose_patch_grid_holds_every_token_is_not_run_again_to_measure():
+def test_a_model_whose_patch_grid_holds_every_token_runs_again_only_to_read_their_order_and_only_up_to_the_blocks():
+    """No special token to measure; the grid's order is read in 1 + ⌈log2 24⌉ runs that stop at the first block."""
     model = built(Patches)
-    embeds = []
+    embeds, blocks = [], []
     model.embed.register_forward_hook(lambda *_: embeds.append(1))
+    model.blocks[0].register_forward_hook(lambda *_: blocks.append(1))
     report = rk.inspect(model, (image(),))
-    assert (report.grid, report.special) == ((4, 6), ())
-    assert embeds == [1]  # in the trace, and no more
+    assert (report.grid, report.special, report.report.reordered) == ((4, 6), (), None)
+    assert (len(embeds), len(blocks)) == (1 + 1 + 5, 1)  # the trace's run, the order's runs
 
 
 def test_without_a_patch_embedding_or_special_tokens_no_grid_is_guessed():
@@ -467,3 +469,42 @@ def test_blocks_that_change_the_streams_shape_end_the_stack_at_them():
     routed.train()
     assert routed(x).shape == (x.shape[0], 8, D)
     rk.verify(model, routed, (x,))
+
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pool, self.blocks = Pool(), nn.ModuleList([Mlp(), Mlp()])
+
+    def forward(self, x):
+        x = self.pool(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Stages(nn.Module):
+    """Stages each starting with a pooling block (Swin's and Hiera's layout): the outer container's members each
+    change the stream's shape, and the blocks worth routing sit inside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(Stage() for _ in range(3))
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def test_a_container_of_stages_or_a_container_inside_one_is_refused_saying_which():
+    """Swin was refused with 'its members are not called one after another', which they are, and its
+    `stack='layers.1.blocks'` with no reason. The refusals name the shape each stage changes, and that a
+    container inside a member is called whole; the twin above routes a container whose run keeps its shape."""
+    model, x = built(Stages), torch.randn(2, 16, D)
+    with pytest.raises(rk.AnalysisError, match=r"stages.0 changes the stream's shape \(float32\[2, 16, 8\] → "
+                                               r"float32\[2, 8, 8\]\), as a stage does"):
+        rk.inspect(model, (x,))
+    with pytest.raises(rk.AnalysisError, match=r"stack 'stages.1.blocks' is not a chain of blocks in Stages \(it "
+                                               r"runs inside stages.1, which is called whole, as one member of stages"):
+        rk.inspect(model, (x,), stack="stages.1.blocks")

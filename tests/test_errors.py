@@ -227,6 +227,7 @@ def test_a_block_that_takes_no_fewer_tokens_is_refused_without_suggesting_a_sele
     with pytest.raises(rk.ConfigError, match="no selector can route it") as err:
         rk.apply(model, routes=rk.Route(start=1, end=4, selector=selector), example_inputs=args)
     assert "layers.1 (BeitLayer)" in str(err.value) and "selector='row'" not in str(err.value)
+    assert "so does every block of the route: no route can hold them" in str(err.value)  # not "end it before"
 
 
 class SequenceFirst(nn.Module):

@@ -99,6 +99,7 @@ def check(name: str) -> dict:
     fell_back = [w for w in fell_back if issubclass(w.category, rk.FallbackWarning)]
     assert plan.mode == entry.mode and bool(fell_back) == (entry.mode == "boundary"), plan.fallback
     assert plan.stack == entry.stack and plan.special == entry.special, plan
+    assert plan.report.reordered is None, plan.report.reordered  # every zoo grid reaches its blocks row by row
     route = rk.Route(**entry.route)
     row = {"model": name, "tokens": plan.tokens, "mode": plan.mode}
     for mode in ("graph", "boundary") if entry.mode == "graph" else ("boundary",):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import D, Registers, Residual, Tokens, built, image, tokens, train_out
@@ -183,6 +184,102 @@ def test_video_grids_are_read_off_a_conv3d_and_grid_selectors_keep_whole_lines(s
         assert (kept.all(3) | ~kept.any(3)).all()
     if selector == "column":
         assert (kept.all(2) | ~kept.any(2)).all() and (kept == kept[:, :1]).all()
+
+
+class Reordered(nn.Module):
+    """A patch grid whose tokens the owner may reorder before the blocks: `windows` puts each 2×2 window's four
+    tokens one after another (Hiera's mask units), `columns` reads the grid column by column. `reshape=True`
+    patchifies by reshaping the image behind a class token, so the grid is measured off the image, not a conv."""
+
+    def __init__(self, order: str, reshape: bool = False):
+        super().__init__()
+        self.order, self.reshape = order, reshape
+        self.embed = nn.Linear(3 * 4, DIM) if reshape else nn.Conv2d(3, DIM, 2, 2)
+        self.cls = nn.Parameter(torch.randn(1, 1, DIM))
+        self.blocks = nn.ModuleList(Residual(DIM) for _ in range(4))
+
+    def forward(self, image):
+        b, _, h, w = image.shape
+        if self.reshape:  # (B, 3, H, W) → (B, H/2, W/2, 12) → a (B, D, H/2, W/2) grid, made by no module
+            x = self.embed(image.reshape(b, 3, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).flatten(3))
+            x = x.permute(0, 3, 1, 2)
+        else:
+            x = self.embed(image)
+        d, h, w = x.shape[1:]
+        if self.order == "windows":
+            x = x.reshape(b, d, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(b, h * w, d)
+        elif self.order == "columns":
+            x = x.transpose(2, 3).flatten(2).transpose(1, 2)
+        else:
+            x = x.flatten(2).transpose(1, 2)
+        if self.reshape:
+            x = torch.cat([self.cls.expand(b, -1, -1), x], dim=1)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+@pytest.mark.parametrize("order", ["windows", "columns"])
+def test_a_grid_whose_tokens_are_reordered_before_the_blocks_is_refused_to_grid_selectors(order, mode):
+    """A run of the stream is a row of the image only if the tokens reach the blocks in the grid's raster order,
+    which no graph shows: `row` kept whole 2×2 windows as rows of Hiera, scattered over the image, silently. The
+    order is measured; a reordered grid is refused to grid selectors by name, `random` still routes it."""
+    torch.manual_seed(0)
+    model, x = Reordered(order), torch.randn(2, 3, 8, 8)
+    with pytest.raises(rk.ConfigError, match=r"selector 'row' keeps runs of tokens as lines of the grid, but the "
+                                             r"image's tokens enter blocks.0 in another order than the rows of the "
+                                             r"4×4 grid embed makes \(token [12] comes from its cell 4,"):
+        rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(x,), mode=mode)
+    routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,), mode=mode)
+    assert "another order" in str(rk.inspect(model, (x,), mode=mode))
+    rk.verify(model, routed, (x,))
+    given = rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(x,), mode=mode, grid=(4, 4))
+    assert report_of(given).grid == (4, 4)  # the user's grid is taken as the stream's own order
+
+
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+@pytest.mark.parametrize("reshape", [False, True])
+def test_a_grid_in_raster_order_keeps_its_rows_whether_a_conv_or_a_reshape_made_it(reshape, mode):
+    """The twin: tokens in the grid's own order, from a patch conv or from the image reshaped behind a class
+    token (measured off the image's pixels then): `row` routes, and the rows it keeps are the image's."""
+    torch.manual_seed(0)
+    model, x = Reordered("raster", reshape), torch.randn(2, 3, 8, 8)
+    routed = rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(x,), mode=mode,
+                      generator=torch.Generator().manual_seed(1))
+    plan = report_of(routed)
+    assert plan.grid == (4, 4) and plan.report.reordered is None and plan.special == ((0,) if reshape else ())
+    rk.verify(model, routed, (x,))
+    routed.train()
+    routed(x)
+    kept = ~rk.last_route_mask(routed)[:, 1:] if reshape else ~rk.last_route_mask(routed)
+    kept = kept.reshape(2, 4, 4)
+    assert (kept.all(2) | ~kept.any(2)).all() and kept.all(2).sum(1).eq(2).all()
+
+
+def test_a_column_by_column_grid_made_by_reshaping_the_image_is_refused_to_grid_selectors():
+    torch.manual_seed(0)
+    model, x = Reordered("columns", reshape=True), torch.randn(2, 3, 8, 8)
+    with pytest.raises(rk.ConfigError, match=r"another order than the rows of the 4×4 grid the image makes"):
+        rk.apply(model, rk.Route(start=1, end=2, selector="column"), example_inputs=(x,))
+
+
+def test_hiera_whose_mask_units_reorder_its_patches_is_refused_to_grid_selectors_and_routes_at_random():
+    """timm's Hiera lays its patches out by mask unit before the blocks; with its first stage the longest, that
+    stage is the stack and the patch conv's grid has as many cells as it has tokens, so `row` would keep mask
+    units for rows."""
+    try:
+        hiera = zoo.package("timm.models.hiera")
+    except zoo.Missing as err:
+        pytest.skip(str(err))
+    torch.manual_seed(0)
+    model = hiera.Hiera(img_size=(64, 64), embed_dim=16, num_heads=1, stages=(3, 1, 1, 1), num_classes=4,
+                        mask_unit_size=(4, 4), global_pos_size=(4, 4))  # its patch conv's 7×7 kernels overlap
+    x = torch.randn(2, 3, 64, 64)
+    with pytest.raises(rk.ConfigError, match=r"in another order than the rows of the 16×16 grid patch_embed.proj"):
+        rk.apply(model, rk.Route(start=0, end=1, selector="row"), example_inputs=(x,))
+    routed = rk.apply(model, rk.Route(start=0, end=1), example_inputs=(x,))
+    rk.verify(model, routed, (x,))
 
 
 def test_frame_and_tube_need_a_video_grid():
