@@ -603,11 +603,16 @@ def _ratio(value: float) -> str:
     return f"{value:.2f}"
 
 
-def _seeds(wins: bool, lower: int, pairs: int) -> str:
-    """How many seeds agree with a verdict taken on the means; "not settled" unless all do."""
-    agree = lower if wins else pairs - lower
-    return f"{'lower' if wins else 'higher'} in {agree} of {pairs} seeds" + (
-        "" if agree == pairs else ": not settled by these seeds")
+def _verdict(lower: int, pairs: int) -> str:
+    """'wins' or 'loses' where every seed pair says so (lower, or higher, than vanilla's run of the same seed), else
+    'is not settled': a verdict on the means alone would call one lucky seed a win."""
+    if not pairs:
+        return "is not compared yet (no vanilla run of its seeds)"
+    return "wins" if lower == pairs else "loses" if lower == 0 else "is not settled"
+
+
+def _seeds(lower: int, pairs: int) -> str:
+    return f"lower in {lower} of {pairs} seed{'s' if pairs > 1 else ''}"
 
 
 def findings(summary: dict) -> list[str]:
@@ -624,9 +629,9 @@ def findings(summary: dict) -> list[str]:
             if base is None:
                 lines.append(f"{label}: no vanilla run yet, nothing to compare with.")
                 continue
-            wins = m["fd"]["mean"] < base["fd"]["mean"]
-            text = (f"{label} {'wins' if wins else 'loses'} per training second: FD {_fmt(m['fd'])} vs vanilla "
-                    f"{_fmt(base['fd'])} at {_secs(when)} s, {_seeds(wins, m['lower_fd_than_vanilla'], m['pairs'])}")
+            lower = m["lower_fd_than_vanilla"]
+            text = (f"{label} {_verdict(lower, m['pairs'])} per training second: FD {_fmt(m['fd'])} vs vanilla "
+                    f"{_fmt(base['fd'])} at {_secs(when)} s, {_seeds(lower, m['pairs'])}")
             if m["reached"]:
                 text += (f"; it reaches vanilla's FD in {_fmt(m['seconds_to_target'], _secs)} s (vanilla first in "
                          f"{_fmt(base['seconds_to_target'], _secs)} s), {m['speedup']:.2f}× as fast as vanilla "
@@ -638,10 +643,9 @@ def findings(summary: dict) -> list[str]:
                 text += " " + _tread_bar(m)
             steps = m["equal_steps"]
             if steps:
-                per_step = steps["ratio"]["mean"] < 1
-                text += (f" Per step it {'wins' if per_step else 'loses'}: FD {_fmt(steps['fd'])} vs vanilla "
+                text += (f" Per step it {_verdict(steps['lower'], m['pairs'])}: FD {_fmt(steps['fd'])} vs vanilla "
                          f"{_fmt(steps['vanilla_fd'])} at equal steps (step {_fmt(steps['step'], _secs)}), "
-                         f"ratio {_fmt(steps['ratio'], _ratio)}, {_seeds(per_step, steps['lower'], m['pairs'])}.")
+                         f"ratio {_fmt(steps['ratio'], _ratio)}, {_seeds(steps['lower'], m['pairs'])}.")
             lines.append(text)
     return lines
 
@@ -691,7 +695,8 @@ def plan_table(plan: Study, done: dict[str, dict]) -> list[str]:
     for number, run in enumerate(plan.runs(), 1):
         result = done.get(str(run.file))
         if result:
-            status = (f"done: `{run.file}`, {result['wall_seconds']:.0f} s wall, commit {result['machine']['commit']}"
+            status = (f"done: `{run.file}`, {result['wall_seconds']:.0f} s wall, "
+                      f"commit {result['machine']['commit'][:7]}"
                       + (", out of time" if result["out_of_time"] else ""))
         else:
             status = "**next**" if missing and run == missing[0] else "missing"
@@ -771,8 +776,8 @@ def markdown(data: dict, plan: Study) -> str:
     lines += ["## Plan", "", *plan_table(plan, {r["file"]: r for r in results}), ""]
     if results:
         lines += ["## Runs", ""]
-        lines += [f"- `{r['file']}`: `{r['machine']['command']}` at `{r['machine']['commit']}` on {r['machine']['device']}"
-                  f", torch {r['machine']['torch']}, {r['machine']['date']}" for r in results]
+        lines += [f"- `{r['file']}`: `{r['machine']['command']}` at `{r['machine']['commit'][:7]}` on "
+                  f"{r['machine']['device']}, torch {r['machine']['torch']}, {r['machine']['date']}" for r in results]
     return "\n".join(lines) + "\n"
 
 

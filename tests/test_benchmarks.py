@@ -329,6 +329,22 @@ def test_convergence_report_says_in_numbers_where_each_method_wins_and_loses(tmp
     assert "3 of 20 planned runs exist" in text and (tmp_path / "convergence.png").exists()
 
 
+def test_convergence_report_calls_a_method_a_winner_only_where_every_seed_says_so(tmp_path):
+    """Seed 0 of DAR beats vanilla, seed 1 does not: the means favour DAR, the verdict is 'not settled' (it said
+    'wins', and 'Per step it wins' at a ratio of 1.00); where both seeds beat vanilla, it wins."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    for seed in (0, 1):
+        fake_result(plan, f"dit_b2/vanilla/{seed}", [(10, 0.25, 100.0), (20, 0.5, 10.0)])
+        fake_result(plan, f"dit_b2/tread/{seed}", [(10, 0.25, 90.0), (20, 0.5, 9.0)])
+    fake_result(plan, "dit_b2/dar/0", [(10, 0.25, 100.0), (20, 0.5, 2.0)])
+    fake_result(plan, "dit_b2/dar/1", [(10, 0.25, 100.0), (20, 0.5, 11.0)])
+    convergence.report(plan)
+    text = (tmp_path / "convergence.md").read_text()
+    assert "DAR on DiT-B/2 is not settled per training second: FD 6.5 (2–11) vs vanilla 10 (10–10) at 0.5 s, " \
+           "lower in 1 of 2 seeds" in text and "Per step it is not settled" in text
+    assert "TREAD on DiT-B/2 wins per training second" in text and "Per step it wins" in text
+
+
 def test_convergence_refuses_to_merge_runs_whose_recipe_or_training_code_differ(tmp_path):
     """Runs of one backbone made with another recipe or other training code are refused by the report, which names
     the files on each side and the part that differs (for a recipe, the fields); other backbones do not matter."""
