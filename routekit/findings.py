@@ -115,7 +115,7 @@ class Stack:
     grid_node: str | None  # the node (graph mode) or module (boundary mode) the grid was read off
     special: tuple[int, ...]  # tokens not made from the image (text, register, class tokens): routes keep them
     unknown_special: str | None = None  # why the special tokens could not be told (a route must be given `keep`)
-    reordered: str | None = None  # why the grid's rows are no runs of the stream (grid selectors refuse it)
+    reordered: str | None = None  # why the stream's grid lines are not the image's (grid selectors refuse it)
     joined_at: int | None = None  # where the previous stack's tokens sit in this one's stream (None: the first)
 
     @property

@@ -20,7 +20,7 @@ def format_plan(plan: Any) -> str:
         grid = "×".join(map(str, plan.grid)) + f" ({source})"
     others = {k: v for k, v in r.candidates.items() if k not in {s.name for s in r.stacks}}
     if plan.grid and not plan.grid_given and r.reordered:
-        grid += "; the tokens reach the blocks in another order (grid selectors refuse it)"
+        grid += "; its lines reach the blocks broken up (grid selectors refuse it)"
     if plan.grid and not r.special and math.prod(plan.grid) < tokens:
         grid += (f"; plus {tokens - math.prod(plan.grid)} other token(s) at positions routekit could not "
                  "tell: name them in Route(keep=[...])")

@@ -162,21 +162,29 @@ def _module_of(graph: fx.Graph, node_name: str) -> str | None:
 
 def _reordered(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, Slot], grid: tuple[int, ...],
                module: str | None, special: tuple[int, ...], tokens: int, batch: int) -> str | None:
-    """Why the grid's rows are not runs of the stream, where measuring (`probe.grid_cells`, at `at`: a block and
-    its stream slot) finds the image's tokens reach the blocks in another order than the grid's rows (an owner
-    that reorders them after the patch embedding: Hiera's mask units); None where they come in raster order, or
-    the order cannot be measured (nothing is claimed then)."""
+    """Why the stream's grid lines are not the image's, where measuring (`probe.grid_cells`, at `at`: a block and
+    its stream slot) finds the image's tokens reach the blocks in an order that breaks them (an owner that
+    reorders the tokens after the patch embedding: Hiera's mask units); None where each line of the stream along
+    an axis is a line of the image along that axis (raster order, or lines flipped or shuffled whole: what grid
+    selectors keep is still whole rows, columns and frames), or the order cannot be measured (nothing is claimed)."""
     skipped = {p % tokens for p in special}
     positions = [p for p in range(tokens) if p not in skipped]
     image = None if module is not None else image_input(*call, batch)
     cells = grid_cells(model, *call, *at, grid, positions, module=module, image=image)
-    if cells is None or cells == tuple(range(len(cells))):
+    if cells is None:
         return None
-    token, cell = next((positions[i], c) for i, c in enumerate(cells) if c != i)
-    size = "×".join(map(str, grid))
-    return (f"the image's tokens enter {at[0]} in another order than the rows of the {size} grid "
-            f"{module or 'the image'} makes (token {token} comes from its cell {cell}, counted row by row), "
-            "so a run of tokens is no row of the image")
+    where = torch.unravel_index(torch.tensor(cells).reshape(grid), grid)  # per axis: the image's coordinate
+    broken = [(axis, other) for axis, coordinate in enumerate(where) for other in range(len(grid))
+              if other != axis and not (coordinate == coordinate.narrow(other, 0, 1)).all()]
+    if not broken:
+        return None
+    axis, other = broken[0]
+    coordinates = ("frame", "row", "column")[-len(grid):]  # what an index along each axis counts
+    lines = ("tube", "column", "row")[-len(grid):]  # the line of the grid an axis runs along
+    moved = (where[axis] != where[axis].narrow(other, 0, 1)).flatten().nonzero()[0, 0].item()
+    return (f"the image's tokens enter {at[0]} in an order whose lines are not the image's: within one "
+            f"{lines[other]} of the stream's {'×'.join(map(str, grid))} grid the image's {coordinates[axis]} changes "
+            f"(token {positions[moved]} comes from {module or 'the image'}'s cell {cells[moved]}, counted row by row)")
 
 
 def _positions(flags: list[bool]) -> tuple[int, ...]:

@@ -188,7 +188,8 @@ def test_video_grids_are_read_off_a_conv3d_and_grid_selectors_keep_whole_lines(s
 
 class Reordered(nn.Module):
     """A patch grid whose tokens the owner may reorder before the blocks: `windows` puts each 2×2 window's four
-    tokens one after another (Hiera's mask units), `columns` reads the grid column by column. `reshape=True`
+    tokens one after another (Hiera's mask units), `columns` reads the grid column by column, `flipped` reverses
+    the tokens (every row and column is still one, the other way round). `reshape=True`
     patchifies by reshaping the image behind a class token, so the grid is measured off the image, not a conv."""
 
     def __init__(self, order: str, reshape: bool = False):
@@ -210,6 +211,8 @@ class Reordered(nn.Module):
             x = x.reshape(b, d, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(b, h * w, d)
         elif self.order == "columns":
             x = x.transpose(2, 3).flatten(2).transpose(1, 2)
+        elif self.order == "flipped":
+            x = x.flatten(2).transpose(1, 2).flip(1)
         else:
             x = x.flatten(2).transpose(1, 2)
         if self.reshape:
@@ -228,23 +231,25 @@ def test_a_grid_whose_tokens_are_reordered_before_the_blocks_is_refused_to_grid_
     torch.manual_seed(0)
     model, x = Reordered(order), torch.randn(2, 3, 8, 8)
     with pytest.raises(rk.ConfigError, match=r"selector 'row' keeps runs of tokens as lines of the grid, but the "
-                                             r"image's tokens enter blocks.0 in another order than the rows of the "
-                                             r"4×4 grid embed makes \(token [12] comes from its cell 4,"):
+                                             r"image's tokens enter blocks.0 in an order whose lines are not the "
+                                             r"image's: within one row of the stream's 4×4 grid the image's row "
+                                             r"changes \(token [12] comes from embed's cell 4,"):
         rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(x,), mode=mode)
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,), mode=mode)
-    assert "another order" in str(rk.inspect(model, (x,), mode=mode))
+    assert "its lines reach the blocks broken up" in str(rk.inspect(model, (x,), mode=mode))
     rk.verify(model, routed, (x,))
     given = rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(x,), mode=mode, grid=(4, 4))
     assert report_of(given).grid == (4, 4)  # the user's grid is taken as the stream's own order
 
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
-@pytest.mark.parametrize("reshape", [False, True])
-def test_a_grid_in_raster_order_keeps_its_rows_whether_a_conv_or_a_reshape_made_it(reshape, mode):
+@pytest.mark.parametrize(("order", "reshape"), [("raster", False), ("raster", True), ("flipped", False)])
+def test_a_grid_whose_lines_are_the_images_keeps_its_rows_whether_a_conv_or_a_reshape_made_it(order, reshape, mode):
     """The twin: tokens in the grid's own order, from a patch conv or from the image reshaped behind a class
-    token (measured off the image's pixels then): `row` routes, and the rows it keeps are the image's."""
+    token (measured off the image's pixels then), or reversed (each line still one): `row` routes, and the rows
+    it keeps are the image's."""
     torch.manual_seed(0)
-    model, x = Reordered("raster", reshape), torch.randn(2, 3, 8, 8)
+    model, x = Reordered(order, reshape), torch.randn(2, 3, 8, 8)
     routed = rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(x,), mode=mode,
                       generator=torch.Generator().manual_seed(1))
     plan = report_of(routed)
@@ -260,7 +265,8 @@ def test_a_grid_in_raster_order_keeps_its_rows_whether_a_conv_or_a_reshape_made_
 def test_a_column_by_column_grid_made_by_reshaping_the_image_is_refused_to_grid_selectors():
     torch.manual_seed(0)
     model, x = Reordered("columns", reshape=True), torch.randn(2, 3, 8, 8)
-    with pytest.raises(rk.ConfigError, match=r"another order than the rows of the 4×4 grid the image makes"):
+    with pytest.raises(rk.ConfigError, match=r"within one row of the stream's 4×4 grid the image's row changes "
+                                             r"\(token 2 comes from the image's cell 4,"):
         rk.apply(model, rk.Route(start=1, end=2, selector="column"), example_inputs=(x,))
 
 
@@ -276,7 +282,9 @@ def test_hiera_whose_mask_units_reorder_its_patches_is_refused_to_grid_selectors
     model = hiera.Hiera(img_size=(64, 64), embed_dim=16, num_heads=1, stages=(3, 1, 1, 1), num_classes=4,
                         mask_unit_size=(4, 4), global_pos_size=(4, 4))  # its patch conv's 7×7 kernels overlap
     x = torch.randn(2, 3, 64, 64)
-    with pytest.raises(rk.ConfigError, match=r"in another order than the rows of the 16×16 grid patch_embed.proj"):
+    with pytest.raises(rk.ConfigError, match=r"in an order whose lines are not the image's: within one row of the "
+                                             r"stream's 16×16 grid the image's row changes \(token \d+ comes from "
+                                             r"patch_embed.proj's cell"):
         rk.apply(model, rk.Route(start=0, end=1, selector="row"), example_inputs=(x,))
     routed = rk.apply(model, rk.Route(start=0, end=1), example_inputs=(x,))
     rk.verify(model, routed, (x,))
