@@ -193,12 +193,13 @@ def grid_cells(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, gr
     (`image_tokens`, their positions in the stream entering `block`) was made from: the grid module `module`'s
     output, or where there is none the pixels of the input `image`, changed one set of cells at a time.
 
-    Grid selectors keep whole rows of the grid, by stream position: that is only a row of the image if the
-    tokens reach the blocks in raster order, which the graph does not show (an owner may reorder them after the
-    patch embedding, as Hiera's mask units do). Run j changes the cells whose index has bit j set, so
+    Grid selectors keep whole lines of the grid by stream position: lines of the image only where the tokens
+    reach the blocks in an order that keeps them, which the graph does not show (an owner may reorder them after
+    the patch embedding, as Hiera's mask units do). Run j changes the cells whose index has bit j set, so
     ⌈log2 cells⌉ runs besides the model's own spell each token's cell. None where they do not (a token that
     changes with no cell or more than one: an embedding that mixes tokens before the blocks, patches that
-    overlap in the pixels, a nondeterministic kernel): nothing is claimed.
+    overlap in the pixels, a nondeterministic kernel; a model that fails on the changed values): nothing is
+    claimed.
     """
     cells = math.prod(grid)
     if len(image_tokens) != cells:
@@ -211,12 +212,15 @@ def grid_cells(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, gr
     def changed(mask: torch.Tensor | None) -> torch.Tensor | None:
         if mask is None:
             return _stream_into(model, args, kwargs, block, slot)
-        if module is not None:
-            swap = {module: lambda m, i, out: torch.where(mask.to(out.device), _other(out), out)}
-            return _stream_into(model, args, kwargs, block, slot, swap)
-        a, kw = pytree.tree_map(lambda v: torch.where(mask.to(v.device), _other(v), v) if v is image else v,
-                                (args, kwargs))
-        return _stream_into(model, a, kw, block, slot)
+        try:  # a measurement, not the model's use: values it refuses (a range check) leave the order unmeasured
+            if module is not None:
+                swap = {module: lambda m, i, out: torch.where(mask.to(out.device), _other(out), out)}
+                return _stream_into(model, args, kwargs, block, slot, swap)
+            a, kw = pytree.tree_map(lambda v: torch.where(mask.to(v.device), _other(v), v) if v is image else v,
+                                    (args, kwargs))
+            return _stream_into(model, a, kw, block, slot)
+        except Exception:
+            return None
 
     base = changed(None)
     if base is None or base.dim() != 3:

@@ -262,6 +262,29 @@ def test_a_grid_whose_lines_are_the_images_keeps_its_rows_whether_a_conv_or_a_re
     assert (kept.all(2) | ~kept.any(2)).all() and kept.all(2).sum(1).eq(2).all()
 
 
+class Checked(Reordered):
+    """An owner that checks its patch features' range (as a model guarding against overflow might): the values
+    the order's measurement puts in fail the check."""
+
+    def __init__(self):
+        super().__init__("raster")
+
+    def forward(self, image):
+        if self.embed(image).abs().amax() > 6:
+            raise ValueError("patch features out of range")
+        return super().forward(image)
+
+
+def test_a_model_that_refuses_the_values_measuring_puts_in_keeps_its_grid_unmeasured():
+    """apply failed: a measurement is not the model's use, so a model that refuses its values leaves the order
+    unmeasured (nothing claimed) and the grid serves grid selectors as before."""
+    torch.manual_seed(0)
+    model, x = Checked(), torch.randn(2, 3, 8, 8)
+    routed = rk.apply(model, rk.Route(start=1, end=2, selector="row"), example_inputs=(x,), mode="boundary")
+    assert report_of(routed).grid == (4, 4) and report_of(routed).report.reordered is None
+    rk.verify(model, routed, (x,))
+
+
 def test_a_column_by_column_grid_made_by_reshaping_the_image_is_refused_to_grid_selectors():
     torch.manual_seed(0)
     model, x = Reordered("columns", reshape=True), torch.randn(2, 3, 8, 8)
