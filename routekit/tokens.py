@@ -55,17 +55,20 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
                 "routekit could not measure which of the stream's tokens were not made from the image")
     if images is None:
         grid, grid_node = _graph_grid(tr.graph, model, first_in, batch, tokens - len(special))
-    if grid is None and special and call is not None:  # the image patchified by reshaping, joined with others
-        grid = _grid_from_image(call, batch, tokens - len(special))
+    skipped = {p % tokens for p in special}
+    positions = [p for p in range(tokens) if p not in skipped]  # the image's tokens, where the grid's cells go
+    at = _measure_point(chains, name, batch, tokens)
+    cells, measured = None, False
+    if grid is None and call is not None:  # no patch embedding shows it: the image patchified by reshaping
+        grid, cells, measured = _grid_from_image(model, call, at, batch, positions, bool(special))
     if grid is None and call is not None:  # packed latents, their sizes named in the call
-        grid = _grid_from_sizes(call, tokens - len(special))
-    reordered = None
-    if grid is not None and call is not None:
-        module = grid_node if images is not None or grid_node is None else _module_of(tr.graph, grid_node)
-        reordered = _reordered(model, call, _measure_point(chains, name, batch, tokens), grid, module, special,
-                               tokens, batch)
+        grid = _grid_from_sizes(call, len(positions))
+    module = grid_node if images is not None or grid_node is None else _module_of(tr.graph, grid_node)
+    if grid is not None and call is not None and not measured:
+        cells = grid_cells(model, *call, *at, grid, positions, module=module,
+                           image=None if module is not None else image_input(*call, batch))
     return {"grid": grid, "grid_node": grid_node, "special": special, "unknown_special": unknown,
-            "reordered": reordered}
+            "reordered": _broken_lines(cells, grid, positions, at[0], module) if cells is not None else None}
 
 
 def joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous: Stack, stream: TensorMeta,
@@ -160,31 +163,31 @@ def _module_of(graph: fx.Graph, node_name: str) -> str | None:
     return node.target if node is not None and node.op == "call_module" else None
 
 
-def _reordered(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, Slot], grid: tuple[int, ...],
-               module: str | None, special: tuple[int, ...], tokens: int, batch: int) -> str | None:
-    """Why the stream's grid lines are not the image's, where measuring (`probe.grid_cells`, at `at`: a block and
-    its stream slot) finds the image's tokens reach the blocks in an order that breaks them (an owner that
-    reorders the tokens after the patch embedding: Hiera's mask units); None where each line of the stream along
-    an axis is a line of the image along that axis (raster order, or lines flipped or shuffled whole: what grid
-    selectors keep is still whole rows, columns and frames), or the order cannot be measured (nothing is claimed)."""
-    skipped = {p % tokens for p in special}
-    positions = [p for p in range(tokens) if p not in skipped]
-    image = None if module is not None else image_input(*call, batch)
-    cells = grid_cells(model, *call, *at, grid, positions, module=module, image=image)
-    if cells is None:
-        return None
-    where = torch.unravel_index(torch.tensor(cells).reshape(grid), grid)  # per axis: the image's coordinate
-    broken = [(axis, other) for axis, coordinate in enumerate(where) for other in range(len(grid))
-              if other != axis and not (coordinate == coordinate.narrow(other, 0, 1)).all()]
+def _broken_lines(cells: tuple[int, ...], grid: tuple[int, ...], positions: list[int], block: str,
+                  source: str | None) -> str | None:
+    """Why the stream's grid lines are not the image's, given the cell each image token (at `positions` in the
+    stream entering `block`) was measured to come from (`probe.grid_cells`): an owner that reorders the tokens
+    after the patch embedding (Hiera's mask units); None where each line of the stream along an axis is a line of
+    the image along that axis (raster order, or lines flipped or shuffled whole: what grid selectors keep is still
+    whole rows, columns and frames)."""
+    broken = _broken_axes(cells, grid)
     if not broken:
         return None
     axis, other = broken[0]
+    where = torch.unravel_index(torch.tensor(cells).reshape(grid), grid)
     coordinates = ("frame", "row", "column")[-len(grid):]  # what an index along each axis counts
     lines = ("tube", "column", "row")[-len(grid):]  # the line of the grid an axis runs along
     moved = (where[axis] != where[axis].narrow(other, 0, 1)).flatten().nonzero()[0, 0].item()
-    return (f"the image's tokens enter {at[0]} in an order whose lines are not the image's: within one "
+    return (f"the image's tokens enter {block} in an order whose lines are not the image's: within one "
             f"{lines[other]} of the stream's {'×'.join(map(str, grid))} grid the image's {coordinates[axis]} changes "
-            f"(token {positions[moved]} comes from {module or 'the image'}'s cell {cells[moved]}, counted row by row)")
+            f"(token {positions[moved]} comes from {source or 'the image'}'s cell {cells[moved]}, counted row by row)")
+
+
+def _broken_axes(cells: tuple[int, ...], grid: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(axis, other): the image's coordinate along `axis` changes along the stream grid's axis `other`."""
+    where = torch.unravel_index(torch.tensor(cells).reshape(grid), grid)  # per axis: the image's coordinate
+    return [(axis, other) for axis, coordinate in enumerate(where) for other in range(len(grid))
+            if other != axis and not (coordinate == coordinate.narrow(other, 0, 1)).all()]
 
 
 def _positions(flags: list[bool]) -> tuple[int, ...]:
@@ -446,13 +449,36 @@ def _grid_from_sizes(call: tuple[tuple, dict], cells: int) -> tuple[int, ...] | 
     return grid if math.prod(grid) == cells else None
 
 
-def _grid_from_image(call: tuple[tuple, dict], batch: int, cells: int) -> tuple[int, ...] | None:
-    """Where no patch embedding shows the grid (an image patchified by reshaping, as Lumina2's): the call's image
-    size over the one patch size that gives `cells` tokens."""
+def _grid_from_image(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, Slot], batch: int,
+                     positions: list[int], joined: bool) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, bool]:
+    """(grid, the cell of each image token, whether measured) where no patch embedding shows the grid (an image
+    patchified by reshaping, as Lumina2's and CogView4's are; video frames embedded one by one): the call's image
+    size over a patch size (one for the spatial axes, any for time) that gives as many cells as the stream has
+    image tokens (`positions`), taken where measuring its order (`probe.grid_cells`, at `at`) finds every token
+    made from one cell of it. Unmeasured (a refiner that mixes the tokens first), it is taken only where the
+    stream joins the image with other tokens (`joined`: they were told apart by their origin) and one patch size
+    fits: otherwise a sequence as long as some grid would be taken for the image's."""
     image = image_input(*call, batch)
-    if image is None or cells < 1 or image.dim() not in (4, 5):
-        return None
-    spatial = image.shape[2:]
-    sizes = [tuple(d // p for d in spatial) for p in range(1, max(spatial) + 1)
-             if all(d % p == 0 for d in spatial) and math.prod(d // p for d in spatial) == cells]
-    return sizes[0] if len(sizes) == 1 else None
+    if image is None or image.dim() not in (4, 5) or not positions:
+        return None, None, False
+    candidates = _image_grids(tuple(image.shape[2:]), len(positions))
+    for grid in candidates:
+        cells = grid_cells(model, *call, *at, grid, positions, image=image)
+        if cells is not None:
+            return grid, cells, True
+    return (candidates[0] if joined and len(candidates) == 1 else None), None, True
+
+
+def _image_grids(spatial: tuple[int, ...], cells: int) -> list[tuple[int, ...]]:
+    """The grids an image of these sizes makes with `cells` cells: one patch size over the spatial axes, and for
+    a video any patch size over time; the squarest patches first."""
+    *frames, height, width = spatial
+    grids = []
+    for p in range(1, min(height, width) + 1):
+        if height % p or width % p:
+            continue
+        for t in ([1] if not frames else [d for d in range(1, frames[0] + 1) if frames[0] % d == 0]):
+            grid = (*(f // t for f in frames), height // p, width // p)
+            if math.prod(grid) == cells:
+                grids.append((abs(t - p) if frames else 0, grid))
+    return [grid for _, grid in sorted(grids)]

@@ -259,25 +259,37 @@ def test_a_model_whose_patch_grid_holds_every_token_runs_again_only_to_read_thei
     assert (len(embeds), len(blocks)) == (1 + 1 + 5, 1)  # the trace's run, the order's runs
 
 
-def test_without_a_patch_embedding_or_special_tokens_no_grid_is_guessed():
-    class Patchify(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Linear(12, D)
-            self.blocks = nn.ModuleList(Mlp() for _ in range(3))
+class Patchify(nn.Module):
+    """An image patchified by reshaping, no patch embedding and no token besides the image's (CogView4's and
+    HiDream's image stream); with `rows=True` its tokens are no patches: each holds a whole row of one channel."""
 
-        def forward(self, image):
-            b = image.shape[0]
-            patches = image.reshape(b, 3, 4, 2, 6, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, 24, 12)
-            h = self.embed(patches)
-            for block in self.blocks:
-                h = block(h)
-            return h
+    def __init__(self, rows: bool = False):
+        super().__init__()
+        self.rows = rows
+        self.embed = nn.Linear(12, D)
+        self.blocks = nn.ModuleList(Mlp() for _ in range(3))
 
+    def forward(self, image):
+        b = image.shape[0]
+        patches = image.reshape(b, 24, 12) if self.rows else \
+            image.reshape(b, 3, 4, 2, 6, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, 24, 12)
+        h = self.embed(patches)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_without_a_patch_embedding_the_grid_is_the_image_over_the_patch_where_measuring_confirms_it():
+    """No patch embedding and no special tokens: the grid the image makes over some patch is taken only where
+    measuring finds each token made from one of its cells (it was never taken: `row` asked for grid=). Its twin,
+    tokens that are rows of one channel, as many as the cells of a 4×6 grid, gets none."""
     report = rk.inspect(built(Patchify), (image(),))
-    assert (report.grid, report.special) == (None, ())
+    assert (report.grid, report.special, report.report.reordered) == ((4, 6), (), None)
+    rk.inspect(built(Patchify), (image(),), routes=rk.Route(start=0, end=1, selector="row"))
+    rows = built(Patchify, rows=True)
+    assert (rk.inspect(rows, (image(),)).grid, rk.inspect(rows, (image(),)).special) == (None, ())
     with pytest.raises(ConfigError, match="grid"):
-        rk.inspect(built(Patchify), (image(),), routes=rk.Route(start=0, end=1, selector="row"))
+        rk.inspect(rows, (image(),), routes=rk.Route(start=0, end=1, selector="row"))
 
 
 class OnePatch(nn.Module):

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
+import zoo  # noqa: E402
 from zoo import ZOO, Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
@@ -263,6 +264,28 @@ def test_a_video_model_routes_whole_rows_frames_or_tubes(name: str, selector: st
         assert (kept.all(3) | ~kept.any(3)).all()
     if selector == "tube":
         assert (kept == kept[:, :1]).all()
+
+
+@pytest.mark.parametrize(("build", "selector", "grid"), [
+    (zoo.diffusers_hidream, "row", (4, 4)), (zoo.diffusers_mochi, "row", (2, 4, 4)),
+    (zoo.diffusers_mochi, "frame", (2, 4, 4)),
+])
+def test_a_model_whose_grid_no_patch_embedding_shows_gets_it_measured_and_routes_its_lines(build, selector, grid):
+    """HiDream patchifies its latents by reshaping, Mochi embeds video frames one by one: no (B, C, H, W) output of
+    theirs has a cell per token, so grid selectors asked for grid=. The image over the patch is their grid where
+    measuring finds every token made from one of its cells, and whole rows (frames) are kept."""
+    try:
+        model, args, kwargs = build()
+    except Missing as err:
+        pytest.skip(str(err))
+    torch.set_num_threads(1)
+    routed = rk.apply(model, rk.Route(start=1, end=4, selector=selector), example_inputs=args, example_kwargs=kwargs)
+    assert report_of(routed).grid == grid and report_of(routed).report.reordered is None
+    rk.verify(model, routed, args, kwargs)
+    routed.train()
+    routed(*args, **kwargs)
+    kept = ~rk.last_route_mask(routed).reshape(2, -1, grid[-1])  # (B, rows of every frame, W)
+    assert (kept.all(2) | ~kept.any(2)).all() and kept.any()
 
 
 def test_a_causal_lm_trains_with_a_route():

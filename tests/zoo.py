@@ -183,6 +183,17 @@ def diffusers_hidream():
     return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
 
 
+def diffusers_mochi():
+    """Video frames embedded one by one (a Conv2d over batch × frames): no patch embedding output shows the
+    T×H×W grid, the call's latents over the patch do."""
+    model = package("diffusers").MochiTransformer3DModel(
+        patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=6, pooled_projection_dim=16,
+        in_channels=4, text_embed_dim=32, time_embed_dim=16, max_sequence_length=8)
+    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 32, generator=_g(1)), "timestep": torch.tensor([300, 700]),
+              "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    return model, (torch.randn(2, 4, 2, 8, 8, generator=_g()),), kwargs
+
+
 def diffusers_sana():
     model = package("diffusers").SanaTransformer2DModel(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=6,
