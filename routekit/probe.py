@@ -187,11 +187,12 @@ def token_offset(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, 
 
 
 def grid_cells(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, grid: tuple[int, ...],
-               image_tokens: list[int], *, module: str | None = None,
-               image: torch.Tensor | None = None) -> tuple[int, ...] | None:
+               image_tokens: list[int], *, module: str | None = None, image: torch.Tensor | None = None,
+               frames_first: bool = False) -> tuple[int, ...] | None:
     """Which cell of `grid` (counted in its raster order, rows after rows) each of the stream's image tokens
     (`image_tokens`, their positions in the stream entering `block`) was made from: the grid module `module`'s
-    output, or where there is none the pixels of the input `image`, changed one set of cells at a time.
+    output, or where there is none the pixels of the input `image` ((B, C, *sizes), or with `frames_first` a
+    video (B, T, C, H, W), as CogVideoX takes its latents), changed one set of cells at a time.
 
     Grid selectors keep whole lines of the grid by stream position: lines of the image only where the tokens
     reach the blocks in an order that keeps them, which the graph does not show (an owner may reorder them after
@@ -204,10 +205,13 @@ def grid_cells(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, gr
     cells = math.prod(grid)
     if len(image_tokens) != cells:
         return None
+    sizes = None if image is None else (image.shape[1], *image.shape[3:]) if frames_first else image.shape[2:]
     where = (_cell_index(grid, (1,) * len(grid)) if module is not None
-             else None if image is None else _cell_index(grid, _patch(image, grid)))
+             else None if image is None else _cell_index(grid, _patch(tuple(sizes), grid)))
     if where is None:
         return None
+    if frames_first and module is None:
+        where = where.unsqueeze(1)  # (T, 1, H, W): the same cells in every channel
 
     def changed(mask: torch.Tensor | None) -> torch.Tensor | None:
         if mask is None:
@@ -238,12 +242,12 @@ def grid_cells(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, gr
     return tuple(code.tolist()) if sorted(code.tolist()) == list(range(cells)) else None
 
 
-def _patch(image: torch.Tensor, grid: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The pixels per cell along each axis of an image made into `grid`; None where they do not divide."""
-    spatial = image.shape[2:]
-    if len(spatial) != len(grid) or any(d % g for d, g in zip(spatial, grid)):
+def _patch(sizes: tuple[int, ...], grid: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The pixels per cell along each axis of an image of these sizes made into `grid`; None where they do not
+    divide."""
+    if len(sizes) != len(grid) or any(d % g for d, g in zip(sizes, grid)):
         return None
-    return tuple(d // g for d, g in zip(spatial, grid))
+    return tuple(d // g for d, g in zip(sizes, grid))
 
 
 def _cell_index(grid: tuple[int, ...], patch: tuple[int, ...] | None) -> torch.Tensor | None:

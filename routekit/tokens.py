@@ -452,21 +452,25 @@ def _grid_from_sizes(call: tuple[tuple, dict], cells: int) -> tuple[int, ...] | 
 def _grid_from_image(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, Slot], batch: int,
                      positions: list[int], joined: bool) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, bool]:
     """(grid, the cell of each image token, whether measured) where no patch embedding shows the grid (an image
-    patchified by reshaping, as Lumina2's and CogView4's are; video frames embedded one by one): the call's image
-    size over a patch size (one for the spatial axes, any for time) that gives as many cells as the stream has
-    image tokens (`positions`), taken where measuring its order (`probe.grid_cells`, at `at`) finds every token
-    made from one cell of it. Unmeasured (a refiner that mixes the tokens first), it is taken only where the
-    stream joins the image with other tokens (`joined`: they were told apart by their origin) and one patch size
-    fits: otherwise a sequence as long as some grid would be taken for the image's."""
+    patchified by reshaping, as Lumina2's and CogView4's are; video frames embedded one by one, with channels
+    before or after the frames): the call's image size over a patch size (one for the spatial axes, any for
+    time) that gives as many cells as the stream has image tokens (`positions`), taken where measuring its order
+    (`probe.grid_cells`, at `at`) finds every token made from one cell of it. Unmeasured (a refiner that mixes
+    the tokens first), it is taken only where the stream joins the image with other tokens (`joined`: they were
+    told apart by their origin) and one grid fits: otherwise a sequence as long as some grid would be taken for
+    the image's."""
     image = image_input(*call, batch)
     if image is None or image.dim() not in (4, 5) or not positions:
         return None, None, False
-    candidates = _image_grids(tuple(image.shape[2:]), len(positions))
-    for grid in candidates:
-        cells = grid_cells(model, *call, *at, grid, positions, image=image)
+    candidates = [(grid, False) for grid in _image_grids(tuple(image.shape[2:]), len(positions))]
+    if image.dim() == 5:  # or frames before channels (CogVideoX's (B, T, C, H, W)): measuring tells which
+        candidates += [(grid, True) for grid in _image_grids((image.shape[1], *image.shape[3:]), len(positions))]
+    for grid, frames_first in candidates:
+        cells = grid_cells(model, *call, *at, grid, positions, image=image, frames_first=frames_first)
         if cells is not None:
             return grid, cells, True
-    return (candidates[0] if joined and len(candidates) == 1 else None), None, True
+    alike = {grid for grid, _ in candidates}
+    return (alike.pop() if joined and len(alike) == 1 else None), None, True
 
 
 def _image_grids(spatial: tuple[int, ...], cells: int) -> list[tuple[int, ...]]:

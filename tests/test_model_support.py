@@ -241,10 +241,12 @@ if __name__ == "__main__":
 @pytest.mark.parametrize(("name", "selector", "mode"), [
     ("diffusers Wan", "row", "auto"), ("diffusers Wan", "frame", "auto"), ("diffusers Wan", "tube", "auto"),
     ("diffusers LTX-Video (image to video)", "row", "auto"), ("diffusers LTX-Video (image to video)", "frame", "boundary"),
+    ("diffusers CogVideoX", "row", "auto"), ("diffusers CogVideoX", "frame", "auto"),
 ])
 def test_a_video_model_routes_whole_rows_frames_or_tubes(name: str, selector: str, mode: str) -> None:
     """Wan's patch embedding is a Conv3d: its T×H×W grid is read off it. LTX-Video's latents come packed, (B, T·H·W,
-    C): its grid is the sizes its pipeline names in the call (`num_frames`, `height`, `width`). Either way the
+    C): its grid is the sizes its pipeline names in the call (`num_frames`, `height`, `width`). CogVideoX embeds
+    its (B, T, C, H, W) latents frame by frame: its grid is the latents over the patch, measured. Either way the
     video selectors route it, in both modes."""
     try:
         model, args, kwargs = ZOO[name].build()
