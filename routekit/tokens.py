@@ -451,14 +451,14 @@ def _grid_from_sizes(call: tuple[tuple, dict], cells: int) -> tuple[int, ...] | 
 
 def _grid_from_image(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, Slot], batch: int,
                      positions: list[int], joined: bool) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, bool]:
-    """(grid, the cell of each image token, whether measured) where no patch embedding shows the grid (an image
-    patchified by reshaping, as Lumina2's and CogView4's are; video frames embedded one by one, with channels
-    before or after the frames): the call's image size over a patch size (one for the spatial axes, any for
-    time) that gives as many cells as the stream has image tokens (`positions`), taken where measuring its order
-    (`probe.grid_cells`, at `at`) finds every token made from one cell of it. Unmeasured (a refiner that mixes
-    the tokens first), it is taken only where the stream joins the image with other tokens (`joined`: they were
-    told apart by their origin) and one grid fits: otherwise a sequence as long as some grid would be taken for
-    the image's."""
+    """(grid, the cell of each image token, whether its order was measured) where no patch embedding shows the
+    grid (an image patchified by reshaping, as Lumina2's and CogView4's are; video frames embedded one by one,
+    with channels before or after the frames): the call's image size over a patch size (one for the spatial axes,
+    any for time) that gives as many cells as the stream has image tokens (`positions`), taken where measuring
+    its order (`probe.grid_cells`, at `at`) finds every token made from one cell of it. Unmeasured (a refiner
+    that mixes the tokens first), it is taken only where the stream joins the image with other tokens (`joined`:
+    they were told apart by their origin) and one grid fits: otherwise a sequence as long as some grid would be
+    taken for the image's."""
     image = image_input(*call, batch)
     if image is None or image.dim() not in (4, 5) or not positions:
         return None, None, False
@@ -470,7 +470,8 @@ def _grid_from_image(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, 
         if cells is not None:
             return grid, cells, True
     alike = {grid for grid, _ in candidates}
-    return (alike.pop() if joined and len(alike) == 1 else None), None, True
+    guess = alike.pop() if joined and len(alike) == 1 else None
+    return guess, None, guess is not None  # measured already, without an answer
 
 
 def _image_grids(spatial: tuple[int, ...], cells: int) -> list[tuple[int, ...]]:
