@@ -196,7 +196,8 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
     """The report of `tr` (a trace, or with `images` a recording); AnalysisError says what is missing.
 
     The blocks are those of the chain of stacks the stream passes through (`_chain`), or of `stack` alone.
-    `call`: the example call, to measure what the graph does not show (special tokens of a recording).
+    `call`: the call traced, to measure what the graph does not show (special tokens of a recording, a grid no
+    patch embedding shows, the grid's order).
     `residual`: also trace each block alone and find its residual adds, and (graph mode) the model's e(t).
     `known`: an earlier report of the model (another call of it), whose blocks' own traces are taken over where
     the block sees inputs of the same shapes and what its trace assumed still holds (`_carried_body`).

@@ -29,13 +29,15 @@ def specialise(plan: Plan, model: nn.Module, args: tuple, kwargs: dict, *, carry
     """The training trace of `model` on this call, and `plan`'s request planned on it (ConfigError where the
     call breaks it, as `Plan.with_report` says).
 
+    What the graph does not show is measured on this call, as on the example's (a grid no patch embedding
+    shows, special tokens, the grid's order): its shapes may be others.
     `carry`: take over what the earlier plan found by running the model (blocks' own traces, route answers)
     where this call gives it the same inputs. False traces everything afresh: where an assumption of the
     earlier program broke (the model changed under it), and where the caller asks for a fresh program."""
     with eager():
         tr = trace(model, args, kwargs)
         report = analyse(tr, model, stack=plan.report.requested, residual=plan.dar is not None,
-                         known=plan.report if carry else None)
+                         call=(args, kwargs), known=plan.report if carry else None)
     probe = Probe(model, report)
     return tr, plan.with_report(report, Recalled(plan, report, probe, model) if carry else probe)
 

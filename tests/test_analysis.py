@@ -270,9 +270,9 @@ class Patchify(nn.Module):
         self.blocks = nn.ModuleList(Mlp() for _ in range(3))
 
     def forward(self, image):
-        b = image.shape[0]
-        patches = image.reshape(b, 24, 12) if self.rows else \
-            image.reshape(b, 3, 4, 2, 6, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, 24, 12)
+        b, _, h, w = image.shape
+        patches = image.reshape(b, h * w // 4, 12) if self.rows else \
+            image.reshape(b, 3, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 12)
         h = self.embed(patches)
         for block in self.blocks:
             h = block(h)
@@ -290,6 +290,20 @@ def test_without_a_patch_embedding_the_grid_is_the_image_over_the_patch_where_me
     assert (rk.inspect(rows, (image(),)).grid, rk.inspect(rows, (image(),)).special) == (None, ())
     with pytest.raises(ConfigError, match="grid"):
         rk.inspect(rows, (image(),), routes=rk.Route(start=0, end=1, selector="row"))
+
+
+@pytest.mark.parametrize("dar", [None, rk.DAR(chunk=2)])
+def test_a_grid_measured_off_the_call_is_measured_again_on_a_call_of_another_shape_and_with_dar(dar):
+    """The grid no patch embedding shows is measured on the call. A call of another shape (or DAR's training
+    trace) is analysed again, and that analysis was given no call: the grid was lost, and `row` refused the first
+    training step (CogView4 in bf16 with DAR). And a shape-generic program kept the example's grid for any image
+    size (4×6 on a 2×6 image); a measured grid now holds for its shapes alone."""
+    model = built(Patchify)
+    routed = rk.apply(model, rk.Route(start=0, end=1, selector="row"), residual=dar, example_inputs=(image(),))
+    routed.train()
+    routed(image())
+    routed(torch.randn(2, 3, 4, 12))  # a 2×6 grid
+    assert (~rk.last_route_mask(routed)).reshape(2, 2, 6).all(2).sum(1).tolist() == [1, 1]
 
 
 class OnePatch(nn.Module):

@@ -183,6 +183,18 @@ def diffusers_hidream():
     return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
 
 
+def diffusers_cogview4():
+    """Latents patchified by reshaping (no patch embedding shows the grid), text in a stream of its own."""
+    model = package("diffusers").CogView4Transformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=6, attention_head_dim=16, num_attention_heads=2,
+        text_embed_dim=24, time_embed_dim=32, condition_dim=16, pos_embed_max_size=16, sample_size=8,
+        rope_axes_dim=(32, 32))
+    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)), "timestep": torch.tensor([300, 700]),
+              "original_size": torch.tensor([[64.0, 64.0]] * 2), "target_size": torch.tensor([[64.0, 64.0]] * 2),
+              "crop_coords": torch.tensor([[0.0, 0.0]] * 2)}
+    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+
+
 def diffusers_mochi():
     """Video frames embedded one by one (a Conv2d over batch × frames): no patch embedding output shows the
     T×H×W grid, the call's latents over the patch do."""
@@ -489,6 +501,8 @@ ZOO: dict[str, Entry] = {
                                                          "transformer_blocks → single_transformer_blocks",
                                                          route={"start": 2, "end": -2}),
     "diffusers HiDream (double-stream stack)": Entry(diffusers_hidream, "double_stream_blocks"),
+    "diffusers CogView4": Entry(diffusers_cogview4, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
+    "diffusers Mochi": Entry(diffusers_mochi, "transformer_blocks", route={"start": 1, "end": 4, "selector": "frame"}),
     "diffusers Sana": Entry(diffusers_sana, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
     "diffusers Lumina2": Entry(diffusers_lumina2, "layers", special=tuple(range(5))),  # the caption's tokens
     "diffusers Chroma (across both stacks)": Entry(diffusers_chroma, "transformer_blocks → single_transformer_blocks",
