@@ -167,13 +167,7 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, pr
         keep = _checked_keep(k, route, report.stack_of(start), grid)
         _check_image_tables(k, route, report.blocks[start:end + 1], report, keep)
         shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
-        _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid)
-        if selector(route.selector).needs_grid and not given and report.stack_of(start).reordered:
-            raise ConfigError(
-                f"route {k}: selector {route.selector!r} keeps runs of tokens as lines of the grid, but "
-                f"{report.stack_of(start).reordered}: use a selector that reads no grid (selector='random'), or "
-                "pass grid= only if the stream's own order is a grid's"
-            )
+        _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid, given)
         answer = probe.route(route, start, end, keep, grid, shrink, bodies=residual is not None)
         _check_answer(k, route, report.blocks[start:end + 1], answer, grid)
         stacks = tuple(range(report.blocks[start].stack, report.blocks[end].stack + 1))
@@ -307,9 +301,10 @@ def _check_image_tables(k: int, route: Route, blocks: tuple[BlockInfo, ...], rep
                 )
 
 
-def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport, grid) -> None:
+def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport, grid,
+                     given: bool) -> None:
     """Refuse blocks the route cannot contain or pass through, as the report shows them, and a grid selector
-    without a grid."""
+    without a grid, or with a found one (not `given`) whose lines the stream breaks up."""
     for block in blocks:
         hidden = [s for s in block.side_inputs if s.unordered]
         if hidden:
@@ -356,6 +351,13 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
         raise ConfigError(
             f"route {k}: selector {route.selector!r} needs the token grid, and none was found (no 4-D patch "
             "embedding output upstream of the stream); pass grid=(H, W) to routekit.apply"
+        )
+    reordered = report.stack_of(blocks[0].index).reordered
+    if selector(route.selector).needs_grid and not given and reordered:
+        raise ConfigError(
+            f"route {k}: selector {route.selector!r} keeps runs of tokens as lines of the grid, but {reordered}: "
+            "use a selector that reads no grid (selector='random'), or pass grid= only if the stream's own order is "
+            "a grid's"
         )
 
 

@@ -205,13 +205,17 @@ def grid_cells(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, gr
     cells = math.prod(grid)
     if len(image_tokens) != cells:
         return None
-    sizes = None if image is None else (image.shape[1], *image.shape[3:]) if frames_first else image.shape[2:]
-    where = (_cell_index(grid, (1,) * len(grid)) if module is not None
-             else None if image is None else _cell_index(grid, _patch(tuple(sizes), grid)))
-    if where is None:
+    if module is not None:
+        where = _cell_index(grid, (1,) * len(grid))
+    elif image is not None:
+        patch = _patch(tuple(image.shape[1:2] + image.shape[3:] if frames_first else image.shape[2:]), grid)
+        if patch is None:
+            return None
+        where = _cell_index(grid, patch)
+        if frames_first:
+            where = where.unsqueeze(1)  # (T, 1, H, W): the same cells in every channel
+    else:
         return None
-    if frames_first and module is None:
-        where = where.unsqueeze(1)  # (T, 1, H, W): the same cells in every channel
 
     def changed(mask: torch.Tensor | None) -> torch.Tensor | None:
         if mask is None:
@@ -250,10 +254,8 @@ def _patch(sizes: tuple[int, ...], grid: tuple[int, ...]) -> tuple[int, ...] | N
     return tuple(d // g for d, g in zip(sizes, grid))
 
 
-def _cell_index(grid: tuple[int, ...], patch: tuple[int, ...] | None) -> torch.Tensor | None:
+def _cell_index(grid: tuple[int, ...], patch: tuple[int, ...]) -> torch.Tensor:
     """(*grid·patch) raster index of the cell each pixel (or grid point, with patch 1) lies in."""
-    if patch is None:
-        return None
     index = torch.arange(math.prod(grid)).reshape(grid)
     for axis, size in enumerate(patch):
         index = index.repeat_interleave(size, dim=axis)

@@ -57,15 +57,15 @@ class Program:
 def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, routes: bool | None = None) -> Program:
     """The plan written into the trace (routes if `training`, unless `routes` says otherwise; DAR either way),
     as a Python function."""
-    routed = training if routes is None else routes
-    rewritten = rewrite(tr, plan, model, routed)
+    with_routes = training if routes is None else routes
+    rewritten = rewrite(tr, plan, model, with_routes)
     values = constants_to_inputs(rewritten.graph, rewritten.constants)
     label = f"{plan.report.model} {'train' if training else 'eval'} graph"
     called = frozenset(n.target for n in rewritten.graph.nodes if n.op == "call_module").union(
         *(n.meta.get(CALLED, ()) for n in rewritten.graph.nodes))
     # a grid measured on the call (nothing to read it off at run time) holds for its shapes alone, however
     # shape-generic the rest of the graph is: another image size is planned again
-    shaped = bool(rewritten.specialised) or (routed and plan.measured_grid is not None)
+    shaped = bool(rewritten.specialised) or (with_routes and plan.measured_grid is not None)
     return Program(compile_graph(rewritten.graph, label), tr.out_spec, tuple(values), shaped, plan, called,
                    rewritten.assumed)
 

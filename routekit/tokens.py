@@ -170,24 +170,18 @@ def _broken_lines(cells: tuple[int, ...], grid: tuple[int, ...], positions: list
     after the patch embedding (Hiera's mask units); None where each line of the stream along an axis is a line of
     the image along that axis (raster order, or lines flipped or shuffled whole: what grid selectors keep is still
     whole rows, columns and frames)."""
-    broken = _broken_axes(cells, grid)
+    where = torch.unravel_index(torch.tensor(cells).reshape(grid), grid)  # per axis: the image's coordinate
+    broken = [(axis, other) for axis, coordinate in enumerate(where) for other in range(len(grid))
+              if other != axis and not (coordinate == coordinate.narrow(other, 0, 1)).all()]
     if not broken:
         return None
-    axis, other = broken[0]
-    where = torch.unravel_index(torch.tensor(cells).reshape(grid), grid)
+    axis, other = broken[0]  # the image's coordinate along `axis` changes along the stream grid's axis `other`
     coordinates = ("frame", "row", "column")[-len(grid):]  # what an index along each axis counts
     lines = ("tube", "column", "row")[-len(grid):]  # the line of the grid an axis runs along
     moved = (where[axis] != where[axis].narrow(other, 0, 1)).flatten().nonzero()[0, 0].item()
     return (f"the image's tokens enter {block} in an order whose lines are not the image's: within one "
             f"{lines[other]} of the stream's {'×'.join(map(str, grid))} grid the image's {coordinates[axis]} changes "
             f"(token {positions[moved]} comes from {source or 'the image'}'s cell {cells[moved]}, counted row by row)")
-
-
-def _broken_axes(cells: tuple[int, ...], grid: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(axis, other): the image's coordinate along `axis` changes along the stream grid's axis `other`."""
-    where = torch.unravel_index(torch.tensor(cells).reshape(grid), grid)  # per axis: the image's coordinate
-    return [(axis, other) for axis, coordinate in enumerate(where) for other in range(len(grid))
-            if other != axis and not (coordinate == coordinate.narrow(other, 0, 1)).all()]
 
 
 def _positions(flags: list[bool]) -> tuple[int, ...]:
