@@ -100,6 +100,17 @@ class SideInput:
 
 
 @dataclass(frozen=True)
+class CallGrid:
+    """How a grid that no module shows at run time follows from any call: the call's image sizes over `patch`
+    (one per grid axis; `frames_first`: the video comes (B, T, C, H, W)), or, `patch` None, the latent sizes the
+    call names. Measured on one call, a grid holds for that image size alone: boundary mode derives each call's
+    grid from this (`record.grid_of_call`), graph mode plans each new shape again."""
+
+    patch: tuple[int, ...] | None = None
+    frames_first: bool = False
+
+
+@dataclass(frozen=True)
 class Stack:
     """One container of blocks the stream passes through. A model may chain several: Flux runs its double-stream
     blocks on the image tokens, then its single-stream blocks, where the owner (or the block) joins the text in
@@ -117,6 +128,7 @@ class Stack:
     unknown_special: str | None = None  # why the special tokens could not be told (a route must be given `keep`)
     reordered: str | None = None  # why the stream's grid lines are not the image's (grid selectors refuse it)
     joined_at: int | None = None  # where the previous stack's tokens sit in this one's stream (None: the first)
+    call_grid: CallGrid | None = None  # how `grid` follows from a call, where no `grid_node` shows it
 
     @property
     def tokens(self) -> int:

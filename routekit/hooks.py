@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .findings import BlockInfo, Gather
 from .graphs import Slot
 from .plan import Plan
+from .record import grid_of_call
 from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 from .state import shallow_copy
 
@@ -38,12 +39,20 @@ class Hooks:
         self.selects: list[nn.Module] = []  # the selectors of the model running now
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.grid_source: torch.Tensor | tuple[int, ...] | None = self.plan.measured_grid
+        self.grid_source: torch.Tensor | None = None  # the grid module's output on this forward
+        self.call: tuple[tuple, dict] = ((), {})
+
+    def grid(self, batch: int) -> torch.Tensor | tuple[int, ...] | None:
+        """What grid selectors read the grid of this forward off: the grid module's output, else the grid the call
+        gives where the analysis measured it on the example's (`findings.CallGrid`): it follows the image's size."""
+        rule = self.plan.measured_grid and self.plan.report.call_grid
+        return grid_of_call(rule, *self.call, batch) if rule else self.grid_source
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The original forward with the routes live, choosing tokens with `routed`'s own selectors (verify runs a
         copy of the routed model whose selectors keep every token)."""
         self.active, self.selects = True, [routed.get_submodule(path) for path in self.select_paths]
+        self.call = (args, kwargs)
         try:
             return routed._routekit_base.forward(routed, *args, **kwargs)
         finally:
@@ -117,7 +126,7 @@ class _Before:
         if self.first:
             hooks.gathered = {}
             stream = _get(args, kwargs, slot, self.block)
-            index = hooks.selects[self.route](stream, hooks.grid_source)
+            index = hooks.selects[self.route](stream, hooks.grid(stream.shape[0]))
             hooks.pending[self.route] = (stream, index)
             args, kwargs = _put(args, kwargs, slot, gather_tokens(stream, index))
         elif self.route not in hooks.pending:

@@ -28,6 +28,7 @@ from torch import nn
 
 from .calls import CallSpec
 from .errors import InputError
+from .findings import CallGrid
 from .state import fresh, preserved_state
 from .trace import Trace, container_members, user_location
 from .values import describe, flatten
@@ -155,3 +156,27 @@ def image_input(args: tuple, kwargs: dict, batch: int) -> torch.Tensor | None:
         return first
     found = [t for t in _tensors(args, kwargs) if t.is_floating_point() and t.dim() in (4, 5) and t.shape[0] == batch]
     return found[0] if len(found) == 1 else None
+
+
+_SIZE_NAMES = (("num_frames", "frames"), ("height",), ("width",))
+
+
+def named_sizes(kwargs: dict) -> tuple[int, ...] | None:
+    """The latent sizes a call names (`num_frames`, `height`, `width`, as LTX-Video's pipeline passes them with its
+    packed latents), as a grid: (height, width) or (frames, height, width); None without height and width."""
+    frames, height, width = (next((kwargs[n] for n in names if type(kwargs.get(n)) is int), None)
+                             for names in _SIZE_NAMES)
+    if height is None or width is None:
+        return None
+    return (height, width) if frames is None else (frames, height, width)
+
+
+def grid_of_call(rule: CallGrid, args: tuple, kwargs: dict, batch: int) -> tuple[int, ...] | None:
+    """The grid `rule` (measured on another call) gives this call; None where the call has no image or sizes."""
+    if rule.patch is None:
+        return named_sizes(kwargs)
+    image = image_input(args, kwargs, batch)
+    if image is None or image.dim() != len(rule.patch) + 2:
+        return None
+    sizes = (image.shape[1], *image.shape[3:]) if rule.frames_first else tuple(image.shape[2:])
+    return tuple(size // patch for size, patch in zip(sizes, rule.patch))

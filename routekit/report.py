@@ -11,12 +11,22 @@ import re
 from typing import Any
 
 
+def _measured(rule: Any) -> str:
+    """Where a grid no module shows came from (a `findings.CallGrid`), and so how it follows other calls."""
+    if rule is None:
+        return "measured off the call"
+    if rule.patch is None:
+        return "the latent sizes the call names"
+    frames = " (frames before channels)" if rule.frames_first else ""
+    return f"measured: the image{frames} over a {'×'.join(map(str, rule.patch))} patch"
+
+
 def format_plan(plan: Any) -> str:
     r = plan.report
     tokens = r.tokens
     grid = "none found"
     if plan.grid:
-        source = "given" if plan.grid_given else f"read off {r.grid_node}" if r.grid_node else "measured off the call"
+        source = "given" if plan.grid_given else f"read off {r.grid_node}" if r.grid_node else _measured(r.call_grid)
         grid = "×".join(map(str, plan.grid)) + f" ({source})"
     others = {k: v for k, v in r.candidates.items() if k not in {s.name for s in r.stacks}}
     if plan.grid and not plan.grid_given and r.reordered:

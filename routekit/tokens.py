@@ -21,10 +21,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import AnalysisError
-from .findings import BlockInfo, Stack
+from .findings import BlockInfo, CallGrid, Stack
 from .graphs import CATS, Slot, kind_only, slot_value, to_networkx
 from .probe import grid_cells, token_offset, tokens_not_from
-from .record import Image, grid_image, image_input
+from .record import Image, grid_image, grid_of_call, image_input, named_sizes
 from .trace import Trace
 from .values import TensorMeta
 
@@ -58,16 +58,18 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
     skipped = {p % tokens for p in special}
     positions = [p for p in range(tokens) if p not in skipped]  # the image's tokens, where the grid's cells go
     at = _measure_point(chains, name, batch, tokens)
-    cells, measured = None, False
+    cells, measured, rule = None, False, None
     if grid is None and call is not None:  # no patch embedding shows it: the image patchified by reshaping
-        grid, cells, measured = _grid_from_image(model, call, at, batch, positions, bool(special))
+        rule, cells, measured = _grid_from_image(model, call, at, batch, positions, bool(special))
+        grid = grid_of_call(rule, *call, batch) if rule is not None else None
     if grid is None and call is not None:  # packed latents, their sizes named in the call
         grid = _grid_from_sizes(call, len(positions))
+        rule = CallGrid() if grid is not None else None
     module = grid_node if images is not None or grid_node is None else _module_of(tr.graph, grid_node)
     if grid is not None and call is not None and not measured:
         cells = grid_cells(model, *call, *at, grid, positions, module=module,
                            image=None if module is not None else image_input(*call, batch))
-    return {"grid": grid, "grid_node": grid_node, "special": special, "unknown_special": unknown,
+    return {"grid": grid, "grid_node": grid_node, "call_grid": rule, "special": special, "unknown_special": unknown,
             "reordered": _broken_lines(cells, grid, positions, at[0], module) if cells is not None else None}
 
 
@@ -428,56 +430,49 @@ def _recorded_special(model: nn.Module, call: tuple[tuple, dict], chains: dict, 
     return _measured(model, call, (at, (nodes[0].target, slot)), batch, tokens)
 
 
-_SIZE_NAMES = (("num_frames", "frames"), ("height",), ("width",))
-
-
 def _grid_from_sizes(call: tuple[tuple, dict], cells: int) -> tuple[int, ...] | None:
     """Where the latents come packed, (B, tokens, channels), so no patch embedding shows the grid: the latent
-    sizes the call names (`num_frames`, `height`, `width`, as LTX-Video's pipeline passes them), if they multiply
-    to the image's tokens (a pixel size does not)."""
-    frames, height, width = (next((call[1][n] for n in names if type(call[1].get(n)) is int), None)
-                             for names in _SIZE_NAMES)
-    if height is None or width is None:
-        return None
-    grid = (height, width) if frames is None else (frames, height, width)
-    return grid if math.prod(grid) == cells else None
+    sizes the call names (`record.named_sizes`), if they multiply to the image's tokens (a pixel size does not)."""
+    grid = named_sizes(call[1])
+    return grid if grid is not None and math.prod(grid) == cells else None
 
 
 def _grid_from_image(model: nn.Module, call: tuple[tuple, dict], at: tuple[str, Slot], batch: int,
-                     positions: list[int], joined: bool) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, bool]:
-    """(grid, the cell of each image token, whether its order was measured) where no patch embedding shows the
-    grid (an image patchified by reshaping, as Lumina2's and CogView4's are; video frames embedded one by one,
-    with channels before or after the frames): the call's image size over a patch size (one for the spatial axes,
-    any for time) that gives as many cells as the stream has image tokens (`positions`), taken where measuring
-    its order (`probe.grid_cells`, at `at`) finds every token made from one cell of it. Unmeasured (a refiner
-    that mixes the tokens first), it is taken only where the stream joins the image with other tokens (`joined`:
-    they were told apart by their origin) and one grid fits: otherwise a sequence as long as some grid would be
-    taken for the image's."""
+                     positions: list[int], joined: bool) -> tuple[CallGrid | None, tuple[int, ...] | None, bool]:
+    """(how the grid follows from the call, the cell of each image token, whether its order was measured) where no
+    patch embedding shows the grid (an image patchified by reshaping, as Lumina2's and CogView4's are; video frames
+    embedded one by one, with channels before or after the frames): the call's image size over a patch size (one
+    for the spatial axes, any for time) that gives as many cells as the stream has image tokens (`positions`),
+    taken where measuring its order (`probe.grid_cells`, at `at`) finds every token made from one cell of it.
+    Unmeasured (a refiner that mixes the tokens first), it is taken only where the stream joins the image with
+    other tokens (`joined`: they were told apart by their origin) and one grid fits: otherwise a sequence as long
+    as some grid would be taken for the image's."""
     image = image_input(*call, batch)
     if image is None or image.dim() not in (4, 5) or not positions:
         return None, None, False
-    candidates = [(grid, False) for grid in _image_grids(tuple(image.shape[2:]), len(positions))]
+    candidates = [CallGrid(patch) for patch in _image_patches(tuple(image.shape[2:]), len(positions))]
     if image.dim() == 5:  # or frames before channels (CogVideoX's (B, T, C, H, W)): measuring tells which
-        candidates += [(grid, True) for grid in _image_grids((image.shape[1], *image.shape[3:]), len(positions))]
-    for grid, frames_first in candidates:
-        cells = grid_cells(model, *call, *at, grid, positions, image=image, frames_first=frames_first)
+        candidates += [CallGrid(patch, frames_first=True)
+                       for patch in _image_patches((image.shape[1], *image.shape[3:]), len(positions))]
+    for rule in candidates:
+        cells = grid_cells(model, *call, *at, grid_of_call(rule, *call, batch), positions, image=image,
+                           frames_first=rule.frames_first)
         if cells is not None:
-            return grid, cells, True
-    alike = {grid for grid, _ in candidates}
-    guess = alike.pop() if joined and len(alike) == 1 else None
+            return rule, cells, True
+    alike = {grid_of_call(rule, *call, batch) for rule in candidates}
+    guess = candidates[0] if joined and len(alike) == 1 else None
     return guess, None, guess is not None  # measured already, without an answer
 
 
-def _image_grids(spatial: tuple[int, ...], cells: int) -> list[tuple[int, ...]]:
-    """The grids an image of these sizes makes with `cells` cells: one patch size over the spatial axes, and for
-    a video any patch size over time; the squarest patches first."""
+def _image_patches(spatial: tuple[int, ...], cells: int) -> list[tuple[int, ...]]:
+    """The patches (one size per axis) that cut an image of these sizes into `cells` cells: one patch size over
+    the spatial axes, and for a video any patch size over time; the squarest patches first."""
     *frames, height, width = spatial
-    grids = []
+    patches = []
     for p in range(1, min(height, width) + 1):
         if height % p or width % p:
             continue
         for t in ([1] if not frames else [d for d in range(1, frames[0] + 1) if frames[0] % d == 0]):
-            grid = (*(f // t for f in frames), height // p, width // p)
-            if math.prod(grid) == cells:
-                grids.append((abs(t - p) if frames else 0, grid))
-    return [grid for _, grid in sorted(grids)]
+            if math.prod((*(f // t for f in frames), height // p, width // p)) == cells:
+                patches.append((abs(t - p) if frames else 0, (*([t] if frames else []), p, p)))
+    return [patch for _, patch in sorted(patches)]

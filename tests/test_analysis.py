@@ -292,18 +292,25 @@ def test_without_a_patch_embedding_the_grid_is_the_image_over_the_patch_where_me
         rk.inspect(rows, (image(),), routes=rk.Route(start=0, end=1, selector="row"))
 
 
-@pytest.mark.parametrize("dar", [None, rk.DAR(chunk=2)])
-def test_a_grid_measured_off_the_call_is_measured_again_on_a_call_of_another_shape_and_with_dar(dar):
-    """The grid no patch embedding shows is measured on the call. A call of another shape (or DAR's training
-    trace) is analysed again, and that analysis was given no call: the grid was lost, and `row` refused the first
-    training step (CogView4 in bf16 with DAR). And a shape-generic program kept the example's grid for any image
-    size (4×6 on a 2×6 image); a measured grid now holds for its shapes alone."""
+@pytest.mark.parametrize(("mode", "dar"), [("graph", None), ("graph", rk.DAR(chunk=2)), ("boundary", None)])
+def test_a_grid_measured_off_the_call_follows_the_image_size_of_every_call(mode, dar):
+    """The grid no patch embedding shows is measured on the call, so it holds for that image size alone. Graph mode
+    analysed a call of another shape (or DAR's training trace) again with no call: the grid was lost, and `row`
+    refused the first training step (CogView4 in bf16 with DAR); and a shape-generic program kept the example's
+    grid for any image size (4×6 on a 2×6 image). Boundary mode kept the example's 4×6 for every call: it refused a
+    2×6 image, and routed a 6×4 one on 4×6 rows. A measured grid now holds for its shapes alone in graph mode, and
+    boundary mode derives each call's from the image's size over the measured patch."""
     model = built(Patchify)
-    routed = rk.apply(model, rk.Route(start=0, end=1, selector="row"), residual=dar, example_inputs=(image(),))
+    routed = rk.apply(model, rk.Route(start=0, end=1, selector="row"), residual=dar, example_inputs=(image(),),
+                      mode=mode)
     routed.train()
     routed(image())
     routed(torch.randn(2, 3, 4, 12))  # a 2×6 grid
     assert (~rk.last_route_mask(routed)).reshape(2, 2, 6).all(2).sum(1).tolist() == [1, 1]
+    for _ in range(4):  # a 6×4 grid: as many tokens as the example's; its rows are 4 long
+        routed(torch.randn(2, 3, 12, 8))
+        routed_around = rk.last_route_mask(routed).reshape(2, 6, 4)
+        assert (routed_around.all(2) | ~routed_around.any(2)).all() and routed_around.all(2).sum(1).tolist() == [3, 3]
 
 
 class OnePatch(nn.Module):

@@ -268,6 +268,32 @@ def test_a_video_model_routes_whole_rows_frames_or_tubes(name: str, selector: st
         assert (kept == kept[:, :1]).all()
 
 
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_a_grid_the_call_names_follows_the_call_at_another_aspect_in_both_modes(mode: str) -> None:
+    """LTX-Video's grid is the sizes its call names, measured once on the example (2×4×4). A call of as many tokens
+    on a 2×2×8 grid must route that grid's rows: boundary mode kept the example's grid for every call, and routed
+    rows of 4 out of rows of 8."""
+    try:
+        model, args, kwargs = zoo.diffusers_ltx_video()
+    except Missing as err:
+        pytest.skip(str(err))
+    torch.set_num_threads(1)
+    routed = rk.apply(model, rk.Route(start=1, end=4, selector="row"), example_inputs=args, example_kwargs=kwargs,
+                      mode=mode)
+    routed.train()
+    frames, height, width = 2, 2, 8
+    latents = torch.randn(2, 4, frames, height, width).permute(0, 2, 3, 4, 1).flatten(1, 3)
+    conditioning = torch.zeros(2, 32)
+    conditioning[:, :height * width] = 1.0
+    call = {**kwargs, "num_frames": frames, "height": height, "width": width,
+            "timestep": torch.tensor([300.0, 700.0])[:, None] * (1 - conditioning)}
+    for _ in range(3):
+        routed(latents, **call)
+        routed_around = rk.last_route_mask(routed).reshape(2, frames, height, width)
+        assert (routed_around.all(3) | ~routed_around.any(3)).all()
+        assert routed_around.all(3).sum((1, 2)).tolist() == [2, 2]
+
+
 @pytest.mark.parametrize(("build", "selector", "grid"), [
     (zoo.diffusers_hidream, "row", (4, 4)), (zoo.diffusers_mochi, "row", (2, 4, 4)),
     (zoo.diffusers_mochi, "frame", (2, 4, 4)),
