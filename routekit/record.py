@@ -162,13 +162,24 @@ _SIZE_NAMES = (("num_frames", "frames"), ("height",), ("width",))
 
 
 def named_sizes(kwargs: dict) -> tuple[int, ...] | None:
-    """The latent sizes a call names (`num_frames`, `height`, `width`, as LTX-Video's pipeline passes them with its
-    packed latents), as a grid: (height, width) or (frames, height, width); None without height and width."""
+    """The latent sizes a call names, as a grid: (height, width) or (frames, height, width). Either as numbers
+    (`num_frames`, `height`, `width`, as LTX-Video's pipeline passes them with its packed latents) or as QwenImage's
+    `img_shapes`, one list of (frames, height, width) per sample, where each sample names one image and all the
+    same (an edit model's reference images, named after it, would be tokens of another grid). None otherwise."""
     frames, height, width = (next((kwargs[n] for n in names if type(kwargs.get(n)) is int), None)
                              for names in _SIZE_NAMES)
-    if height is None or width is None:
+    if height is not None and width is not None:
+        return (height, width) if frames is None else (frames, height, width)
+    shapes = kwargs.get("img_shapes")
+    if not isinstance(shapes, (list, tuple)) or not shapes:
         return None
-    return (height, width) if frames is None else (frames, height, width)
+    named = {tuple(s[0]) if isinstance(s, list) and len(s) == 1 else tuple(s) for s in shapes}
+    if len(named) != 1:
+        return None
+    grid = named.pop()
+    if len(grid) != 3 or not all(type(size) is int and size > 0 for size in grid):
+        return None
+    return grid[1:] if grid[0] == 1 else grid
 
 
 def grid_of_call(rule: CallGrid, args: tuple, kwargs: dict, batch: int) -> tuple[int, ...] | None:

@@ -13,6 +13,7 @@ cut as the plan cuts them); gradients reach every parameter they reached before;
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import sys
 import warnings
@@ -268,30 +269,44 @@ def test_a_video_model_routes_whole_rows_frames_or_tubes(name: str, selector: st
         assert (kept == kept[:, :1]).all()
 
 
+def _ltx_at(kwargs: dict, frames: int, height: int, width: int) -> tuple[tuple, dict]:
+    latents = torch.randn(2, 4, frames, height, width).permute(0, 2, 3, 4, 1).flatten(1, 3)
+    conditioning = torch.zeros(2, frames * height * width)
+    conditioning[:, :height * width] = 1.0
+    return (latents,), {**kwargs, "num_frames": frames, "height": height, "width": width,
+                        "timestep": torch.tensor([300.0, 700.0])[:, None] * (1 - conditioning)}
+
+
+def _qwenimage_at(kwargs: dict, frames: int, height: int, width: int) -> tuple[tuple, dict]:
+    return (torch.randn(2, height * width, 16),), {**kwargs, "img_shapes": [[(frames, height, width)]] * 2}
+
+
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
-def test_a_grid_the_call_names_follows_the_call_at_another_aspect_in_both_modes(mode: str) -> None:
-    """LTX-Video's grid is the sizes its call names, measured once on the example (2×4×4). A call of as many tokens
-    on a 2×2×8 grid must route that grid's rows: boundary mode kept the example's grid for every call, and routed
-    rows of 4 out of rows of 8."""
+@pytest.mark.parametrize(("build", "call_at", "grid", "other"), [
+    (zoo.diffusers_ltx_video, _ltx_at, (2, 4, 4), (2, 2, 8)),
+    (zoo.diffusers_qwenimage, _qwenimage_at, (4, 4), (1, 2, 8)),
+])
+def test_a_grid_the_call_names_follows_the_call_at_another_aspect_in_both_modes(mode, build, call_at, grid, other):
+    """LTX-Video's grid is the sizes its call names (`num_frames`, `height`, `width`), QwenImage's the one shape
+    per sample its `img_shapes` names (it had none: `row` asked for grid=). A call of as many tokens at another
+    aspect must route that call's rows: boundary mode kept the example's grid for every call, and routed rows of 4
+    out of rows of 8."""
     try:
-        model, args, kwargs = zoo.diffusers_ltx_video()
+        model, args, kwargs = build()
     except Missing as err:
         pytest.skip(str(err))
     torch.set_num_threads(1)
     routed = rk.apply(model, rk.Route(start=1, end=4, selector="row"), example_inputs=args, example_kwargs=kwargs,
                       mode=mode)
+    assert report_of(routed).grid == grid
+    rk.verify(model, routed, args, kwargs)
     routed.train()
-    frames, height, width = 2, 2, 8
-    latents = torch.randn(2, 4, frames, height, width).permute(0, 2, 3, 4, 1).flatten(1, 3)
-    conditioning = torch.zeros(2, 32)
-    conditioning[:, :height * width] = 1.0
-    call = {**kwargs, "num_frames": frames, "height": height, "width": width,
-            "timestep": torch.tensor([300.0, 700.0])[:, None] * (1 - conditioning)}
+    args, kwargs = call_at(kwargs, *other)
     for _ in range(3):
-        routed(latents, **call)
-        routed_around = rk.last_route_mask(routed).reshape(2, frames, height, width)
-        assert (routed_around.all(3) | ~routed_around.any(3)).all()
-        assert routed_around.all(3).sum((1, 2)).tolist() == [2, 2]
+        routed(*args, **kwargs)
+        routed_around = rk.last_route_mask(routed).reshape(2, *other)
+        assert (routed_around.all(-1) | ~routed_around.any(-1)).all()
+        assert routed_around.all(-1).flatten(1).sum(1).tolist() == [math.prod(other[:-1]) // 2] * 2
 
 
 @pytest.mark.parametrize(("build", "selector", "grid"), [
