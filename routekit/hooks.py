@@ -42,11 +42,15 @@ class Hooks:
         self.grid_source: torch.Tensor | None = None  # the grid module's output on this forward
         self.call: tuple[tuple, dict] = ((), {})
 
-    def grid(self, batch: int) -> torch.Tensor | tuple[int, ...] | None:
+    def grid(self, stream: torch.Tensor) -> torch.Tensor | tuple[int, ...] | None:
         """What grid selectors read the grid of this forward off: the grid module's output, else the grid the call
         gives where the analysis measured it on the example's (`findings.CallGrid`): it follows the image's size."""
         rule = self.plan.measured_grid and self.plan.report.call_grid
-        return grid_of_call(rule, *self.call, batch) if rule else self.grid_source
+        if not rule:
+            return self.grid_source
+        grid = grid_of_call(rule, *self.call, stream.shape[0])
+        self.plan.check_grid_found(stream.shape[1], grid)
+        return grid
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The original forward with the routes live, choosing tokens with `routed`'s own selectors (verify runs a
@@ -126,7 +130,7 @@ class _Before:
         if self.first:
             hooks.gathered = {}
             stream = _get(args, kwargs, slot, self.block)
-            index = hooks.selects[self.route](stream, hooks.grid(stream.shape[0]))
+            index = hooks.selects[self.route](stream, hooks.grid(stream))
             hooks.pending[self.route] = (stream, index)
             args, kwargs = _put(args, kwargs, slot, gather_tokens(stream, index))
         elif self.route not in hooks.pending:

@@ -129,9 +129,26 @@ class Plan:
         tokens = [report.stack_of(i).tokens for i in range(report.depth)]
         return sum(kept.get(i, n) for i, n in enumerate(tokens)) / sum(tokens)
 
+    def check_grid_found(self, tokens: int, grid: tuple[int, ...] | None) -> None:
+        """Refuse a call whose stream of `tokens` comes from no grid (`grid` None) or from one of other cells, where
+        the example inputs' came from a grid a route's selector reads."""
+        reads = [r.selector for r in self.routes if selector(r.selector).needs_grid]
+        if reads and (grid is None or math.prod(grid) + len(self.report.special) != tokens):
+            found = (f"this call's image makes a {'×'.join(map(str, grid))} grid, {math.prod(grid)} cells for a stream "
+                     f"of {tokens} tokens" if grid else f"this call's stream ({tokens} tokens) comes from no grid "
+                     "routekit finds")
+            raise ConfigError(
+                f"selector {reads[0]!r} reads the token grid, and {found}, where the example inputs' stream came from "
+                f"a {'×'.join(map(str, self.grid))} grid (a model may "
+                "pad some image sizes into a longer sequence, as HiDream does images that are not square): call it "
+                "at image sizes like the example's, or route with a selector that reads no grid (selector='random')"
+            )
+
     def with_report(self, report: GraphReport, probe: Prober) -> Plan:
         """The same request planned on another analysis of the model (another call signature or shape);
-        refuses one that would not keep DAR's parameters' shapes."""
+        refuses one that would not keep DAR's parameters' shapes, or that lost the grid a route's selector reads."""
+        if self.grid and not self.grid_given and report.grid is None:
+            self.check_grid_found(report.tokens, None)
         plan = make_plan(report, self.routes, self.dar.config if self.dar else None, probe,
                          grid=self.grid if self.grid_given else None)
         if (plan.dar and plan.dar.points) != (self.dar and self.dar.points):

@@ -331,6 +331,27 @@ def test_a_model_whose_grid_no_patch_embedding_shows_gets_it_measured_and_routes
     assert (kept.all(2) | ~kept.any(2)).all() and kept.any()
 
 
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_a_grid_selector_follows_another_square_size_of_hidream_and_refuses_a_padded_one_by_the_example(mode):
+    """HiDream patchifies a square image into its grid's tokens, and pads one that is not square into a longer
+    sequence that no grid makes. Another square size routes that size's rows; a padded call is refused, and in
+    graph mode the refusal names the grid the example inputs made (it said no patch embedding was found and asked
+    for grid=, which cannot help)."""
+    try:
+        model, args, kwargs = zoo.diffusers_hidream()
+    except Missing as err:
+        pytest.skip(str(err))
+    torch.set_num_threads(1)
+    routed = rk.apply(model, rk.Route(start=1, end=4, selector="row"), example_inputs=args, example_kwargs=kwargs,
+                      mode=mode)
+    routed.train()
+    routed(torch.randn(2, 4, 16, 16), **kwargs)  # an 8×8 grid
+    routed_around = rk.last_route_mask(routed).reshape(2, 8, 8)
+    assert (routed_around.all(2) | ~routed_around.any(2)).all() and routed_around.all(2).sum(1).tolist() == [4, 4]
+    with pytest.raises(rk.ConfigError, match="example inputs. stream came from a 4×4 grid"):
+        routed(torch.randn(2, 4, 4, 16), **kwargs)
+
+
 def test_a_causal_lm_trains_with_a_route():
     """transformers' LlamaForCausalLM, trained as it trains (labels in, loss out): the routed step's loss is a
     loss over every token, its gradients reach the parameters they reached unrouted, and eval is the model's."""
