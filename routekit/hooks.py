@@ -45,7 +45,7 @@ class Hooks:
     def grid(self, stream: torch.Tensor) -> torch.Tensor | tuple[int, ...] | None:
         """What grid selectors read the grid of this forward off: the grid module's output, else the grid the call
         gives where the analysis measured it on the example's (`findings.CallGrid`): it follows the image's size."""
-        rule = self.plan.measured_grid and self.plan.report.call_grid
+        rule = self.plan.report.call_grid if self.plan.measured_grid else None
         if not rule:
             return self.grid_source
         grid = grid_of_call(rule, *self.call, stream.shape[0])
