@@ -15,7 +15,7 @@ STAMP := $(VENV)/.routekit-installed
 LATEST_STAMP := $(LATEST)/.routekit-installed
 PYTEST := -m pytest -n 2 --dist loadfile
 
-.PHONY: demo test test-pinned test-latest lint clean
+.PHONY: demo test test-pinned test-latest lint clean gpu-carry
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,27 @@ test-latest: $(LATEST_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check routekit backbones recipes tests benchmarks
+
+# What a GPU machine without internet needs beside its torch, transformers and accelerate to run the benchmarks
+# and the convergence study: routekit's pure dependencies and diffusers as wheels for its Python (.whl/, installed
+# there with --no-deps), MNIST-5k as an npz and mamba-ssm's Triton kernels (its sdist's package folder, put on
+# PYTHONPATH: no CUDA build) under .cache/. Run it here, with internet, and carry both folders.
+GPU_PYTHON ?= 3.12
+MAMBA_SSM ?= 2.3.2.post1
+gpu-carry: $(STAMP)
+	mkdir -p .whl .cache/site
+	$(VENV)/bin/python -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) \
+	  --platform manylinux2014_x86_64 -d .whl pydantic tqdm
+	$(VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d .whl diffusers
+	$(VENV)/bin/python -m recipes.data --export .cache/routekit/mnist5k.npz
+	rm -rf .cache/mamba-src && mkdir -p .cache/mamba-src
+	$(VENV)/bin/python -c "import json, urllib.request as r; \
+	  files = json.load(r.urlopen('https://pypi.org/pypi/mamba-ssm/json'))['releases']['$(MAMBA_SSM)']; \
+	  sdist = next(f for f in files if f['packagetype'] == 'sdist'); \
+	  r.urlretrieve(sdist['url'], '.cache/mamba-src/mamba-ssm.tar.gz')"
+	tar xzf .cache/mamba-src/mamba-ssm.tar.gz -C .cache/mamba-src && rm -rf .cache/site/mamba_ssm && \
+	  cp -r .cache/mamba-src/mamba_ssm-*/mamba_ssm .cache/site/ && rm -rf .cache/mamba-src
+	@ls .whl .cache/site .cache/routekit
 
 clean:
 	rm -rf $(VENV) $(LATEST)

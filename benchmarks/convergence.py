@@ -17,7 +17,8 @@ small MNIST classifier (lower is better) and that classifier's accuracy on class
     python -m benchmarks.convergence --quick --next         # the same plan shrunk: tiny models, synthetic data,
                                                             # half a second of training each, on a CPU
 
-A run writes benchmarks/results/convergence/<backbone>/<method>_seed<seed>.json (commit it as soon as it exists:
+A GPU machine without internet needs what `make gpu-carry` gathers (.whl/ and .cache/: carry both). A run writes
+benchmarks/results/convergence/<backbone>/<method>_seed<seed>.json (commit it as soon as it exists:
 the report merges results made in different sessions) and the report benchmarks/results/convergence.{md,json,png}.
 Its training folder (logs, no checkpoints) goes under runs/convergence/. ``--quick`` keeps everything under
 runs/convergence_quick/. On a lent GPU, where at most 8 files come back from $OUT, keep the results in a scratch
