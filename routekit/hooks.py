@@ -10,6 +10,7 @@ inside the routed model's training forward, so eval is the original forward, unt
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from .errors import ConfigError
 from .findings import BlockInfo, Gather
 from .graphs import Slot
-from .plan import Plan
+from .plan import Plan, resolve_keep, suggestion
 from .record import grid_of_call
 from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 from .state import shallow_copy
@@ -51,6 +52,29 @@ class Hooks:
         grid = grid_of_call(rule, *self.call, stream.shape[0])
         self.plan.check_grid_found(stream.shape[1], grid)
         return grid
+
+    def keep(self, route: int, stream: torch.Tensor, grid) -> tuple[int, ...] | None:
+        """The positions route `route` keeps on this forward where the stream is not the example's length (None:
+        the plan's): the positions given, resolved against this stream, or the special tokens the example call
+        showed, where this call's grid leaves as many tokens besides the image's. Refused where it leaves others
+        (a caption of another length): boundary mode found them on the example call and cannot find them again."""
+        placed = self.plan.placed[route]
+        stack = self.plan.report.stack_of(placed.start)
+        tokens = stream.shape[1]
+        if tokens == stack.tokens or not placed.keep:
+            return None
+        if placed.route.keep is not None:
+            return resolve_keep(placed.route.keep, tokens)
+        cells = math.prod(grid) if isinstance(grid, tuple) else math.prod(grid.shape[2:]) if grid is not None else None
+        if cells is not None and tokens - cells != len(stack.special):
+            raise ConfigError(
+                f"route {route}: this call's stream holds {tokens - cells} tokens besides the {cells} of its image's "
+                f"grid, where the example inputs' held {len(stack.special)} ({suggestion(stack.special)}: text, "
+                "class or register tokens every route keeps); boundary mode found them on the example call and "
+                "cannot find them again: call the model with as many (pad the text to the example's length), or "
+                "give the route keep=[...]"
+            )
+        return resolve_keep(stack.special, tokens)
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The original forward with the routes live, choosing tokens with `routed`'s own selectors (verify runs a
@@ -130,7 +154,8 @@ class _Before:
         if self.first:
             hooks.gathered = {}
             stream = _get(args, kwargs, slot, self.block)
-            index = hooks.selects[self.route](stream, hooks.grid(stream))
+            grid = hooks.grid(stream)
+            index = hooks.selects[self.route](stream, grid, hooks.keep(self.route, stream, grid))
             hooks.pending[self.route] = (stream, index)
             args, kwargs = _put(args, kwargs, slot, gather_tokens(stream, index))
         elif self.route not in hooks.pending:

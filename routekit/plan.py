@@ -96,6 +96,13 @@ class Plan:
         return self.grid if self.grid and not self.grid_given and not self.report.grid_node else None
 
     @property
+    def routes_shape_bound(self) -> bool:
+        """Whether the routes hold for this plan's shapes alone: a grid measured on the call, or positions every
+        selection keeps (resolved against this stream's length, and special tokens found on this call: a caption
+        of another length moves the image's tokens). A program with them is planned again for other shapes."""
+        return self.measured_grid is not None or any(p.keep for p in self.placed)
+
+    @property
     def routes(self) -> list[Route]:
         """The routes as the user gave them."""
         return [p.route for p in self.placed]

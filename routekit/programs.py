@@ -63,9 +63,9 @@ def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, route
     label = f"{plan.report.model} {'train' if training else 'eval'} graph"
     called = frozenset(n.target for n in rewritten.graph.nodes if n.op == "call_module").union(
         *(n.meta.get(CALLED, ()) for n in rewritten.graph.nodes))
-    # a grid measured on the call (nothing to read it off at run time) holds for its shapes alone, however
-    # shape-generic the rest of the graph is: another image size is planned again
-    shaped = bool(rewritten.specialised) or (with_routes and plan.measured_grid is not None)
+    # the routes may hold for the call's shapes alone (Plan.routes_shape_bound), however shape-generic the rest of
+    # the graph is: other shapes are planned again
+    shaped = bool(rewritten.specialised) or (with_routes and plan.routes_shape_bound)
     return Program(compile_graph(rewritten.graph, label), tr.out_spec, tuple(values), shaped, plan, called,
                    rewritten.assumed)
 

@@ -107,8 +107,8 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
         first = by_name[blocks[0].node]
         stream_in = slot_value(first, report.stack_of(route.start).stream_slot)
         with graph.inserting_before(first):
-            args = (stream_in, grid_node) if grid_node is not None else (stream_in, plan.measured_grid)
-            index = selected = graph.call_module(f"{STATE}.routes.{k}", args)
+            grid = grid_node if grid_node is not None else plan.measured_grid
+            index = selected = graph.call_module(f"{STATE}.routes.{k}", (stream_in, grid, route.keep))
             kept = graph.call_function(gather_tokens, (stream_in, index))
         full, stack = stream_in, blocks[0].stack
         routed: dict[str, fx.Node] = {}  # one call per side input and route, however many blocks read it

@@ -180,15 +180,19 @@ class RouteSelect(nn.Module):
         self.last_index: torch.Tensor | None = None
         self.last_tokens = 0
 
-    def forward(self, stream: torch.Tensor, grid_source: torch.Tensor | tuple[int, ...] | None = None) -> torch.Tensor:
+    def forward(self, stream: torch.Tensor, grid_source: torch.Tensor | tuple[int, ...] | None = None,
+                keep: tuple[int, ...] | None = None) -> torch.Tensor:
+        """`keep`: the positions this call keeps, where its plan resolved them again (a stream of another length:
+        another caption, another image size), else this route's."""
         batch, tokens = stream.shape[0], stream.shape[1]
+        keep = self.keep if keep is None else keep
         grid = self.grid
         if grid is None and isinstance(grid_source, tuple):  # measured for this plan's shapes (Plan.measured_grid)
             grid = grid_source
         elif grid is None and grid_source is not None:  # (B, C, H, W) or (B, C, T, H, W): the grid of this call
             grid = tuple(grid_source.shape[2:])
         rows = 1 if self.shared else batch  # one selection for the whole batch (see Plan: shared)
-        index = select_tokens(self.route.selector, rows, tokens, self.route.rate, self.keep, grid=grid,
+        index = select_tokens(self.route.selector, rows, tokens, self.route.rate, keep, grid=grid,
                               generator=self.generator, device=stream.device, stream=stream[:rows]).expand(batch, -1)
         if self.force is not None and self.route.rate > 0:
             if self.shared:

@@ -352,6 +352,33 @@ def test_a_grid_selector_follows_another_square_size_of_hidream_and_refuses_a_pa
         routed(torch.randn(2, 4, 4, 16), **kwargs)
 
 
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_special_tokens_are_kept_at_another_caption_length_or_the_call_is_refused(mode):
+    """Lumina2 joins its caption in front of the image. A routed model kept the positions it resolved on the example
+    (a 5-token caption) at every call: with an 8-token caption it routed caption tokens 5..7 as image tokens, in
+    both modes. Graph mode plans a stream of another length again and keeps the whole caption; boundary mode,
+    which found the caption on the example call and cannot again, refuses the call by name. At another image
+    size with the example's caption, both keep the caption."""
+    try:
+        model, args, kwargs = zoo.diffusers_lumina2()
+    except Missing as err:
+        pytest.skip(str(err))
+    torch.set_num_threads(1)
+    routed = rk.apply(model, rk.Route(start=1, end=4), example_inputs=args, example_kwargs=kwargs, mode=mode)
+    routed.train()
+    routed(torch.randn(2, 4, 8, 16), **kwargs)  # an 4×8 grid, the example's caption
+    assert not rk.last_route_mask(routed)[:, :5].any() and rk.last_route_mask(routed).shape[1] == 37
+    longer = {**kwargs, "encoder_hidden_states": torch.randn(2, 8, 24),
+              "encoder_attention_mask": torch.ones(2, 8, dtype=torch.bool)}
+    if mode == "boundary":
+        with pytest.raises(rk.ConfigError, match="8 tokens besides the 16 of its image's grid"):
+            routed(*args, **longer)
+        return
+    for _ in range(3):
+        routed(*args, **longer)
+        assert not rk.last_route_mask(routed)[:, :8].any()
+
+
 def test_a_causal_lm_trains_with_a_route():
     """transformers' LlamaForCausalLM, trained as it trains (labels in, loss out): the routed step's loss is a
     loss over every token, its gradients reach the parameters they reached unrouted, and eval is the model's."""
