@@ -308,7 +308,9 @@ def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: in
                 return None
             return (True,) * count
         made = [origin(a, count) for a in batched]
-        if any(m is None for m in made):
+        if any(m is None for m in made) or (call is not node and len(set(made)) > 1):
+            # one output of a call fed several sequences this long from different origins (a joint block's text
+            # and image outputs, as many tokens each): the graph does not show which it hands on
             return None
         return tuple(any(column) for column in zip(*made))
 

@@ -124,6 +124,9 @@ class _ConcreteMixin:
         value = self.node.meta["value"]
         if isinstance(value, torch.Tensor):
             raise _DataDependent(f"{why} of a tensor's data at {user_location()}")
+        read = _read_off_data(self.node, self.tracer.data_leaves)
+        if read is not None:  # a number taken out of a tensor first: a graph would hold the example's
+            raise _DataDependent(f"{why} of a number read off a tensor's data ({read}) at {user_location()}")
         result = convert(value)
         self.tracer.specialised.append(f"{why} = {result!r} at {user_location()}")
         self.tracer.recorder.converted(self.node)
@@ -183,6 +186,38 @@ class _ConcreteMixin:
         return fx.Proxy.__eq__(self, other)
 
 
+_DATA_READS = ("tolist", "item")
+
+
+def _read_off_data(node: fx.Node, data_leaves: set[str]) -> str | None:
+    """What read this number off a tensor's data, where it was read off one: `.tolist()` or `.item()` (Lumina2
+    lays its caption and image out by `mask.sum(1).tolist()`), or a submodule left a leaf because its own code
+    converts data (its numbers are such reads); None otherwise. A tensor stops the search: its shape is no read
+    of data. Memoised in the nodes' meta."""
+    pending = [node]
+    while pending:
+        current = pending[-1]
+        if "rk_read" in current.meta:
+            pending.pop()
+            continue
+        read = None
+        if current.op == "call_method" and current.target in _DATA_READS and isinstance(current.args[0], fx.Node):
+            read = f"{current.args[0].name}.{current.target}()"
+        elif current.op == "call_module" and current.target in data_leaves:
+            read = f"the output of {current.target}, whose code converts data"
+        elif current is not node and isinstance(current.meta.get("value"), torch.Tensor):
+            read = None
+        else:
+            unknown = [n for n in current.all_input_nodes if "rk_read" not in n.meta]
+            if unknown:
+                pending.extend(unknown)
+                continue
+            read = next((n.meta["rk_read"] for n in current.all_input_nodes if n.meta["rk_read"]), None)
+        current.meta["rk_read"] = read
+        pending.pop()
+    return node.meta["rk_read"]
+
+
 def _value_of(proxy: fx.Proxy) -> Any:
     """The example value behind a proxy; an attribute's without recording a getattr (most become method calls)."""
     if isinstance(proxy, fx.proxy.Attribute) and getattr(proxy, "_node", None) is None:
@@ -218,6 +253,7 @@ class _Tracer(fx.Tracer):
                  recorder: Recorder):
         super().__init__(autowrap_modules=(math,))
         self.leaves, self.bound, self.spec, self.call, self.recorder = leaves, bound, spec, call, recorder
+        self.data_leaves: set[str] = set()  # leaves because their own code converts a tensor's data
         self.specialised: list[str] = []
         self.record_stack_traces = False
         self.inputs: dict[str, Any] = {}  # placeholder name -> its example value
@@ -556,6 +592,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
     spec = call_spec(bound)
     leaves = set(container_members(model)) | set(leaves or ())
     leafed: dict[str, str] = {}
+    data_leaves: set[str] = set()
     tensors = [v for v in call_inputs(bound, spec) if isinstance(v, torch.Tensor)]
     # traced with gradients on in train mode: a forward that checkpoints its blocks only when they are on
     # (`torch.is_grad_enabled() and self.gradient_checkpointing`) takes the branch it trains with
@@ -563,6 +600,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
         while True:
             recorder = Recorder(model, leaves)  # the trace runs on its copy of the module tree
             tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})), recorder)
+            tracer.data_leaves = data_leaves
             try:
                 with recorder.recording(), _torch_takes_traced_values(tracer):
                     graph = tracer.trace(recorder.root)
@@ -570,6 +608,8 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
             except _Untraceable as err:
                 leafed[err.qualname] = _short(err.cause)
                 leaves.add(err.qualname)
+                if isinstance(err.cause, _DataDependent):
+                    data_leaves.add(err.qualname)
             except _DataDependent as err:
                 raise TraceError(
                     f"cannot trace {type(model).__name__}.forward: control flow depends on {err}. routekit "

@@ -413,6 +413,48 @@ class PackedOwner(nn.Module):
         return joint[:, captions[0]:]
 
 
+class MaskPackedOwner(PackedOwner):
+    """PackedOwner with each caption's length read off its mask, as diffusers' Lumina2 reads them
+    (`mask.sum(1).tolist()`), or with `.item()`: the layout is the example mask's, which a graph would keep."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.read = read
+
+    def forward(self, x, caption, caption_mask):
+        batch, tokens, dim = x.shape
+        counts = caption_mask.sum(1)
+        captions = counts.tolist() if self.read == "tolist" else [counts[i].item() for i in range(batch)]
+        lengths = [c + tokens for c in captions]
+        joint = x.new_zeros(batch, max(lengths), dim)
+        for i, (c, n) in enumerate(zip(captions, lengths)):
+            joint[i, :c] = caption[i, :c]
+            joint[i, c:n] = x[i]
+        for block in self.blocks:
+            joint = block(joint, None)
+        return joint
+
+
+@pytest.mark.parametrize("read", ["tolist", "item"])
+def test_numbers_read_off_a_tensors_data_are_refused_like_its_data(read: str) -> None:
+    """The twin of the test below: lengths read off a mask's values, not off shapes. `.tolist()` and `.item()`
+    made plain numbers the trace specialised like shapes, so a routed Lumina2 replayed the example mask's layout for
+    every mask of that padded length: a batch whose captions were shorter than the example's was laid out wrong,
+    silently, and one longer failed inside the graph. Such numbers are refused as the data they came from."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TraceError, match=f"number read off a tensor's data .*{read}"):
+        trace(MaskPackedOwner(read), (randn(0, 2, 6, DIM), randn(1, 2, 3, DIM), mask))
+
+
+def test_lumina2_lays_out_its_caption_and_image_by_its_masks_data_and_is_refused_graph_mode() -> None:
+    """Its rotary embedder reads the caption lengths with `.tolist()` (it becomes a leaf, its numbers reads of
+    data), and the owner lays the sequence out by them."""
+    model, make_call = lumina2()
+    args, kwargs = make_call(0)
+    with pytest.raises(TraceError, match="number read off a tensor's data .*rope_embedder"):
+        trace(model.train(), args, kwargs)
+
+
 def test_item_assignment_into_a_tensor_the_forward_made_is_recorded_in_place() -> None:
     model = PackedOwner()
     tr = assert_replays(model, lambda s: ((randn(s, 2, 6, DIM), randn(s + 1, 2, 3, DIM)), {}))
@@ -824,7 +866,6 @@ def _gen(seed: int) -> torch.Generator:
 REAL = {
     "transformers-Llama": (llama, ["layers"]),
     "transformers-Mamba": (mamba, ["layers"]),
-    "diffusers-Lumina2": (lumina2, ["context_refiner", "noise_refiner", "layers"]),
     "diffusers-Flux": (flux, ["transformer_blocks", "single_transformer_blocks"]),
     "diffusers-Wan": (wan, ["blocks"]),
     "diffusers-SD3": (sd3, ["transformer_blocks"]),

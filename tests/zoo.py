@@ -504,7 +504,8 @@ ZOO: dict[str, Entry] = {
     "diffusers CogView4": Entry(diffusers_cogview4, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
     "diffusers Mochi": Entry(diffusers_mochi, "transformer_blocks", route={"start": 1, "end": 4, "selector": "frame"}),
     "diffusers Sana": Entry(diffusers_sana, "transformer_blocks", route={"start": 1, "end": 4, "selector": "row"}),
-    "diffusers Lumina2": Entry(diffusers_lumina2, "layers", special=tuple(range(5))),  # the caption's tokens
+    "diffusers Lumina2": Entry(diffusers_lumina2, "layers", special=tuple(range(5)),  # the caption's tokens
+                               mode="boundary"),  # it lays out its sequence by its mask's values
     "diffusers Chroma (across both stacks)": Entry(diffusers_chroma, "transformer_blocks → single_transformer_blocks",
                                                    route={"start": 2, "end": -2}),  # text joined in front between
     "diffusers Chroma (single-stream stack)": Entry(diffusers_chroma, "single_transformer_blocks",
