@@ -71,8 +71,9 @@ class Hooks:
                 f"route {route}: this call's stream holds {tokens - cells} tokens besides the {cells} of its image's "
                 f"grid, where the example inputs' held {len(stack.special)} ({suggestion(stack.special)}: text, "
                 "class or register tokens every route keeps); boundary mode found them on the example call and "
-                "cannot find them again: call the model with as many (pad the text to the example's length), or "
-                "give the route keep=[...]"
+                "cannot find them again: call the model with as many (captions of the example's length; where the "
+                "model packs them by their mask, as Lumina2 does, as many unmasked tokens in the longest), or give "
+                "the route keep=[...] covering the longest caption"
             )
         return resolve_keep(stack.special, tokens)
 
