@@ -40,11 +40,11 @@ class Hooks:
         self.selects: list[nn.Module] = []  # the selectors of the model running now
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.grid_source: torch.Tensor | None = None  # the grid module's output on this forward
+        self.grid_source: tuple[int, ...] | None = None  # the grid of the grid module's output on this forward
         self.call: tuple[tuple, dict] = ((), {})
 
-    def grid(self, stream: torch.Tensor) -> torch.Tensor | tuple[int, ...] | None:
-        """What grid selectors read the grid of this forward off: the grid module's output, else the grid the call
+    def grid(self, stream: torch.Tensor) -> tuple[int, ...] | None:
+        """The grid of this forward, for grid selectors: the grid of the grid module's output, else the grid the call
         gives where the analysis measured it on the example's (`findings.CallGrid`): it follows the image's size."""
         rule = self.plan.report.call_grid if self.plan.measured_grid else None
         if not rule:
@@ -53,7 +53,7 @@ class Hooks:
         self.plan.check_grid_found(stream.shape[1], grid)
         return grid
 
-    def keep(self, route: int, stream: torch.Tensor, grid) -> tuple[int, ...] | None:
+    def keep(self, route: int, stream: torch.Tensor, grid: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The positions route `route` keeps on this forward where the stream is not the example's length (None:
         the plan's): the positions given, resolved against this stream, or the special tokens the example call
         showed, where this call's grid leaves as many tokens besides the image's. Refused where it leaves others
@@ -65,7 +65,7 @@ class Hooks:
             return None
         if placed.route.keep is not None:
             return resolve_keep(placed.route.keep, tokens)
-        cells = math.prod(grid) if isinstance(grid, tuple) else math.prod(grid.shape[2:]) if grid is not None else None
+        cells = math.prod(grid) if grid is not None else None
         if cells is not None and tokens - cells != len(stack.special):
             raise ConfigError(
                 f"route {route}: this call's stream holds {tokens - cells} tokens besides the {cells} of its image's "
@@ -202,14 +202,15 @@ class _After:
 
 
 class _GridSource:
-    """Forward hook on the patch embedding: the grid of this forward, for grid selectors."""
+    """Forward hook on the patch embedding: the grid of this forward, for grid selectors (its output's
+    (B, C, H, W) or (B, C, T, H, W) spatial sizes)."""
 
     def __init__(self, hooks: Hooks):
         self.hooks = hooks
 
     def __call__(self, module, args, output):
         if self.hooks.active and isinstance(output, torch.Tensor) and output.dim() in (4, 5):
-            self.hooks.grid_source = output
+            self.hooks.grid_source = tuple(output.shape[2:])
 
 
 def _own_copy(module: nn.Module) -> nn.Module:

@@ -187,9 +187,10 @@ class RouteSelect(nn.Module):
         batch, tokens = stream.shape[0], stream.shape[1]
         keep = self.keep if keep is None else keep
         grid = self.grid
-        if grid is None and isinstance(grid_source, tuple):  # measured for this plan's shapes (Plan.measured_grid)
+        if grid is None and isinstance(grid_source, tuple):  # this call's grid, as boundary mode reads it, or as
+            # this plan's shapes measured it (Plan.measured_grid)
             grid = grid_source
-        elif grid is None and grid_source is not None:  # (B, C, H, W) or (B, C, T, H, W): the grid of this call
+        elif grid is None and grid_source is not None:  # the patch embedding's (B, C, H, W) or (B, C, T, H, W) in a graph
             grid = tuple(grid_source.shape[2:])
         rows = 1 if self.shared else batch  # one selection for the whole batch (see Plan: shared)
         index = select_tokens(self.route.selector, rows, tokens, self.route.rate, keep, grid=grid,
