@@ -14,15 +14,17 @@ import math
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import ConfigError
-from .findings import BlockInfo, Gather
+from .findings import BlockInfo, Gather, SideInput
 from .graphs import Slot
 from .plan import Plan, resolve_keep, suggestion
 from .record import grid_of_call
 from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
 from .state import shallow_copy
+from .values import TensorMeta
 
 
 class Hooks:
@@ -118,9 +120,12 @@ class Hooks:
         placed = self.plan.placed[route]
         for side in block.side_inputs:
             cuts = placed.cuts(side, block.stack)
-            if not cuts:
-                continue
             value = _get(args, kwargs, side.slot, block)
+            if not cuts:
+                _check_unforeseen(side, value, block, stream.shape[1])
+                continue
+            if value is None:  # absent on this call (a mask the owner passes only where captions differ in length)
+                continue
             if id(value) not in self.gathered:  # once per value and forward, kept alive with it
                 self.gathered[id(value)] = (value, route_side(value, stream, index, cuts, placed.shared))
             cut = self.gathered[id(value)][1]
@@ -225,6 +230,25 @@ def _own_copy(module: nn.Module) -> nn.Module:
         copy.__dict__["_compiled_call_impl"] = None
         copy.__dict__["forward"] = compiled
     return copy
+
+
+def _check_unforeseen(side: SideInput, value: Any, block: BlockInfo, tokens: int) -> None:
+    """Refuse a tensor as long as the stream where the example call passed no tensor (Lumina2 passes its blocks an
+    attention mask only where captions differ in length): boundary mode learned how a route cuts each block input
+    on the example call, so it cannot tell whether this one carries the stream's tokens, and the block would
+    see it whole beside the kept tokens."""
+    if any(isinstance(v, TensorMeta) for v in pytree.tree_leaves(side.meta)):
+        return
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and tokens in leaf.shape[1:]:
+            name = side.argument if side.argument is not None else side.slot
+            raise ConfigError(
+                f"{block.qualname} takes a tensor {str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)} as "
+                f"{name!r} on this call, where the example call passed {side.describe()}: boundary mode learned how a "
+                "route cuts each block input on the example call and cannot tell whether this one carries the "
+                "stream's tokens. Give example inputs on which it is a tensor too (an attention mask the model "
+                "passes only where captions differ in length: an example batch whose captions do)"
+            )
 
 
 def _get(args: tuple, kwargs: dict, slot: Slot, block: BlockInfo):

@@ -149,6 +149,32 @@ def _other(t: torch.Tensor) -> torch.Tensor:
     return torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * 3 + 1
 
 
+class LayoutPerSample(Exception):
+    """The samples of one call hold their tokens not made from the image at different positions: the owner lays out
+    each sample by its data (a caption of its own length, the image packed after it by the caption's mask, as
+    Lumina2 does). One set of positions kept for every sample would route some sample's caption tokens."""
+
+    def __init__(self, positions: list[list[int]]):
+        self.positions = positions
+        shown = "; ".join(f"sample {i}: {_runs(p)}" for i, p in enumerate(positions[:3]))
+        super().__init__(
+            f"the example's samples hold their tokens not made from the image at different positions ({shown}"
+            f"{'; ...' if len(positions) > 3 else ''}): the owner lays out each sample by its data, as a caption of "
+            "its own length with the image packed after it"
+        )
+
+
+def _runs(positions: list[int]) -> str:
+    """Positions as runs, `[0..4, 19..20]`."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return "[" + ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in runs) + "]"
+
+
 def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slot, *, module: str | None = None,
                     image: torch.Tensor | None = None) -> tuple[int, ...]:
     """Positions of the stream entering `block` that depend neither on module `module`'s output nor on the
@@ -156,7 +182,8 @@ def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slo
 
     The model runs twice up to `block`: once as it is, once with that output (or input) replaced by other
     values. A token that comes out the same both times was not made from it. Positions are counted from the
-    start for the first half of the stream, from the end (negative) after.
+    start for the first half of the stream, from the end (negative) after. LayoutPerSample where the samples
+    disagree (padding comes out the same too, so a shorter caption moves it as well as the image).
     """
     changed_args, changed_kwargs = (args, kwargs) if image is None else \
         pytree.tree_map(lambda v: _other(v) if v is image else v, (args, kwargs))
@@ -165,7 +192,10 @@ def tokens_not_from(model: nn.Module, args: tuple, kwargs: dict, block: str, slo
                           None if module is None else {module: lambda m, i, out: _other(out)})
     if first is None or second is None or first.shape != second.shape or first.dim() != 3:
         return ()
-    same = (first == second).flatten(2).all(-1).all(0)  # (tokens,): unchanged in every sample
+    per_sample = (first == second).flatten(2).all(-1)  # (batch, tokens)
+    if not (per_sample == per_sample[:1]).all():
+        raise LayoutPerSample([row.nonzero().flatten().tolist() for row in per_sample])
+    same = per_sample[0]
     tokens = same.shape[0]
     return tuple(i if i < tokens / 2 else i - tokens for i in same.nonzero().flatten().tolist())
 

@@ -23,7 +23,7 @@ from torch import nn
 from .errors import AnalysisError
 from .findings import BlockInfo, CallGrid, Stack
 from .graphs import CATS, Slot, kind_only, slot_value, to_networkx
-from .probe import grid_cells, token_offset, tokens_not_from
+from .probe import LayoutPerSample, grid_cells, token_offset, tokens_not_from
 from .record import Image, grid_image, grid_of_call, image_input, named_sizes
 from .trace import Trace
 from .values import TensorMeta
@@ -36,23 +36,29 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
     batch, tokens, _ = stream.shape
     first_in = slot_value(nodes[0], slot)
     grid = grid_node = None
-    if images is None:
-        special = _graph_special(tr.graph, first_in, batch, tokens, chains)
-    else:
-        at = _measure_point(chains, name, batch, tokens)
-        grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], at, batch, tokens, call)
-        if not special and grid is None and call is not None:
-            special = _recorded_special(model, call, chains, name, at, batch, tokens)
     unknown = None
-    if special is None:  # what the graph or the recording does not show, measured: conclusive only if it finds some
-        at = _measure_point(chains, name, batch, tokens)
-        special = _measured(model, call, (at, (nodes[0].target, slot)), batch, tokens) if call is not None else None
-        if not special:
-            special, unknown = (), (
-                "routekit could not read off the graph which of the stream's tokens were made from the image (a join "
-                "along the token axis, or a write into the tokens, it cannot follow), nor measure any that were not"
-                if images is None else
-                "routekit could not measure which of the stream's tokens were not made from the image")
+    try:
+        if images is None:
+            special = _graph_special(tr.graph, first_in, batch, tokens, chains)
+        else:
+            at = _measure_point(chains, name, batch, tokens)
+            grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], at, batch, tokens, call)
+            if not special and grid is None and call is not None:
+                special = _recorded_special(model, call, chains, name, at, batch, tokens)
+        if special is None:  # what the graph or the recording does not show, measured: conclusive only if it finds some
+            at = _measure_point(chains, name, batch, tokens)
+            special = _measured(model, call, (at, (nodes[0].target, slot)), batch, tokens) if call is not None else None
+            if not special:
+                special, unknown = (), (
+                    "routekit could not read off the graph which of the stream's tokens were made from the image (a "
+                    "join along the token axis, or a write into the tokens, it cannot follow), nor measure any that "
+                    "were not" if images is None else
+                    "routekit could not measure which of the stream's tokens were not made from the image")
+    except LayoutPerSample as err:  # no one set of positions, and no grid of one set of image tokens
+        return {"grid": None, "grid_node": None, "call_grid": None, "special": (), "reordered": None,
+                "unknown_special": f"{err} (a keep that covers the longest caption a batch can hold keeps every sample's: "
+                                  "keep=list(range(L)) for captions of at most L tokens, with a selector that picks single "
+                                  "tokens)"}
     if images is None:
         grid, grid_node = _graph_grid(tr.graph, model, first_in, batch, tokens - len(special))
     skipped = {p % tokens for p in special}

@@ -384,6 +384,44 @@ def test_special_tokens_are_kept_at_another_caption_length_or_the_call_is_refuse
         routed(*args, **{**kwargs, "encoder_hidden_states": torch.randn(2, 8, 24)})
 
 
+def test_captions_of_different_lengths_per_sample_are_kept_or_the_route_asks_for_keep():
+    """Lumina2 lays out each sample as its caption, then its image, then padding, by its caption mask's values, and
+    passes its blocks an attention mask only where the lengths differ. An example batch whose captions differ had
+    the positions all samples share taken for the special tokens, and the longer caption's last tokens routed,
+    silently; an example whose captions matched, then a batch whose did not, failed inside attention (the mask the
+    example did not have reached the routed blocks whole). Now the first asks for keep= by saying so, the second
+    names the argument, and with a keep that covers the longest caption every sample keeps its caption, at the
+    example's layout and at the others, and verifies. The twin, an example of equal lengths, keeps its caption."""
+    try:
+        model, args, kwargs = zoo.diffusers_lumina2()
+    except Missing as err:
+        pytest.skip(str(err))
+    torch.set_num_threads(1)
+    ragged = {**kwargs, "encoder_attention_mask": torch.tensor([[True] * 5, [True] * 3 + [False] * 2])}
+    assert rk.inspect(model, args, kwargs).stacks[0].special == tuple(range(5))  # the twin: one layout
+    with pytest.warns(rk.FallbackWarning):
+        even = rk.apply(model, rk.Route(start=1, end=4), example_inputs=args, example_kwargs=kwargs)
+    even.train()
+    even(*args, **kwargs)
+    assert not rk.last_route_mask(even)[:, :5].any() and rk.last_route_mask(even)[:, 5:].sum(1).tolist() == [8, 8]
+    with pytest.raises(rk.ConfigError, match="'attention_mask' on this call, where the example call passed None"):
+        even(*args, **ragged)
+    with pytest.warns(rk.FallbackWarning), pytest.raises(
+            rk.ConfigError, match=r"sample 0: \[0..4\]; sample 1: \[0..2, 19..20\]\).*keep=list\(range\(L\)\)"):
+        rk.apply(model, rk.Route(start=1, end=4), example_inputs=args, example_kwargs=ragged)
+    with pytest.warns(rk.FallbackWarning):
+        routed = rk.apply(model, rk.Route(start=1, end=4, keep=list(range(5))), example_inputs=args,
+                          example_kwargs=ragged)
+    assert rk.verify(model, routed, args, ragged)["train"] == "rate 0 bit-identical"
+    routed.train()
+    for mask in ([[1] * 5, [1] * 3 + [0] * 2], [[1] * 2 + [0] * 3, [1] * 4 + [0]], [[1] * 5] * 2):
+        routed(*args, **{**ragged, "encoder_attention_mask": torch.tensor(mask, dtype=torch.bool)})
+        routed_around = rk.last_route_mask(routed)
+        tokens = max(map(sum, mask)) + 16  # the longest caption, then the 4×4 image
+        assert routed_around.shape[1] == tokens and not routed_around[:, :5].any()
+        assert routed_around.sum(1).tolist() == [(tokens - 5) // 2] * 2
+
+
 def test_a_causal_lm_trains_with_a_route():
     """transformers' LlamaForCausalLM, trained as it trains (labels in, loss out): the routed step's loss is a
     loss over every token, its gradients reach the parameters they reached unrouted, and eval is the model's."""
