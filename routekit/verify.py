@@ -37,6 +37,8 @@ from torch.func import functional_call
 from .calls import bind_arguments
 from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
 from .model import RoutedModel, example_call, report_of, unwrap_compiled
+from .plan import Plan
+from .programs import Programs
 from .rewrite import STATE
 from .routing import gather_tokens, route_side
 from .sides import parameter_names
@@ -183,10 +185,6 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
     """The first route's first block computes what the original block computes on the kept tokens: its
     stream input is the original's gathered at them, and its output is the original block's output on the
     original inputs cut by the plan (the stream gathered, each side input as the plan cuts it)."""
-    plan = report_of(routed)
-    route, report = plan.placed[0], plan.report
-    block = report.blocks[route.start]
-    report = report.stack_of(route.start)  # the stream the route starts on
     seen: dict[str, Any] = {}
 
     def capture(key):
@@ -196,6 +194,10 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
         return hook
 
     with training_mode(routed, True):
+        plan = _plan_of_call(routed, args, kwargs)
+        route, report = plan.placed[0], plan.report
+        block = report.blocks[route.start]
+        report = report.stack_of(route.start)  # the stream the route starts on
         original = _original(routed)
         for key, root in (("routed", routed), ("original", original)):
             module = root.get_submodule(block.qualname)
@@ -223,7 +225,8 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
                  f"{block.qualname}'s input {report.stream_slot!r} in route 0", error=TrainingChanged)
         for side in block.side_inputs:
             key = name(side.slot)
-            values[key] = route_side(values.get(key), stream, index, route.cuts(side), route.shared)
+            if values.get(key) is not None:  # a per-token input this call leaves out is left out
+                values[key] = route_side(values[key], stream, index, route.cuts(side), route.shared)
         torch.manual_seed(seed + 1)
         want = module(*bound.args, **bound.kwargs)
     # close rather than equal: the route's graph may hand the block an equivalent input in another form (an
@@ -231,6 +234,16 @@ def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int
     _compare(want, seen["output"], f"{block.qualname} on the original's inputs cut to the kept tokens",
              f"{block.qualname} in route 0", close=True, error=TrainingChanged, precision=_computed_in(module))
     return 1
+
+
+def _plan_of_call(routed: nn.Module, args: tuple, kwargs: dict) -> Plan:
+    """The plan the routed model's training forward follows on this call: graph mode plans a call of another
+    signature or other shapes again (its blocks may take other inputs: a mask the example call did not pass),
+    boundary mode follows the example's."""
+    executor = routed._routekit_executor
+    if isinstance(executor, Programs):
+        return executor.program(routed, args, kwargs)[1].plan
+    return report_of(routed)
 
 
 def _computed_in(model: nn.Module) -> torch.dtype | None:

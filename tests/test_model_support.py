@@ -413,6 +413,7 @@ def test_captions_of_different_lengths_per_sample_are_kept_or_the_route_asks_for
         routed = rk.apply(model, rk.Route(start=1, end=4, keep=list(range(5))), example_inputs=args,
                           example_kwargs=ragged)
     assert rk.verify(model, routed, args, ragged)["train"] == "rate 0 bit-identical"
+    assert rk.verify(model, routed, args, kwargs)["kept"] == 1  # equal lengths: the blocks' mask is left out
     routed.train()
     for mask in ([[1] * 5, [1] * 3 + [0] * 2], [[1] * 2 + [0] * 3, [1] * 4 + [0]], [[1] * 5] * 2):
         routed(*args, **{**ragged, "encoder_attention_mask": torch.tensor(mask, dtype=torch.bool)})

@@ -430,3 +430,48 @@ def test_verify_compares_output_objects_by_their_own_equality_where_they_have_on
     _compare((Meta(1, "a"),), (Meta(1, "b"),), "original", "routed")
     with pytest.raises(InferenceChanged):
         _compare((Meta(1, "a"),), (Meta(2, "a"),), "original", "routed")
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, x, mask=None):
+        h = self.linear(x)
+        return x + (h if mask is None else h * mask[..., None])
+
+
+class Masked(nn.Module):
+    """Blocks that take a per-token mask the caller may leave out (None), as diffusers' attention masks are."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, D, 2, 2)
+        self.blocks = nn.ModuleList(MaskedBlock() for _ in range(6))
+
+    def forward(self, image, mask=None):
+        x = self.embed(image).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+
+def test_a_block_input_the_example_call_did_not_pass_is_cut_in_graph_mode_and_refused_by_name_in_boundary_mode():
+    """Example inputs without the mask, then a call with it. Graph mode plans the call's signature again and cuts
+    the mask, and verify checks that call against that plan: it checked it against the example's, cut nothing,
+    and failed inside the block with a size mismatch. Boundary mode, which learned how to cut each block input on
+    the example call alone, refuses the call and names the argument (the blocks got the mask whole, and failed
+    the same way)."""
+    torch.manual_seed(0)
+    model, image, mask = Masked(), torch.randn(2, 3, 8, 8), (torch.rand(2, 16) > 0.3).float()
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,))
+    checked = rk.verify(model, routed, (image, mask))
+    assert checked["train"] == "rate 0 bit-identical" and checked["kept"] == 1
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,), mode="boundary")
+    routed.train()
+    with pytest.raises(rk.ConfigError, match="takes a tensor float32.2, 16. as 'mask' on this call, where the "
+                                             "example call passed None"):
+        routed(image, mask)
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image, mask), mode="boundary")
+    assert rk.verify(model, routed, (image,))["kept"] == 1  # the mask the example passed, left out
