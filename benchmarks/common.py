@@ -1,4 +1,5 @@
-"""What every benchmark shares: how a step is timed, and how a result is written and labelled.
+"""What every benchmark shares: how a step is timed, and how a result is written and labelled; and the train
+step the diffusers-model benchmarks (flux.py, lumina2.py) time.
 
 One place for both, so that every file under benchmarks/results/ is timed the same way and says the same
 things: the machine it ran on, the commit (also where the tree travels without its history: RK_COMMIT),
@@ -23,6 +24,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
@@ -197,3 +201,60 @@ def figure(path: Path, *grid: int, **subplots) -> Iterator[tuple]:
         fig.savefig(path, dpi=130)
     finally:
         plt.close(fig)
+
+
+# --- one train step of a diffusers model (forward + backward + AdamW, bf16 autocast on a GPU) ---------------
+
+
+def call(model: nn.Module, args: tuple, kwargs: dict):
+    out = model(*args, **kwargs)
+    return out.sample if hasattr(out, "sample") else out
+
+
+def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:
+    model.train()
+    with FlopCounterMode(display=False) as counter, torch.autocast(args[0].device.type, torch.bfloat16,
+                                                                    enabled=args[0].is_cuda):
+        call(model, args, kwargs).float().pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def measure(model: nn.Module, args: tuple, kwargs: dict, mode: str, steps: int, warmup: int) -> dict:
+    cuda = args[0].is_cuda
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    model.train()
+    runner = torch.compile(model) if mode == "compile" else model
+    target = torch.randn_like(args[0])
+
+    def step():
+        with torch.autocast(args[0].device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = F.mse_loss(call(runner, args, kwargs).float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    start = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    first = time.perf_counter() - start
+    timing = time_ms(step, steps, warmup, cuda)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    # AdamW's step on its own (the gradients of the last step are still there): work per parameter, the same for
+    # every variant, that no route can shorten
+    optimizer = time_ms(opt.step, steps, warmup, cuda)["median_ms"]
+    return {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
+            "peak_gib": peak, "first_step_s": first, "optimizer_ms": optimizer}
+
+
+def attention_backends(device: str):
+    """Flash or memory-efficient attention on a GPU: torch 2.11's cuDNN attention fails on FLUX's shapes in
+    backward (`mha_graph.execute`), and the variants of one benchmark must run the same kernels to be compared."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) if device == "cuda" \
+        else nullcontext()

@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,12 +46,14 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
 import routekit as rk  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RESULTS,
+    attention_backends,
     device_or_exit,
     figure,
     free_memory,
     kept_rows,
     machine,
-    time_ms,
+    measure,
+    step_flops,
     write,
 )
 from routekit.model import report_of  # noqa: E402
@@ -158,20 +159,6 @@ def variant(name: str, config: dict, example: tuple[tuple, dict], device: str) -
     return rk.apply(model, route, example_inputs=example[0], example_kwargs=example[1])
 
 
-def call(model: nn.Module, args: tuple, kwargs: dict):
-    out = model(*args, **kwargs)
-    return out.sample if hasattr(out, "sample") else out
-
-
-def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:
-    model.train()
-    with FlopCounterMode(display=False) as counter, torch.autocast(args[0].device.type, torch.bfloat16,
-                                                                    enabled=args[0].is_cuda):
-        call(model, args, kwargs).float().pow(2).mean().backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
-
-
 def host_ms(model: nn.Module, args: tuple, kwargs: dict, calls: int = 200) -> float:
     """routekit's own Python work per training call: finding the call's program (binding the arguments, checking
     what the program assumed about the model); the program itself is the model's work."""
@@ -182,35 +169,6 @@ def host_ms(model: nn.Module, args: tuple, kwargs: dict, calls: int = 200) -> fl
     for _ in range(calls):
         executor.program(model, args, kwargs)
     return (time.perf_counter() - start) / calls * 1e3
-
-
-def measure(model: nn.Module, args: tuple, kwargs: dict, mode: str, steps: int, warmup: int) -> dict:
-    cuda = args[0].is_cuda
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    model.train()
-    runner = torch.compile(model) if mode == "compile" else model
-    target = torch.randn_like(args[0])
-
-    def step():
-        with torch.autocast(args[0].device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = F.mse_loss(call(runner, args, kwargs).float(), target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    start = time.perf_counter()
-    step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    first = time.perf_counter() - start
-    timing = time_ms(step, steps, warmup, cuda)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    # AdamW's step on its own (the gradients of the last step are still there): work per parameter, the same for
-    # every variant, that no route can shorten
-    optimizer = time_ms(opt.step, steps, warmup, cuda)["median_ms"]
-    return {"step_ms": timing["median_ms"], "p90_ms": timing["p90_ms"], "min_ms": timing["min_ms"],
-            "peak_gib": peak, "first_step_s": first, "optimizer_ms": optimizer}
 
 
 def table(rows: list[dict]) -> str:
@@ -255,17 +213,6 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title("FLUX, 4 double + 8 single blocks, 4096 + 512 tokens; dashed: FLOP limit across stacks",
                      fontsize=9)
         ax.legend(fontsize=8)
-
-
-def attention_backends(device: str):
-    """Flash or memory-efficient attention on a GPU: torch 2.11's cuDNN attention fails on FLUX's shapes in
-    backward (`mha_graph.execute`), and the variants must run the same kernels to be compared."""
-    from contextlib import nullcontext
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) if device == "cuda" \
-        else nullcontext()
 
 
 def main() -> None:

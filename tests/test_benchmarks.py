@@ -493,6 +493,19 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
     assert all(r["commit"] for r in added) and "| commit |" in (tmp_path / "flux.md").read_text()
 
 
+def test_lumina2_quick_routes_captions_of_different_lengths_in_boundary_mode(tmp_path):
+    """A tiny Lumina2 with captions of different lengths per sample: routekit places the route at the block calls
+    (its layout is read off the caption mask's values), the route saves FLOPs, and both variants run a train
+    step at batch 1 (one caption: the blocks take no mask) and 2 (two lengths: they take one)."""
+    run_benchmark("lumina2.py", "--quick", "--batches", "1", "2", "--out", str(tmp_path))
+    data = labelled(tmp_path, "lumina2", "python benchmarks/lumina2.py --quick --batches 1 2")
+    rows = {(r["batch"], r["variant"]): r for r in data["rows"]}
+    assert set(rows) == {(b, v) for b in (1, 2) for v in ("vanilla", "routekit")}
+    assert all(r["mode"] == "boundary" and r["step_ms"] > 0 and r["p90_ms"] >= r["step_ms"] for r in rows.values())
+    assert [rows[b, "vanilla"]["tokens"] for b in (1, 2)] == [8 + 64, 8 + 64]
+    assert all(rows[b, "routekit"]["flop_limit"] > 1.0 for b in (1, 2))
+
+
 def test_gpu_busy_reports_where_the_host_spends_a_step_as_well_as_the_kernels(monkeypatch):
     """A step that waits on the host is read from the host rows: each operator's own host time per step. On a
     CPU there are no kernels, so the GPU time is zero and only host rows come back."""
