@@ -120,10 +120,10 @@ class Hooks:
         placed = self.plan.placed[route]
         for side in block.side_inputs:
             cuts = placed.cuts(side, block.stack)
-            value = _get(args, kwargs, side.slot, block)
             if not cuts:
-                _check_unforeseen(side, value, block, stream.shape[1])
+                _check_unforeseen(side, args, kwargs, block, stream.shape[1])
                 continue
+            value = _get(args, kwargs, side.slot, block)
             if value is None:  # absent on this call (a mask the owner passes only where captions differ in length)
                 continue
             if id(value) not in self.gathered:  # once per value and forward, kept alive with it
@@ -232,13 +232,15 @@ def _own_copy(module: nn.Module) -> nn.Module:
     return copy
 
 
-def _check_unforeseen(side: SideInput, value: Any, block: BlockInfo, tokens: int) -> None:
+def _check_unforeseen(side: SideInput, args: tuple, kwargs: dict, block: BlockInfo, tokens: int) -> None:
     """Refuse a tensor as long as the stream where the example call passed no tensor (Lumina2 passes its blocks an
     attention mask only where captions differ in length): boundary mode learned how a route cuts each block input
     on the example call, so it cannot tell whether this one carries the stream's tokens, and the block would
-    see it whole beside the kept tokens."""
+    see it whole beside the kept tokens. An input nothing cuts may be left out of a call: nothing to check."""
     if any(isinstance(v, TensorMeta) for v in pytree.tree_leaves(side.meta)):
         return
+    slot = side.slot
+    value = (args[slot] if slot < len(args) else None) if isinstance(slot, int) else kwargs.get(slot)
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and tokens in leaf.shape[1:]:
             name = side.argument if side.argument is not None else side.slot

@@ -368,3 +368,38 @@ def test_a_pytree_registered_context_object_reaches_probes_as_values_and_a_per_t
     assert rk.verify(model, routed, (x, per_sample))["train"]
     with pytest.raises(rk.ConfigError, match=r"cannot contain blocks\.1: its input 1 is an object \(_Context"):
         rk.apply(model, route, example_inputs=(x, torch.randn(2, 32, 16)), mode=mode)
+
+
+class ScaledBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x, scale=None):
+        return x + self.linear(x) * (1 if scale is None else scale[:, None, None])
+
+
+class SometimesScaled(nn.Module):
+    """Passes its blocks a per-sample scale only when it is given one."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, 16, 2, 2)
+        self.blocks = nn.ModuleList(ScaledBlock() for _ in range(6))
+
+    def forward(self, image, scale=None):
+        x = self.embed(image).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x, scale=scale) if scale is not None else block(x)
+        return x
+
+
+def test_a_call_may_leave_out_a_block_input_no_route_cuts() -> None:
+    """The example call passes a per-sample scale, a later call none: nothing cuts it, so boundary mode routes the
+    call as it is (the check for tensors the example did not pass must not ask for one it did)."""
+    model, image = SometimesScaled(), torch.randn(2, 3, 8, 8)
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image, torch.ones(2)), mode="boundary")
+    routed.train()
+    assert routed(image).shape == (2, 16, 16)
+    assert rk.last_route_mask(routed).sum(1).tolist() == [8, 8]
+    assert rk.verify(model, routed, (image,))["kept"] == 1
