@@ -250,10 +250,10 @@ class _Tracer(fx.Tracer):
     """fx's tracer, running every node as it records it; see the module docstring."""
 
     def __init__(self, leaves: set[str], bound: inspect.BoundArguments, spec: CallSpec, call: tuple[tuple, dict],
-                 recorder: Recorder):
+                 recorder: Recorder, data_leaves: set[str]):
         super().__init__(autowrap_modules=(math,))
         self.leaves, self.bound, self.spec, self.call, self.recorder = leaves, bound, spec, call, recorder
-        self.data_leaves: set[str] = set()  # leaves because their own code converts a tensor's data
+        self.data_leaves = data_leaves  # leaves because their own code converts a tensor's data
         self.specialised: list[str] = []
         self.record_stack_traces = False
         self.inputs: dict[str, Any] = {}  # placeholder name -> its example value
@@ -599,8 +599,7 @@ def trace(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
     with preserved_state(model, tensors), as_found(model), torch.set_grad_enabled(model.training):
         while True:
             recorder = Recorder(model, leaves)  # the trace runs on its copy of the module tree
-            tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})), recorder)
-            tracer.data_leaves = data_leaves
+            tracer = _Tracer(leaves, bound, spec, (tuple(args), dict(kwargs or {})), recorder, data_leaves)
             try:
                 with recorder.recording(), _torch_takes_traced_values(tracer):
                     graph = tracer.trace(recorder.root)
