@@ -496,14 +496,16 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
 def test_lumina2_quick_routes_captions_of_different_lengths_in_boundary_mode(tmp_path):
     """A tiny Lumina2 with captions of different lengths per sample: routekit places the route at the block calls
     (its layout is read off the caption mask's values), the route saves FLOPs, and both variants run a train
-    step at batch 1 (one caption: the blocks take no mask) and 2 (two lengths: they take one)."""
+    step at batch 1 (one caption: the blocks take no mask) and at batch 2 twice, with two caption lengths (the
+    blocks take a mask) and with one (they take none)."""
     run_benchmark("lumina2.py", "--quick", "--batches", "1", "2", "--out", str(tmp_path))
     data = labelled(tmp_path, "lumina2", "python benchmarks/lumina2.py --quick --batches 1 2")
-    rows = {(r["batch"], r["variant"]): r for r in data["rows"]}
-    assert set(rows) == {(b, v) for b in (1, 2) for v in ("vanilla", "routekit")}
+    rows = {(r["batch"], r["captions"], r["variant"]): r for r in data["rows"]}
+    cases = [(1, "one length"), (2, "one length"), (2, "different")]
+    assert list(rows) == [(*case, v) for case in cases for v in ("vanilla", "routekit")]
     assert all(r["mode"] == "boundary" and r["step_ms"] > 0 and r["p90_ms"] >= r["step_ms"] for r in rows.values())
-    assert [rows[b, "vanilla"]["tokens"] for b in (1, 2)] == [8 + 64, 8 + 64]
-    assert all(rows[b, "routekit"]["flop_limit"] > 1.0 for b in (1, 2))
+    assert all(rows[(*case, "vanilla")]["tokens"] == 8 + 64 for case in cases)
+    assert all(rows[(*case, "routekit")]["flop_limit"] > 1.0 for case in cases)
 
 
 def test_gpu_busy_reports_where_the_host_spends_a_step_as_well_as_the_kernels(monkeypatch):
