@@ -5,8 +5,11 @@
 # whole suite in both: the two ends of the torch range routekit claims on CPU.
 PYTHON ?= python3
 PINNED_TORCH := 2.13.0
-LATEST_TORCH := 2.14.1
-LATEST_TORCHVISION := 0.29.1
+LATEST_REQUIREMENTS := .ci/requirements-latest.txt
+LATEST_TORCH := $(shell sed -n 's/^torch==//p' $(LATEST_REQUIREMENTS))
+# A machine may cap torch through pip's configuration (a `constraint` in /etc/xdg/pip) below the release the tests
+# claim; the newest end installs past it, or pip would refuse it, or, in the second install, take torch back down.
+UNCAPPED := PIP_CONSTRAINT=/dev/null
 LATEST_NEEDS_GIB := 10
 
 VENV := .venv
@@ -25,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-$(LATEST_STAMP): pyproject.toml
+$(LATEST_STAMP): pyproject.toml $(LATEST_REQUIREMENTS)
 	@free=$$(df -Pk . "$${TMPDIR:-/tmp}" | awk 'NR > 1 {print int($$4 / 1048576)}' | sort -n | head -1); \
 	if [ "$$free" -lt $(LATEST_NEEDS_GIB) ]; then \
 	  echo "make test-latest: torch $(LATEST_TORCH)'s CUDA build needs about $(LATEST_NEEDS_GIB) GiB free here and in" \
@@ -34,8 +37,8 @@ $(LATEST_STAMP): pyproject.toml
 	  exit 1; fi
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
-	$(LATEST)/bin/python -m pip install -q torch==$(LATEST_TORCH) torchvision==$(LATEST_TORCHVISION)
-	$(LATEST)/bin/python -m pip install -q -e '.[dev,timm]'
+	$(UNCAPPED) $(LATEST)/bin/python -m pip install -q -r $(LATEST_REQUIREMENTS)
+	$(UNCAPPED) $(LATEST)/bin/python -m pip install -q -e '.[dev,timm]'
 	touch $(LATEST_STAMP)
 
 demo: $(STAMP)

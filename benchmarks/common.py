@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils import flop_counter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
@@ -211,9 +211,25 @@ def call(model: nn.Module, args: tuple, kwargs: dict):
     return out.sample if hasattr(out, "sample") else out
 
 
+def flop_counter_mode() -> flop_counter.FlopCounterMode:
+    """torch's FLOP counter, attention on the CPU included. Before torch 2.15 the counter had no formula for the
+    CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) and counted it as
+    free, so a CPU count left attention out and a route's FLOP ratio came out higher than the GPU's. Where the
+    registry lacks them, the same formulas torch uses for the GPU's fused kernels count them."""
+    aten = torch.ops.aten
+    missing = {}
+    if aten._scaled_dot_product_flash_attention_for_cpu not in flop_counter.flop_registry:
+        missing[aten._scaled_dot_product_flash_attention_for_cpu] = (
+            lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v))
+    if aten._scaled_dot_product_flash_attention_for_cpu_backward not in flop_counter.flop_registry:
+        missing[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+            lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v))
+    return flop_counter.FlopCounterMode(display=False, custom_mapping=missing)
+
+
 def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:
     model.train()
-    with FlopCounterMode(display=False) as counter, torch.autocast(args[0].device.type, torch.bfloat16,
+    with flop_counter_mode() as counter, torch.autocast(args[0].device.type, torch.bfloat16,
                                                                     enabled=args[0].is_cuda):
         call(model, args, kwargs).float().pow(2).mean().backward()
     model.zero_grad(set_to_none=True)

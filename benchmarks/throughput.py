@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 if __package__ in (None, ""):  # run as a file: make the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,6 +50,7 @@ from benchmarks.common import (  # noqa: E402
     TINY,
     device_or_exit,
     figure,
+    flop_counter_mode,
     free_memory,
     kept_rows,
     machine,
@@ -292,7 +292,7 @@ def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> 
     """FLOPs of one forward+backward (matmuls and attention), counted by torch's flop counter."""
     x, t, y = inputs_for(backbone, model, batch, device)
     model.train()
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter_mode()
     with counter, torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=device == "cuda"):
         model(x, t, y).float().pow(2).mean().backward()
     model.zero_grad(set_to_none=True)

@@ -2,9 +2,9 @@
 model-support table, which this test builds and holds the README to.
 
 For each model: `inspect` finds it in graph mode with the block stack and the special tokens expected; a
-route applies in graph and in boundary mode and `verify` passes in both; a routed train step's FLOPs
-(torch's FlopCounterMode, forward + backward) match the plan within 5%: the original step's, less, for each
-routed block, its FLOPs on all tokens minus on the kept count (each block run alone on its captured inputs,
+route applies in graph and in boundary mode and `verify` passes in both; a routed train step's FLOPs (torch's
+FLOP counter, forward + backward, attention on the CPU included) match the plan within 5%: the original step's,
+less, for each routed block, its FLOPs on all tokens minus on the kept count (each block run alone on its captured inputs,
 cut as the plan cuts them); gradients reach every parameter they reached before; DAR applies and trains.
 
     python tests/test_model_support.py      # rewrite the README's table from a fresh run
@@ -23,13 +23,14 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zoo  # noqa: E402
 from zoo import ZOO, Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
+from benchmarks.common import flop_counter_mode  # noqa: E402
 from routekit.model import report_of  # noqa: E402
 from routekit.plan import Plan  # noqa: E402
 from routekit.routing import gather_tokens, route_side  # noqa: E402
@@ -49,7 +50,7 @@ def loss_of(out) -> torch.Tensor:
 def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:
     """FLOPs of one forward + backward of a squared-output loss."""
     model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter_mode() as counter:
         loss_of(model(*args, **kwargs)).backward()
     return counter.get_total_flops()
 
@@ -84,7 +85,7 @@ def planned_flops(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> in
                                                placed.shared)
             call_args, call_kwargs = fresh(([values[i] for i in range(len(a))],
                                             {k: v for k, v in values.items() if isinstance(k, str)}))
-            with FlopCounterMode(display=False) as counter:
+            with flop_counter_mode() as counter:
                 loss_of(model.get_submodule(b.qualname)(*call_args, **call_kwargs)).backward()
             saved += counter.get_total_flops() * sign
     return step_flops(model, args, kwargs) - saved
