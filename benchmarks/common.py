@@ -217,20 +217,20 @@ def flop_counter_mode() -> flop_counter.FlopCounterMode:
     free, so a CPU count left attention out and a route's FLOP ratio came out higher than the GPU's. Where the
     registry lacks them, the same formulas torch uses for the GPU's fused kernels count them."""
     aten = torch.ops.aten
-    missing = {}
-    if aten._scaled_dot_product_flash_attention_for_cpu not in flop_counter.flop_registry:
-        missing[aten._scaled_dot_product_flash_attention_for_cpu] = (
-            lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v))
-    if aten._scaled_dot_product_flash_attention_for_cpu_backward not in flop_counter.flop_registry:
-        missing[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
-            lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v))
+    cpu_attention = {
+        aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
+    }
+    missing = {op: formula for op, formula in cpu_attention.items() if op not in flop_counter.flop_registry}
     return flop_counter.FlopCounterMode(display=False, custom_mapping=missing)
 
 
 def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:
     model.train()
     with flop_counter_mode() as counter, torch.autocast(args[0].device.type, torch.bfloat16,
-                                                                    enabled=args[0].is_cuda):
+                                                        enabled=args[0].is_cuda):
         call(model, args, kwargs).float().pow(2).mean().backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()

@@ -4,8 +4,9 @@ model-support table, which this test builds and holds the README to.
 For each model: `inspect` finds it in graph mode with the block stack and the special tokens expected; a
 route applies in graph and in boundary mode and `verify` passes in both; a routed train step's FLOPs (torch's
 FLOP counter, forward + backward, attention on the CPU included) match the plan within 5%: the original step's,
-less, for each routed block, its FLOPs on all tokens minus on the kept count (each block run alone on its captured inputs,
-cut as the plan cuts them); gradients reach every parameter they reached before; DAR applies and trains.
+less, for each routed block, its FLOPs on all tokens minus on the kept count (each block run alone on its
+captured inputs, cut as the plan cuts them); gradients reach every parameter they reached before; DAR applies
+and trains.
 
     python tests/test_model_support.py      # rewrite the README's table from a fresh run
 """
