@@ -25,16 +25,16 @@ from torch import nn
 
 from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
-from .graphs import Slot, between, reads_kind, slot_value, slots, to_networkx
+from .graphs import Slot, between, meta_of, reads_kind, slot_value, slots, to_networkx
 from .guards import hooked
-from .probe import token_offset, trace_block
+from .probe import block_flow, token_offset, trace_block
 from .record import Image
 from .residuals import plain_layer, timestep_embeddings, without_residual
-from .sides import image_tables, joint_order, meta_of, parameter_names, resolved, side_input
+from .sides import image_tables, joint_order, parameter_names, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
 from .trace import Trace
-from .values import TensorMeta, same
+from .values import TensorMeta
 
 
 def _link(prev: fx.Node, nxt: fx.Node) -> tuple[Slot, int | None] | None:
@@ -192,15 +192,13 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
 
 def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Literal["graph", "boundary"] = "graph",
             fallback: str | None = None, images: list[Image] | None = None, call: tuple[tuple, dict] | None = None,
-            residual: bool = False, known: GraphReport | None = None) -> GraphReport:
+            residual: bool = False) -> GraphReport:
     """The report of `tr` (a trace, or with `images` a recording); AnalysisError says what is missing.
 
     The blocks are those of the chain of stacks the stream passes through (`_chain`), or of `stack` alone.
     `call`: the call traced, to measure what the graph does not show (special tokens of a recording, a grid no
     patch embedding shows, the grid's order).
     `residual`: also trace each block alone and find its residual adds, and (graph mode) the model's e(t).
-    `known`: an earlier report of the model (another call of it), whose blocks' own traces are taken over where
-    the block sees inputs of the same shapes and what its trace assumed still holds (`_carried_body`).
     """
     chosen, chains = _stack(tr, model, stack)
     measure = None  # a recording shows no owner code: where it joins two stacks is measured on the example call
@@ -242,7 +240,7 @@ def analyse(tr: Trace, model: nn.Module, *, stack: str | None = None, mode: Lite
                        decided) for b in blocks]
     granularity, timestep, embeddings = None, None, ()
     if residual:
-        blocks, granularity = _with_residual_adds(model, blocks, stacks, known)
+        blocks, granularity = _with_residual_adds(model, blocks, stacks)
         if mode == "graph":  # e(t), for DAR's static_t queries: read off the owner's graph, so the plan needs none
             timestep, embeddings = timestep_embeddings(tr.graph, stacks[0].stream.shape[0], stacks[0].stream.shape[2])
     return GraphReport(
@@ -269,7 +267,7 @@ def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int |
             first: int, stack: int) -> list[BlockInfo]:
     """The blocks of one stack, numbered from `first` in the chain, their side inputs classified."""
     batch, tokens, channels = stream.shape
-    blocks = []
+    blocks, flows = [], {}
     for i, node in enumerate(nodes):
         out = node if out_index is None else next(
             (u for u in node.users if u.target is operator.getitem and u.args[1] == out_index), node)
@@ -278,11 +276,17 @@ def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int |
         sequences = {m.shape[1] for _, a in arguments for m in pytree.tree_leaves(meta_of(a))
                      if isinstance(m, TensorMeta) and len(m.shape) >= 3 and m.shape[0] == batch
                      and m.shape[1] != tokens}
-        classified = [side_input(s, a, parameter_names(module), batch, tokens, channels, sequences)
+        inputs = {s: meta_of(a) for s, a in slots(node)}
+        key = (type(module), repr(sorted(inputs.items(), key=lambda item: str(item[0]))))
+        if key not in flows:  # blocks of one class fed alike tie their inputs alike
+            flows[key] = block_flow(model, node.target, inputs, slot)
+        tied = flows[key]
+        classified = [side_input(s, a, parameter_names(module), batch, tokens, channels, sequences,
+                                 None if tied is None else {p: t for (s2, p), t in tied.items() if s2 == s})
                       for s, a in arguments]
         info = BlockInfo(first + i, node.target, type(module).__name__, node.name, out.name,
                          tuple(c[0] for c in classified), checkpointed="checkpoint" in node.meta, stack=stack,
-                         compiled=is_compiled(module))
+                         compiled=is_compiled(module), flow=tied is not None)
         blocks.append(joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     return blocks
 
@@ -380,15 +384,13 @@ def _named(node: fx.Node) -> str:
     return node.target if node.op == "call_module" else node.name
 
 
-def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], stacks: list[Stack],
-                        known: GraphReport | None = None) -> tuple[list[BlockInfo], str]:
-    """Each block traced alone with its residual adds (or its trace in `known`, `_carried_body`), and the
+def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], stacks: list[Stack]) -> tuple[list[BlockInfo], str]:
+    """Each block traced alone with its residual adds, and the
     granularity: "sublayer" when every block's adds were found, "block" when none were (each block is one source,
     v = output - input), "mixed" otherwise; or why the blocks could not be traced. A block with hooks stays one
     call (its adds hidden), so its hooks run."""
     try:
-        traced = [_carried_body(model, b, stacks, known) or
-                  trace_block(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream,
+        traced = [trace_block(model, b, stacks[b.stack].stream_slot, stacks[b.stack].stream,
                               stacks[b.stack].stream_out_index, stacks[b.stack].tokens)[:2] for b in blocks]
     except RoutekitError as err:
         return blocks, f"unknown ({err})"
@@ -397,23 +399,3 @@ def _with_residual_adds(model: nn.Module, blocks: list[BlockInfo], stacks: list[
     granularity = "sublayer" if all(found) else "block" if not any(found) else "mixed"
     blocks = [replace(b, adds=adds, body=tr) for b, (tr, adds) in zip(blocks, traced)]
     return [replace(b, residual_free=without_residual(model, b)) for b in blocks], granularity
-
-
-def _carried_body(model: nn.Module, block: BlockInfo, stacks: list[Stack],
-                  known: GraphReport | None) -> tuple[Trace, tuple[str, ...]] | None:
-    """The block's own trace and residual adds from `known`, where tracing it again would give the same: the
-    same module fed the same stream and side inputs (slots, shapes and values: its trace is made of those
-    alone), what that trace assumed about the module still holding, no hooks on it now and adds found then
-    (a block with hooks is made one call, so `known` would not show whether its own code has adds)."""
-    if known is None or block.index >= known.depth:
-        return None
-    was, stack = known.blocks[block.index], stacks[block.stack]
-    module = model.get_submodule(block.qualname)
-    if was.qualname != block.qualname or not was.adds or was.body is None or hooked(module):
-        return None
-    then, now = known.stack_of(block.index), (stack.stream_slot, stack.stream, stack.stream_out_index)
-    if not same((then.stream_slot, then.stream, then.stream_out_index), now) or not same(
-            [(s.slot, s.meta) for s in was.side_inputs], [(s.slot, s.meta) for s in block.side_inputs]):
-        return None
-    return (was.body, was.adds) if was.body.assumed.broken(module) is None else None
-

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .inspection import inspect
-from .model import apply, report_of
+from .model import apply, original_forward, report_of
 from .verify import verify
 
 
@@ -47,10 +47,11 @@ def run_demo(steps: int = 3, batch: int = 4) -> dict:
     print("\n== 2. apply TREAD's default route and verify inference is unchanged ==")
     routed = apply(model, routes="default", example_inputs=example)
     checked = verify(model, routed, example)
-    print(f"verified: eval graph node-for-node identical ({checked['nodes']} nodes), outputs bit-identical")
+    print(checked)
     print(f"\n== 3. train {steps} steps at batch {batch} on {torch.get_num_threads()} CPU threads ==")
     inputs = dit.example_inputs(model, batch, generator=torch.Generator().manual_seed(1))
-    vanilla = _step_time(model, inputs, steps, "vanilla")
+    with original_forward(routed):  # the same model without its routes
+        vanilla = _step_time(routed, inputs, steps, "vanilla")
     fast = _step_time(routed, inputs, steps, "routed")
     fraction = report_of(routed).block_flop_fraction()
     print(f"vanilla step {vanilla * 1e3:.0f} ms | routed step {fast * 1e3:.0f} ms | "

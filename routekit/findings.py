@@ -45,6 +45,42 @@ class Gather(NamedTuple):
     rest_first: bool = False
 
 
+class Segment(NamedTuple):
+    """A run of the stream's tokens of one origin, as any call lays it out: `special` (text, register, class tokens:
+    not the image's, or in a later stack not the earlier stack's) or not, and its length: a count, the size of a
+    call input's token axis (`(placeholder, axis)`: a caption joined in front keeps the caption's length), or None
+    for the rest of the stream (the image's tokens, as many as the call's image makes)."""
+
+    special: bool
+    length: int | tuple[str, int] | None
+
+
+def layout_positions(layout: tuple[Segment, ...], tokens: int, sizes: dict[str, tuple[int, ...]]) -> \
+        tuple[tuple[int, ...], int] | None:
+    """(the special positions, where the first run not special starts) of a stream of `tokens` tokens laid out
+    as `layout`, on a call whose inputs have `sizes` ({placeholder: shape}); None where the call does not give
+    every length or they do not add up. Positions count from the start before the first run not special, from
+    the end after it (text in front keeps its positions at any image size, registers after the image theirs)."""
+    lengths = []
+    for segment in layout:
+        if isinstance(segment.length, tuple):
+            shape = sizes.get(segment.length[0])
+            if shape is None or len(shape) <= segment.length[1]:
+                return None
+            lengths.append(shape[segment.length[1]])
+        else:
+            lengths.append(segment.length)
+    known = sum(n for n in lengths if n is not None)
+    rest = [i for i, n in enumerate(lengths) if n is None]
+    if len(rest) > 1 or (not rest and known != tokens) or known > tokens:
+        return None
+    if rest:
+        lengths[rest[0]] = tokens - known
+    flags = [segment.special for segment, n in zip(layout, lengths) for _ in range(n)]
+    first = next((i for i, f in enumerate(flags) if not f), len(flags))
+    return tuple(i if i < first else i - len(flags) for i, f in enumerate(flags) if f), first
+
+
 class Shrink(NamedTuple):
     """A number inside a block argument that a route changes: a grid size (height, width or frames) along the
     axis whose lines the route's selector keeps a share of (`row` keeps rows: the height shrinks). It becomes
@@ -129,6 +165,7 @@ class Stack:
     reordered: str | None = None  # why the stream's grid lines are not the image's (grid selectors refuse it)
     joined_at: int | None = None  # where the previous stack's tokens sit in this one's stream (None: the first)
     call_grid: CallGrid | None = None  # how `grid` follows from a call, where no `grid_node` shows it
+    layout: tuple[Segment, ...] | None = None  # `special` and `joined_at` for any call (None: for this call's shapes)
 
     @property
     def tokens(self) -> int:
@@ -157,6 +194,7 @@ class BlockInfo:
     stack: int = 0  # which stack of the chain it belongs to
     compiled: bool = False  # it runs under torch.compile on its own (its token axes are marked static in a route)
     residual_free: bool = False  # `body` shows no residual connection and hides none (DAR has nothing to replace)
+    flow: bool = False  # its side inputs' token axes were read off its data flow (flow.py), not probed
 
 
 @dataclass(frozen=True)

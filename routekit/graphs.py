@@ -17,6 +17,7 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .values import TensorMeta
 
@@ -89,6 +90,21 @@ def slots(node: fx.Node):
     """(slot, argument) of every argument of a call."""
     yield from enumerate(node.args)
     yield from node.kwargs.items()
+
+
+def meta_of(arg: Any) -> Any:
+    """What a call argument holds: fx nodes replaced by their recorded values (tensors as TensorMeta).
+
+    An object registered with pytree (a cache, a context dataclass) is rebuilt around the values where the
+    recording put nodes in it: probes of the block need values, and a node handed to a block fails every call.
+    """
+    def holds_nodes(v: Any) -> bool:
+        return any(isinstance(leaf, fx.Node) for leaf in pytree.tree_leaves(v))
+
+    def leaf(v: Any) -> bool:  # a node, or an object a route does not look into (`routing.is_opaque`) holding none
+        return isinstance(v, fx.Node) or (not isinstance(v, (tuple, list, dict)) and not holds_nodes(v))
+
+    return pytree.tree_map(lambda v: v.meta.get("rk") if isinstance(v, fx.Node) else v, arg, is_leaf=leaf)
 
 
 def slot_value(node: fx.Node, slot: Slot) -> Any:

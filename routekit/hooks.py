@@ -1,11 +1,10 @@
 """Plan → block-call hooks: boundary mode, for owners whose forward cannot be traced.
 
-The same plan as the graph rewrite, placed at the block calls instead of into a graph. The routed
-model gets private copies of the modules on the path to each hooked block (sharing parameters and
-buffers, so the state_dict is unchanged and the user's model gets no hooks). A forward pre-hook on
-block `start` selects and gathers the stream, pre-hooks on the route's blocks gather their per-token
-side inputs, and a forward hook on block `end` scatters the kept tokens back. The hooks act only
-inside the routed model's training forward, so eval is the original forward, untouched.
+The same plan as the graph rewrite, placed at the block calls instead of into a graph. A forward pre-hook on
+block `start` selects and gathers the stream, pre-hooks on the route's blocks gather their per-token side
+inputs, and a forward hook on block `end` scatters the kept tokens back. The hooks sit on the model's own
+blocks (and patch embedding, whose output gives the grid), and act only inside the routed model's training
+forward: anywhere else (eval, a call of the block itself) they pass everything through unchanged.
 """
 
 from __future__ import annotations
@@ -20,10 +19,9 @@ from torch import nn
 from .errors import ConfigError
 from .findings import BlockInfo, Gather, SideInput
 from .graphs import Slot
-from .plan import Plan, resolve_keep, suggestion
+from .plan import Plan, suggestion
 from .record import grid_of_call
-from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
-from .state import shallow_copy
+from .routing import gather_tokens, joined_index, joined_stream, resolve_keep, route_side, scatter_tokens, static_tokens
 from .values import TensorMeta
 
 
@@ -33,8 +31,9 @@ class Hooks:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.paths: list[str] = []  # modules the routed model holds private copies of
-        self.select_paths: list[str] = []  # where the routed model holds each route's selector
+        self.handles: list = []  # the hooks on the model's modules, removed by `detach`
+        self.routes: list[nn.Module] = []  # each route's selector
+        self.original = None  # the model's forward as it was before the routes
         self.active = False
         self._clear()
 
@@ -82,38 +81,38 @@ class Hooks:
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The original forward with the routes live, choosing tokens with `routed`'s own selectors (verify runs a
         copy of the routed model whose selectors keep every token)."""
-        self.active, self.selects = True, [routed.get_submodule(path) for path in self.select_paths]
+        self.active, self.selects = True, self.routes
         self.call = (args, kwargs)
         try:
-            return routed._routekit_base.forward(routed, *args, **kwargs)
+            return self.original(*args, **kwargs)
         finally:
             self.active = False
             self._clear()
 
-    def attach(self, routed: nn.Module, selects: list[nn.Module]) -> None:
-        paths = {id(module): path for path, module in routed.named_modules()}
-        self.select_paths = [paths[id(select)] for select in selects]
+    def attach(self, model: nn.Module, selects: list[nn.Module], original) -> None:
+        """Hook the plan's routes onto `model`'s blocks as its containers hold them (a block compiled with
+        `torch.compile(block)` is hooked on its wrapper: the hooks run around the compiled call); `original`
+        is the model's forward without routes, which a routed training call runs with the hooks live."""
+        self.routes, self.original = selects, original
         report = self.plan.report
         for k, route in enumerate(self.plan.placed):
             blocks = report.blocks[route.start:route.end + 1]
-            after = self._private(routed, blocks[-1].qualname).register_forward_hook(_After(self, k))
+            after = model.get_submodule(blocks[-1].qualname).register_forward_hook(_After(self, k))
+            self.handles.append(after)
             for block in blocks:
-                module = self._private(routed, block.qualname)
                 before = _Before(self, k, block, block is blocks[0], after.id if block is blocks[-1] else None)
-                module.register_forward_pre_hook(before, with_kwargs=True)
+                module = model.get_submodule(block.qualname)
+                self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         if report.grid_node and self.plan.placed and not self.plan.grid_given:
-            self._private(routed, report.grid_node).register_forward_hook(_GridSource(self))
+            self.handles.append(model.get_submodule(report.grid_node).register_forward_hook(_GridSource(self)))
 
-    def _private(self, root: nn.Module, qualname: str) -> nn.Module:
-        """`root`'s own copy of the module at `qualname`, copying every module on the path once."""
-        module, path = root, ""
-        for atom in qualname.split(".") if qualname else []:
-            path = f"{path}.{atom}" if path else atom
-            if path not in self.paths:
-                module._modules[atom] = _own_copy(module._modules[atom])
-                self.paths.append(path)
-            module = module._modules[atom]
-        return module
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def __getstate__(self):  # hook handles hold the modules weakly and do not pickle: hooked again on load
+        return {**self.__dict__, "handles": []}
 
     def route_sides(self, route: int, block: BlockInfo, stream: torch.Tensor, index: torch.Tensor, args: tuple,
                     kwargs: dict):
@@ -175,14 +174,12 @@ class _Before:
 
 def _joined(report, stack: int, joint: torch.Tensor, full: torch.Tensor, index: torch.Tensor):
     """A route's (full-size stream, index) in the next stack, whose stream `joint` the owner made of the kept
-    tokens (at the stack's `joined_at`) and tokens of its own around them, unchanged (analysis measured that):
-    the full-size stream is `joint` with the route's full stream in place of the kept run."""
+    tokens (at the stack's `joined_at`) and tokens of its own around them (`routing.joined_stream`)."""
     this, before = report.stacks[stack], report.stacks[stack - 1]
-    start, kept = this.joined_at, index.shape[1]
-    if joint is full or (start == 0 and joint.shape[1] == kept and this.tokens == before.tokens):
+    if joint is full or (this.joined_at == 0 and joint.shape[1] == index.shape[1] and this.tokens == before.tokens):
         return full, index  # the stacks hand the stream on as it is
-    full = torch.cat([joint[:, :start], full.to(joint.dtype), joint[:, start + kept:]], dim=1)
-    return full, joined_index(index, start, before.tokens, this.tokens)
+    return (joined_stream(joint, full, index, this.joined_at),
+            joined_index(index, this.joined_at, before.tokens, this.tokens))
 
 
 class _After:
@@ -216,20 +213,6 @@ class _GridSource:
     def __call__(self, module, args, output):
         if self.hooks.active and isinstance(output, torch.Tensor) and output.dim() in (4, 5):
             self.hooks.grid_source = tuple(output.shape[2:])
-
-
-def _own_copy(module: nn.Module) -> nn.Module:
-    """A shallow copy of `module` (same parameters, buffers, children) with its own hook tables."""
-    copy = shallow_copy(module)
-    for attr, value in module.__dict__.items():
-        if "hook" in attr and isinstance(value, dict):
-            copy.__dict__[attr] = type(value)(value)
-    compiled = module.__dict__.get("_compiled_call_impl")
-    if compiled is not None:  # `block.compile()`: its compiled call is the module's own, which skips the copy's
-        # hooks; the copy runs its hooks, then that compiled call (with the options the user compiled it with)
-        copy.__dict__["_compiled_call_impl"] = None
-        copy.__dict__["forward"] = compiled
-    return copy
 
 
 def _check_unforeseen(side: SideInput, args: tuple, kwargs: dict, block: BlockInfo, tokens: int) -> None:

@@ -7,7 +7,7 @@ from torch import nn
 
 from .config import DAR, Route, coerce_routes
 from .errors import ConfigError
-from .model import Mode, RoutedModel, example_call, observe, report_of, unwrap_compiled
+from .model import Mode, example_call, observe, routing_of, unwrap_compiled
 from .plan import Plan, make_plan
 from .probe import Probe
 from .state import eager
@@ -24,8 +24,8 @@ def inspect(model: nn.Module, example_inputs: tuple | torch.Tensor = (), example
     its block calls recorded ("boundary").
     """
     model = unwrap_compiled(model)[0]
-    if isinstance(model, RoutedModel):
-        return report_of(model)
+    if routing_of(model) is not None:
+        return routing_of(model).plan
     if residual is not None and not isinstance(residual, DAR):
         raise ConfigError(f"residual must be routekit.DAR(...) or None, got {residual!r}")
     args, kwargs = example_call(model, example_inputs, example_kwargs)

@@ -1,18 +1,17 @@
-"""`apply`, the one verb: a routed model assembled from a plan, run by one of two executors.
+"""`apply`, the one verb: a plan installed on the model, run by one of two executors.
 
-The routed model is an instance of a subclass of the model's own class that shares every submodule,
-parameter and buffer with the model (held once): `state_dict` keys are the model's, an original
-checkpoint loads strictly, attributes and methods are all there, and `isinstance` still holds. In
-`eval()` its forward *is* the original forward (unless DAR changed the model); in `train()` it runs
-the plan through its executor: the rewritten fx graph (`programs.Programs`, graph mode), or hooks at the block
-calls (`hooks.Hooks`, boundary mode) where the owner's forward cannot be traced. Both executors read
-the same frozen plan, made by the same checks.
+The routed model is the user's model: `apply` installs a `Routing` as the instance's `forward` (as accelerate
+installs its autocast wrapper) and changes nothing else, so its class, attributes, modules, `state_dict`,
+`config`, `save_pretrained`, pickling and the libraries' own hooks are the model's. In `eval()` the forward
+*is* the original forward (unless DAR changed the model); in `train()` it runs the plan through its executor:
+the rewritten fx graph (`programs.Programs`, graph mode), or hooks at the block calls (`hooks.Hooks`, boundary
+mode) where the owner's forward cannot be traced. Both executors read the same frozen plan, made by the same
+checks. DAR's queries are parameters of the model, under the `routekit` submodule; `strip` takes it all off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from typing import Any, Literal
 
@@ -85,10 +84,12 @@ def observe(model: nn.Module, args: tuple, kwargs: dict, *, mode: Mode = "auto",
                              call=(args, kwargs), residual=residual)
 
 
-# ---- the routed model ------------------------------------------------------------------------------------------
+# ---- the routing installed on a model ------------------------------------------------------------------------
 
 class RoutekitState(nn.Module):
-    """Everything routekit adds to a model, under one name: route selectors and DAR's queries."""
+    """Everything routekit adds to a model, under one name: route selectors and DAR's queries. A submodule of the
+    model only with DAR (whose queries are parameters the model trains and saves); with routes alone a plain
+    attribute, so the model's modules, `state_dict` and `repr` are the user's."""
 
     def __init__(self, plan: Plan, dar: DarState | None = None):
         super().__init__()
@@ -96,158 +97,149 @@ class RoutekitState(nn.Module):
         self.routes = nn.ModuleList([RouteSelect(r.route, r.keep, grid, r.shared) for r in plan.placed])
         if dar is not None:
             self.dar = dar
+        self.register_load_state_dict_post_hook(_optional)
 
 
-# What a routed model holds of its own: nn.Module's tables (its submodule table adds routekit's state; the
-# parameter, buffer and hook tables are the model's own dicts), a compiled call of its own, routekit's
-# state. Everything else (the mode, `self.scale`, diffusers' `gradient_checkpointing`, a config) is the
-# model's, read and written there, as a torch.compile or peft wrapper reads the model it wraps.
-_OWN = (frozenset(nn.Module().__dict__) - {"training"}) | {"_compiled_call_impl"}
+def _optional(state: RoutekitState, incompatible) -> None:
+    """A checkpoint of the original model loads strictly into the routed one: routekit's own parameters (DAR's
+    queries) it lacks keep their values instead of counting as missing."""
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(STATE + ".")]
 
 
-class RoutedModel(nn.Module):
-    """Mixin before the model's class: the training forward runs the plan through the executor. One state
-    with the model: an attribute set on either after `apply` is seen by both (see `_OWN`)."""
+class Routing:
+    """What `apply` installs on a model, as the model's own `forward` (an attribute of the instance, as
+    accelerate installs its autocast wrapper): in `train()` it runs the plan through the executor, in `eval()`
+    the original forward (unless DAR changed the model). The model keeps its class, its attributes, its modules
+    and its parameters: nothing else of routekit is on it but this and, with DAR, the `routekit` submodule.
 
-    _routekit_base: type
-    _routekit_signature: inspect.Signature  # the base forward's, without self: read once, never under Dynamo
+    `original(...)` is the forward as it was before `apply` (the class's, or a wrapper installed before)."""
 
-    def __getattr__(self, name: str):
-        state = self.__dict__
-        for table in ("_parameters", "_buffers", "_modules"):
-            if name in state.get(table, ()):
-                return state[table][name]
-        model = state.get("_routekit_model")
-        if model is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        found = model.__dict__.get(name, _OWN)
-        return getattr(model, name) if found is _OWN else found
+    def __init__(self, model: nn.Module, plan: Plan, executor: Programs | Hooks, state: RoutekitState,
+                 check_finite: bool):
+        self.model, self.plan, self.executor, self.state, self.check_finite = model, plan, executor, state, check_finite
+        self.inner = model.__dict__.get("forward")  # a forward installed on the instance before, else None
+        self.__signature__ = signature_of(type(model).forward)  # what `inspect.signature(model.forward)` shows
+        self.suspended = 0  # > 0: the original forward, whatever the mode (`original_forward`)
 
-    def __setattr__(self, name: str, value) -> None:
-        model = self.__dict__.get("_routekit_model")
-        if model is None or name in _OWN or name.startswith(("_routekit_", "__")):
-            return super().__setattr__(name, value)
-        setattr(model, name, value)
-        if isinstance(value, nn.Module):  # a submodule set on the routed model: in its own table too
-            self._modules[name] = value
+    def original(self, *args, **kwargs):
+        model = self.model
+        return self.inner(*args, **kwargs) if self.inner is not None else type(model).forward(model, *args, **kwargs)
 
-    def __delattr__(self, name: str) -> None:
-        model = self.__dict__.get("_routekit_model")
-        if model is None or name in _OWN or name.startswith("_routekit_") or name in self._modules:
-            self._modules.pop(name, None) if name in self._modules else super().__delattr__(name)
-            if model is None or name not in model._modules:
-                return
-        delattr(model, name)
-
-    def forward(self, *args, **kwargs):
-        plan = self._routekit_plan
-        if not self.training and plan.dar is None:
-            return super().forward(*args, **kwargs)  # routes are training-only: the original forward
-        out = self._routekit_executor(self, args, kwargs)
-        if self._routekit_check_finite:
+    def __call__(self, *args, **kwargs):
+        model, plan = self.model, self.plan
+        if self.suspended or (not model.training and plan.dar is None):
+            return self.original(*args, **kwargs)  # routes are training-only: the original forward
+        out = self.executor(model, args, kwargs)
+        if self.check_finite:
             _check_finite(out, plan)
         return out
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Strict about the original weights; routekit's own (DAR queries) may be absent from a checkpoint."""
-        result = super().load_state_dict(state_dict, strict=False, assign=assign)
-        missing = [k for k in result.missing_keys if not k.startswith(STATE + ".")]
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
-                f"unexpected keys {result.unexpected_keys}"
-            )
-        return result
+    def __getstate__(self):  # a Signature does not pickle: read again from the class
+        return {k: v for k, v in self.__dict__.items() if k != "__signature__"}
 
-    def __reduce__(self):
-        """Pickle (torch.save, copy.deepcopy) as the model's own class plus routekit's state, not the made-up class."""
-        return _unpickle, (self._routekit_base, dict(self.__dict__))
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.__signature__ = signature_of(type(self.model).forward)
+
+    def __repr__(self) -> str:
+        routes = ", ".join(f"{r.start}→{r.end}" for r in self.plan.placed) or "none"
+        return f"<routekit routing of {type(self.model).__name__}: routes {routes}{', DAR' if self.plan.dar else ''}>"
 
 
-_CLASSES: dict[type, type] = {}
+def routing_of(model: Any) -> Routing | None:
+    """The routing `apply` installed on `model` (a torch.compile wrapper looked through), or None."""
+    model = unwrap_compiled(model)[0]
+    found = model.__dict__.get("forward") if isinstance(model, nn.Module) else None
+    return found if isinstance(found, Routing) else None
 
 
-def _routed_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        shadowed = {name: _model_first(name) for name in _class_values(cls)}
-        _CLASSES[cls] = type(f"Routed{cls.__name__}", (RoutedModel, cls),
-                             {"_routekit_base": cls, "_routekit_signature": signature_of(cls.forward),
-                              "__module__": cls.__module__, **shadowed})
-    return _CLASSES[cls]
+def routed_model(model: Any, what: str) -> tuple[nn.Module, Routing]:
+    """(the module, its routing) of a model `apply` routed; InputError naming `what` asked otherwise."""
+    routing = routing_of(model)
+    if routing is None:
+        raise InputError(f"{what} takes a model routed by routekit.apply, got {type(model).__name__} without routes")
+    return routing.model, routing
 
 
-def _class_values(cls: type) -> set[str]:
-    """The plain values a model's classes hold as defaults for their instances (diffusers' `_hf_peft_config_loaded =
-    False`, set True on the model by `add_adapter`): a routed model reads the model's own value first."""
-    names = set()
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            continue
-        names |= {name for name, value in vars(klass).items() if not name.startswith("__") and name not in _OWN
-                  and not hasattr(value, "__get__") and not isinstance(value, type)}
-    return names
+@contextlib.contextmanager
+def original_forward(model: nn.Module):
+    """Within the block, a routed model runs its original forward in any mode (what `verify` compares with)."""
+    routing = routing_of(model)
+    if routing is None:
+        yield model
+        return
+    routing.suspended += 1
+    try:
+        yield routing.model
+    finally:
+        routing.suspended -= 1
 
 
-def _model_first(name: str) -> property:
-    """The model's own attribute `name`, else its class's default: a property, as an instance attribute would
-    be read before the class's (a property, rather than a `__getattribute__` of the routed model's own, because
-    torch.compile traces through attribute reads)."""
-    def get(self):
-        model = self.__dict__.get("_routekit_model")
-        found = model.__dict__.get(name, _OWN) if model is not None else _OWN
-        return getattr(self._routekit_base, name) if found is _OWN else found
-
-    def put(self, value):
-        setattr(self.__dict__["_routekit_model"], name, value)
-
-    return property(get, put, doc=f"the model's {name}")
-
-
-def _unpickle(base: type, state: dict) -> nn.Module:
-    """Rebuild a pickled routed model; its programs are traced again on first use."""
-    routed = _routed_class(base).__new__(_routed_class(base))
-    routed.__dict__.update(state)
-    return routed
-
-
-def assemble(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tuple, dict], *,
-             generator: torch.Generator | None = None, check_finite: bool = False) -> nn.Module:
-    """The routed model of `plan`: graph mode when `tr` (the training trace of the `example` call) is given,
-    boundary mode otherwise."""
+def install(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tuple, dict], *,
+            generator: torch.Generator | None = None, check_finite: bool = False) -> Routing:
+    """Route `model` in place by `plan`: graph mode when `tr` (the training trace of the `example` call) is
+    given, boundary mode otherwise."""
     dar = None
     if plan.dar is not None:
         dar = DarState(plan.dar.config, plan.dar.points, plan.report.stream.shape[2])
         param = next(model.parameters(), None)
         if param is not None:
             dar.to(param.device)
-    routed = _routed_class(type(model)).__new__(_routed_class(type(model)))
-    routed.__dict__.update({k: v for k, v in model.__dict__.items() if k in _OWN}, _routekit_model=model)
-    routed.__dict__["_modules"] = type(model._modules)(model._modules)  # its own table: routekit's state joins it
     state = RoutekitState(plan, dar)
-    routed.add_module(STATE, state)
     for select in state.routes:
         select.generator = generator
-    executor = Programs(plan) if tr is not None else Hooks(plan)
-    routed.__dict__.update(_routekit_plan=plan, _routekit_executor=executor, _routekit_check_finite=check_finite)
-    with training_mode(routed, True):
+    if dar is not None:
+        model.add_module(STATE, state)
+    else:  # no parameters: an attribute, not a submodule (the model's modules and state_dict stay the user's)
+        object.__setattr__(model, STATE, state)
+    signature = signature_of(type(model).forward)
+    executor = Programs(plan, signature) if tr is not None else Hooks(plan)
+    routing = Routing(model, plan, executor, state, check_finite)
+    object.__setattr__(model, "forward", routing)
+    with training_mode(model, True):
         if tr is not None:
-            executor.program(routed, *example, seed=build_program(tr, plan, model, True))
+            executor.program(model, *example, seed=build_program(tr, plan, model, True))
         else:
-            executor.attach(routed, list(state.routes))
+            executor.attach(model, list(state.routes), routing.original)
     if tr is not None and plan.dar is not None:
         # DAR's eval forward is a program too (routes alone evaluate with the original forward): built now, so a
         # trace that fails says so at apply, and a first evaluation under torch.compile(fullgraph=True), where
         # building it would be a graph break, finds it ready
-        with training_mode(routed, False):
-            executor.program(routed, *example)
-    return routed
+        with training_mode(model, False):
+            executor.program(model, *example)
+    return routing
+
+
+def reinstall(model: nn.Module, routing: Routing) -> None:
+    """Put back a routing `uninstall` took off (its state, its forward, boundary mode's hooks)."""
+    object.__setattr__(model, STATE, routing.state)
+    object.__setattr__(model, "forward", routing)
+    if isinstance(routing.executor, Hooks):
+        routing.executor.attach(model, list(routing.state.routes), routing.original)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Take routekit off `model`: its forward, hooks and state (DAR's queries with them)."""
+    routing = routing_of(model)
+    if routing is None:
+        return
+    if isinstance(routing.executor, Hooks):
+        routing.executor.detach()
+    if routing.inner is not None:
+        object.__setattr__(model, "forward", routing.inner)
+    else:
+        del model.__dict__["forward"]
+    if STATE in model._modules:
+        del model._modules[STATE]
+    model.__dict__.pop(STATE, None)
 
 
 def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, residual: DAR | None = None,
           example_inputs: tuple | torch.Tensor = (), example_kwargs: dict | None = None, *,
           grid: tuple[int, int] | None = None, stack: str | None = None,
           generator: torch.Generator | None = None, check_finite: bool = False, mode: Mode = "auto") -> nn.Module:
-    """Route `model`'s training graph; returns the routed model (the model itself is left unchanged).
+    """Route `model`'s training graph, in place (as torchao's `quantize_` and PEFT's injection do): returns the
+    model, of its own class, whose training forward now runs the routes; `strip(model)` takes them off again.
 
     routes: a Route, a list of disjoint Routes, or "default" (TREAD's 2 → depth−4, rate 0.5).
     residual: DAR(...) to replace the residual adds by DAR's aggregations (graph mode only).
@@ -265,13 +257,21 @@ def apply(model: nn.Module, routes: Route | list[Route] | str | None = None, res
     if residual is not None and not isinstance(residual, DAR):
         raise ConfigError(f"residual must be routekit.DAR(...) or None, got {residual!r}")
     args, kwargs = example_call(model, example_inputs, example_kwargs)
-    with eager():
-        tr, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=residual is not None)
-        plan = make_plan(report, coerce_routes(routes, report.depth), residual, Probe(model, report), grid=grid)
-        _warn_uncompiled(plan)
-        routed = assemble(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
-        _dry_run(routed, plan, tr, args, kwargs)
-    return rewrap(routed)  # in the model's modes, module by module (they are the same modules)
+    before = routing_of(model)
+    uninstall(model)  # routes applied before are replaced (a refused apply puts them back)
+    try:
+        with eager():
+            tr, report = observe(model, args, kwargs, mode=mode, stack=stack, residual=residual is not None)
+            plan = make_plan(report, coerce_routes(routes, report.depth), residual, Probe(model, report), grid=grid)
+            _warn_uncompiled(plan)
+            install(model, plan, tr, (args, kwargs), generator=generator, check_finite=check_finite)
+            _dry_run(model, plan, tr, args, kwargs)
+    except BaseException:
+        uninstall(model)
+        if before is not None:
+            reinstall(model, before)
+        raise
+    return rewrap(model)
 
 
 def _warn_uncompiled(plan: Plan) -> None:
@@ -289,9 +289,12 @@ def _warn_uncompiled(plan: Plan) -> None:
 def _unwrapped(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise InputError(f"routekit.apply takes an nn.Module, got {type(model).__name__}")
-    if isinstance(model, RoutedModel):
+    routing = routing_of(model)
+    if routing is not None and routing.plan.dar is not None:
         raise ConfigError(
-            f"{type(model).__name__} is already routed; call routekit.strip(model) first to re-apply with new routes"
+            f"this {type(model).__name__} has DAR, which changed the model (its aggregations and their queries): "
+            "applying again would drop them; call routekit.strip(model, drop_dar=True) first to start from the "
+            "model without DAR"
         )
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise InputError(
@@ -341,7 +344,7 @@ def _dry_run(routed: nn.Module, plan: Plan, tr: Trace | None, args: tuple, kwarg
     output = next(n for n in graph.nodes if n.op == "output") if graph is not None else None
     want = pytree.tree_leaves([a.meta["rk"] if isinstance(a, fx.Node) else a for a in output.args[0]]) \
         if output is not None else got
-    for select in getattr(routed, STATE).routes:
+    for select in routing_of(routed).state.routes:
         select.last_index = None
     if [_shape_or_type(g) for g in got] != [_shape_or_type(w) for w in want]:
         raise ConfigError(f"routing changed the training output shapes: original {want}, routed {got}")
@@ -377,27 +380,30 @@ def _check_finite(out, plan: Plan) -> None:
 
 
 def strip(routed: nn.Module, *, drop_dar: bool = False) -> nn.Module:
-    """The plain model back: the model `apply` was given (one state with the routed model: same weights, same
-    attributes), compiled as the routed model was. A model trained with DAR computes something else without
-    its aggregations: that is refused unless `drop_dar=True` says to drop them (and their trained queries)."""
-    routed, rewrap = unwrap_compiled(routed)
-    if not isinstance(routed, RoutedModel):
-        raise InputError(f"strip takes a model returned by routekit.apply, got {type(routed).__name__}")
-    if routed._routekit_plan.dar is not None and not drop_dar:
+    """Take the routes off a model `apply` routed, in place, and return it: its forward is the original again,
+    in every mode. A model trained with DAR computes something else without its aggregations: that is refused
+    unless `drop_dar=True` says to drop them (and their trained queries)."""
+    model, routing = routed_model(routed, "strip")
+    if routing.plan.dar is not None and not drop_dar:
         raise ConfigError(
-            f"this model has DAR ({routed._routekit_plan.dar.points} aggregations in place of its residual adds): "
+            f"this model has DAR ({routing.plan.dar.points} aggregations in place of its residual adds): "
             "without them it computes something else, so strip would drop what it learned; keep the routed model "
             "(its eval runs DAR), or pass strip(model, drop_dar=True) to get the model without DAR anyway"
         )
-    return rewrap(routed._routekit_model)
+    uninstall(model)
+    return routed
 
 
 def report_of(routed: nn.Module) -> Plan:
     """The plan `apply` made (it reads as its analysis too: `report_of(m).stack`, `.grid`, `.mode`)."""
-    routed = unwrap_compiled(routed)[0]
-    if not isinstance(routed, RoutedModel):
-        raise InputError(f"expected a model returned by routekit.apply, got {type(routed).__name__}")
-    return routed._routekit_plan
+    return routed_model(routed, "report_of")[1].plan
+
+
+def _selects(routed: nn.Module, what: str) -> list[RouteSelect]:
+    selects = list(routed_model(routed, what)[1].state.routes)
+    if not selects:
+        raise InputError(f"{what} needs a model routed by routekit.apply with at least one route")
+    return selects
 
 
 @contextlib.contextmanager
@@ -409,16 +415,13 @@ def force_keep(routed: nn.Module, mask: torch.Tensor):
         with rk.force_keep(routed, loss_mask):
             loss = (routed(x, t, y) - target)[loss_mask].pow(2).mean()
     """
-    routed = unwrap_compiled(routed)[0]
-    selects = list(getattr(routed, STATE).routes) if isinstance(routed, RoutedModel) else []
-    if not selects:
-        raise InputError("force_keep needs a model returned by routekit.apply with at least one route")
+    selects = _selects(routed, "force_keep")
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
         raise InputError(f"force_keep's mask is a bool (batch, tokens) tensor, got {mask!r:.80}")
     for select in selects:
         select.force = mask
     try:
-        yield routed
+        yield unwrap_compiled(routed)[0]
     finally:
         for select in selects:
             select.force = None
@@ -430,10 +433,7 @@ def last_route_mask(routed: nn.Module, route: int | None = None) -> torch.Tensor
     With several routes, a token counts as routed if any route set it aside (or pass `route=k`).
     For losses that weight routed tokens differently; TREAD's own loss uses all tokens.
     """
-    routed = unwrap_compiled(routed)[0]
-    selects = list(getattr(routed, STATE).routes) if isinstance(routed, RoutedModel) else []
-    if not selects:
-        raise InputError("last_route_mask needs a model returned by routekit.apply with at least one route")
+    selects = _selects(routed, "last_route_mask")
     if route is not None:
         if type(route) is not int or not 0 <= route < len(selects):
             raise InputError(f"route {route} does not exist; valid routes are 0..{len(selects) - 1}")

@@ -20,6 +20,7 @@ from .config import DAR, Route
 from .errors import ConfigError
 from .findings import BlockInfo, GraphReport, Shrink
 from .report import draw_plan, format_plan
+from .routing import resolve_keep
 from .selectors import selector, selector_names
 
 if TYPE_CHECKING:
@@ -151,21 +152,6 @@ class Plan:
                 "at image sizes like the example's, or route with a selector that reads no grid (selector='random')"
             )
 
-    def with_report(self, report: GraphReport, probe: Prober) -> Plan:
-        """The same request planned on another analysis of the model (another call signature or shape);
-        refuses one that would not keep DAR's parameters' shapes, or that lost the grid a route's selector reads."""
-        if self.grid and not self.grid_given and report.grid is None:
-            self.check_grid_found(report.tokens, None)
-        plan = make_plan(report, self.routes, self.dar.config if self.dar else None, probe,
-                         grid=self.grid if self.grid_given else None)
-        if (plan.dar and plan.dar.points) != (self.dar and self.dar.points):
-            raise ConfigError(
-                f"this call gives {plan.dar.points if plan.dar else 0} DAR aggregation points where the example "
-                f"inputs gave {self.dar.points if self.dar else 0}: DAR's parameters were made for the example's "
-                "call; call the model the way the example inputs did"
-            )
-        return plan
-
 
 def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, probe: Prober, *,
               grid: tuple[int, int] | None = None) -> Plan:
@@ -191,7 +177,7 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, pr
         keep = _checked_keep(k, route, report.stack_of(start), grid)
         _check_image_tables(k, route, report.blocks[start:end + 1], report, keep)
         shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
-        _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid, given)
+        _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid, given, residual is not None)
         answer = probe.route(route, start, end, keep, grid, shrink, bodies=residual is not None)
         _check_answer(k, route, report.blocks[start:end + 1], answer, grid)
         stacks = tuple(range(report.blocks[start].stack, report.blocks[end].stack + 1))
@@ -257,22 +243,6 @@ def _named_block(k: int, route: Route, name: str, block_names: list[str]) -> int
     return members[int(index)]
 
 
-def resolve_keep(keep: tuple[int, ...] | None, tokens: int) -> tuple[int, ...]:
-    """`keep` as sorted non-negative positions in a stream of `tokens` tokens; ConfigError if out of range."""
-    if not keep:
-        return ()
-    bad = [i for i in keep if not -tokens <= i < tokens]
-    if bad:
-        raise ConfigError(
-            f"keep={list(keep)}: position {bad[0]} is outside the stream's {tokens} tokens "
-            f"(valid positions are {-tokens}..{tokens - 1}; negative ones count from the end)"
-        )
-    resolved = tuple(sorted({i % tokens for i in keep}))
-    if len(resolved) == tokens:
-        raise ConfigError(f"keep={list(keep)} keeps all {tokens} tokens of the stream, so the route would skip nothing")
-    return resolved
-
-
 def suggestion(special: tuple[int, ...]) -> str:
     return f"keep={list(special)}"
 
@@ -326,7 +296,7 @@ def _check_image_tables(k: int, route: Route, blocks: tuple[BlockInfo, ...], rep
 
 
 def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport, grid,
-                     given: bool) -> None:
+                     given: bool, dar: bool = False) -> None:
     """Refuse blocks the route cannot contain or pass through, as the report shows them, and a grid selector
     without a grid, or with a found one (not `given`) whose lines the stream breaks up."""
     for block in blocks:
@@ -364,12 +334,14 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
                 f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "
                 f"({block.aux_escapes[0]}), which would have only the kept tokens"
             )
-    for block in blocks[:-1]:
-        if block.escapes:
+    for block in blocks[:-1]:  # graph mode puts such outputs back like the stream; hooks cannot tell their readers
+        if block.escapes and (report.mode == "boundary" or dar):
+            why = "boundary mode places routes at block calls and cannot put back" if report.mode == "boundary" \
+                else "with DAR, routekit does not put back"
             raise ConfigError(
                 f"route {k} cannot pass through {block.qualname}: its output is also used by "
-                f"{block.escapes[0].split(' → ')[1]}, outside the chain; end the route at block {block.index} "
-                "or start it after"
+                f"{block.escapes[0].split(' → ')[1]}, outside the chain, and {why} a block output read outside the "
+                f"chain; end the route at block {block.index} or start it after"
             )
     if selector(route.selector).needs_grid and grid is None:
         raise ConfigError(

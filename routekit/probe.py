@@ -21,56 +21,43 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .calls import bind_arguments
+from .blocks import device_of, fake_block_inputs, traced_alone
 from .config import Route
-from .findings import BlockInfo, GraphReport, Shrink
+from .findings import BlockInfo, GraphReport
+from .flow import token_axes
 from .graphs import Slot
 from .residuals import find_residual_adds
-from .routing import gather_tokens, is_opaque, route_side, select_tokens
+from .routing import is_opaque, kept_tokens
 from .selectors import selector as selector_spec
-from .state import fresh, preserved_state, training_mode
-from .trace import Trace, trace
+from .state import fresh, preserved_state, training_mode, unwrap_compiled
+from .trace import Trace
 from .values import TensorMeta
 
 
-def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, device, tokens: int | None = None,
-                      shrink: tuple[int, ...] = (), random: bool = False, shared: bool = True,
-                      index: torch.Tensor | None = None) -> tuple[list, dict]:
-    """Tensors shaped like `block`'s inputs (zeros, or seeded normals with `random`): to trace or probe a block
-    alone. With `tokens`, as a route's blocks see them: the stream and every token-carrying tensor cut to the
-    first `tokens` tokens, or to each sample's `index` (batch, tokens) (tables without a batch axis kept so
-    where `shared`, else made one per sample), and the grid's sizes along the axes `shrink` names shrunk in
-    proportion."""
+def block_flow(model: nn.Module, qualname: str, inputs: dict[Slot, Any], stream_slot: Slot) -> dict | None:
+    """The token axes the block at `qualname` ties to its stream (`flow.token_axes`), run on made-up values of its
+    recorded inputs (`inputs`: {slot: what it holds, tensors as TensorMeta}); None where its data flow cannot be
+    read."""
     generator = torch.Generator().manual_seed(0)
+    device = device_of(model)
 
-    def fake(meta):
+    def made(meta):
         if not isinstance(meta, TensorMeta):
             return meta
-        if random and meta.dtype.is_floating_point:
+        if meta.dtype.is_floating_point:
             return torch.randn(meta.shape, generator=generator, dtype=meta.dtype).to(device)
         return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
 
-    values = {stream_slot: fake(stream)}
-    for side in block.side_inputs:
-        values[side.slot] = pytree.tree_map(fake, side.meta)
-    if tokens is not None:
-        full = values[stream_slot]
-        index = torch.arange(tokens, device=device).expand(full.shape[0], tokens) if index is None else index.to(device)
-        values[stream_slot] = gather_tokens(full, index)
-        for side in block.side_inputs:
-            sizes = tuple(Shrink(path) for path, axis in side.grid if axis in shrink)
-            values[side.slot] = route_side(values[side.slot], full, index, side.tokens + sizes, shared=shared)
+    values = {slot: pytree.tree_map(made, meta) for slot, meta in inputs.items()}
     args = [values[i] for i in sorted(s for s in values if isinstance(s, int))]
-    return args, {k: v for k, v in values.items() if isinstance(k, str)}
+    if args and len(args) != max(s for s in values if isinstance(s, int)) + 1:
+        return None  # positional slots with gaps: not a call this can make
+    module = unwrap_compiled(model.get_submodule(qualname))[0]
+    return token_axes(module, tuple(args), {k: v for k, v in values.items() if isinstance(k, str)}, stream_slot)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-
-
-def _device(model: nn.Module):
-    param = next(model.parameters(), None)
-    return param.device if param is not None else "cpu"
 
 
 def block_runs(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, tokens: int,
@@ -84,7 +71,7 @@ def run_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Ten
               index: torch.Tensor | None = None) -> Any:
     """The block's output as a route's block on `tokens` tokens (`fake_block_inputs`), or None where it fails;
     no lasting side effects."""
-    args, kwargs = fresh(fake_block_inputs(block, stream_slot, stream, _device(model), tokens, shrink, random, shared,
+    args, kwargs = fresh(fake_block_inputs(block, stream_slot, stream, device_of(model), tokens, shrink, random, shared,
                                            index))
     with preserved_state(model, [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]):
         torch.manual_seed(0)
@@ -96,19 +83,9 @@ def run_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Ten
 
 def trace_block(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, out_index: int | None,
                 tokens: int, shrink: tuple[int, ...] = (), shared: bool = True) -> tuple[Trace, tuple[str, ...], str]:
-    """Trace one block alone on inputs as a route's blocks see them at `tokens` tokens (grid sizes handed as
-    numbers shrunk along `shrink`, tables without a batch axis kept so where `shared`: `fake_block_inputs`);
+    """Trace one block alone on inputs as a route's blocks see them at `tokens` tokens (`blocks.traced_alone`);
     returns the trace, its residual adds (node names) and the stream's placeholder."""
-    module = model.get_submodule(block.qualname)
-    cut = None if tokens == stream.shape[1] else tokens
-    args, kwargs = fake_block_inputs(block, stream_slot, stream, _device(model), cut, shrink, shared=shared)
-    tr = trace(module, tuple(args), kwargs)
-    bound = bind_arguments(type(module).forward, tuple(args), kwargs)
-    name = list(bound.arguments)[stream_slot] if isinstance(stream_slot, int) else stream_slot
-    start = next(n for n in tr.graph.nodes if n.op == "placeholder" and n.target == name)
-    leaves = next(n for n in tr.graph.nodes if n.op == "output").args[0]
-    out = pytree.tree_unflatten(list(leaves), tr.out_spec)
-    out = out if out_index is None else out[out_index]
+    tr, start, out = traced_alone(model, block, stream_slot, stream, out_index, tokens, shrink, shared)
     return tr, tuple(n.name for n in find_residual_adds(tr.graph, start, out)), start.name
 
 
@@ -293,17 +270,6 @@ def _cell_index(grid: tuple[int, ...], patch: tuple[int, ...]) -> torch.Tensor:
 
 
 # ---- a route's blocks, for the plan ------------------------------------------------------------------------------
-
-def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
-    """How many tokens a route's blocks see: the kept positions plus the selector's share of the others. Asked of
-    the selector itself (once, on CPU), for a selector of the user's may keep any count it likes."""
-    others = tokens - len(keep)
-    if selector_spec(selector).needs_grid and (grid is None or math.prod(grid) != others):
-        return len(keep) + others - int(others * rate)
-    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid, generator=torch.Generator().manual_seed(0),
-                          device="cpu", stream=torch.zeros(1, tokens, 1))
-    return index.shape[1]
-
 
 @dataclass(frozen=True)
 class RouteAnswer:

@@ -2,13 +2,14 @@
 
 A routed model in graph mode runs a program: the rewritten fx graph of its forward for one call signature
 and mode, compiled to Python code. `Programs` keeps one per signature (and shapes, where the trace baked a
-number in), specialises the plan to a call it has not met (specialise.py: the forward traced again, what the
-plan found by running the model carried over where the call leaves it the same), and traces everything
-afresh where an assumption the graph made broke (guards.py). Boundary mode's executor is hooks.py's `Hooks`.
+number in), binds the plan to a call it has not met (bind.py: the forward traced again, the decision `apply`
+made bound to that trace, nothing decided again), and traces again where an assumption the graph made broke
+(guards.py). Boundary mode's executor is hooks.py's `Hooks`.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .bind import bind
 from .calls import bind_arguments, call_inputs, call_spec
 from .errors import ConfigError
 from .graphs import compile_graph
@@ -24,7 +26,6 @@ from .plan import Plan
 from .regions import CALLED
 from .rewrite import constants_to_inputs, rewrite
 from .sharding import check_sharding
-from .specialise import specialise
 from .trace import Trace
 
 
@@ -74,13 +75,13 @@ class Programs:
     """The executor of graph mode: one program per call signature and mode (and shapes where a program
     was specialised to them), traced on first use from the model's original forward."""
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
+    def __init__(self, plan: Plan, signature: inspect.Signature):
+        self.plan, self.signature = plan, signature  # the model's forward's, without self
         self.programs: dict = {}
         self.retraced: dict[str, int] = {}  # what broke, per attribute: programs traced again because of it
 
     def __getstate__(self):  # programs hold generated code: traced again after unpickling
-        return {"plan": self.plan, "programs": {}, "retraced": {}}
+        return {"plan": self.plan, "signature": self.signature, "programs": {}, "retraced": {}}
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         check_sharding(routed, self.called())
@@ -91,8 +92,8 @@ class Programs:
                   plan: Plan | None = None) -> Any:
         """The output of a program traced now (not the cached one) for this call, with or without the routes,
         from this executor's plan or from `plan` (the same model, other routes)."""
-        program = _build(plan or self.plan, routed, args, kwargs, routes, carry=False)
-        return program(routed, call_tensors(routed, args, kwargs))
+        program = _build(plan or self.plan, routed, args, kwargs, routes)
+        return program(routed, call_inputs(*_bound(self.signature, args, kwargs)))
 
     def called(self) -> frozenset[str]:
         """Every module some program calls."""
@@ -103,22 +104,20 @@ class Programs:
         """The program for this call, built on first use and again where one of its assumptions broke (an
         attribute it read changed, a module it traced through got hooks); `seed` fills the cache with one
         already built."""
-        bound = bind_arguments(routed._routekit_signature, args, kwargs)
-        spec = call_spec(bound)
+        bound, spec = _bound(self.signature, args, kwargs)
         tensors = call_inputs(bound, spec)
         bucket = self.programs.setdefault((routed.training, spec.key()), {})
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
         batch = tuple((shape[1:], dtype) for shape, dtype in shapes)
         found = bucket.get(None) or bucket.get(("batch", batch)) or bucket.get(("shapes", shapes))
-        broken = found.assumed.broken(routed._routekit_model) if found is not None else None
+        broken = found.assumed.broken(routed) if found is not None else None
         if broken is not None:
             self._stale(found, broken)
             del bucket[found.key(shapes)]
             found = None
         if found is None:
             try:
-                found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs,
-                                                                             carry=broken is None)
+                found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs)
             except ConfigError as err:
                 raise (ConfigError(f"{broken}, so the graph was traced again, and: {err}") if broken else err) from None
             bucket[found.key(shapes)] = found
@@ -137,23 +136,21 @@ class Programs:
             )
 
 
-def call_tensors(routed: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
-    """A call's graph inputs (its tensors, and objects a graph cannot hold) in the order its program takes them."""
-    bound = bind_arguments(routed._routekit_signature, args, kwargs)
-    return call_inputs(bound, call_spec(bound))
+def _bound(signature: inspect.Signature, args: tuple, kwargs: dict):
+    """(the call's arguments bound to the forward's parameters, its call spec)."""
+    bound = bind_arguments(signature, args, kwargs)
+    return bound, call_spec(bound)
 
 
-def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None,
-           carry: bool = True) -> Program:
-    """The plan specialised to this call (`specialise.specialise`, `carry` as there), written into its trace."""
-    original = routed._routekit_model
-    tr, specialised = specialise(plan, original, args, kwargs, carry=carry)
-    return build_program(tr, specialised, original, routed.training, routes)
+def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Program:
+    """The plan bound to this call (`bind.bind`: the call traced, the decision bound to its trace), written in."""
+    tr, bound = bind(plan, routed, args, kwargs)
+    return build_program(tr, bound, routed, routed.training, routes)
 
 
-def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, carry: bool) -> Program:
+def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict) -> Program:
     """`_build`, never under Dynamo: a call with a new signature or shapes inside a compiled region traces
     eagerly (a graph break there), and the compiled code calls the program it returns."""
     if torch.compiler.is_compiling():
-        return torch.compiler.disable(_build)(plan, routed, args, kwargs, carry=carry)
-    return _build(plan, routed, args, kwargs, carry=carry)
+        return torch.compiler.disable(_build)(plan, routed, args, kwargs)
+    return _build(plan, routed, args, kwargs)

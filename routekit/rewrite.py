@@ -38,7 +38,7 @@ from .guards import Assumptions
 from .plan import Plan, RoutePlan
 from .regions import share_bodies
 from .residuals import uncast
-from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
+from .routing import gather_tokens, joined_index, joined_stream, route_side, scatter_tokens, static_tokens
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -91,10 +91,13 @@ def keep_checkpoints(graph: fx.Graph) -> None:
 def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> dict[int, tuple[fx.Node, fx.Node]]:
     """Insert `routes` into `graph` in place; route k calls the module `routekit.routes.k`.
 
-    A route that crosses from one stack into the next goes on through the owner's code between them: that code
-    joins the kept tokens with what it adds (text in front), the next stack's index is the kept positions
-    moved past them (`joined_index`), and its full-size stream, where the routed tokens rejoin at the route's
-    end, is the same code run on the route's full stream (`_copy_join`).
+    A route that crosses from one stack into the next goes on through the owner's code between them, on the kept
+    tokens: that code joins them with what it adds (text in front), the next stack's index is the kept positions
+    moved past those (`joined_index`), and its full-size stream, where the routed tokens rejoin at the route's
+    end, is what the owner joined with the route's full stream in place of the kept tokens (`joined_stream`).
+    A block output read outside the chain (a long skip into a later block, hidden states the model returns) is
+    the kept tokens where a block of the route reads it, and is put back like the stream elsewhere: its routed
+    tokens at their value at the route's start, as TREAD defines what a route hands on.
 
     Returns, per route, its (index, scatter) nodes, where DAR hooks its history in.
     """
@@ -111,7 +114,10 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
             index = selected = graph.call_module(f"{STATE}.routes.{k}", (stream_in, grid, route.keep))
             kept = graph.call_function(gather_tokens, (stream_in, index))
         full, stack = stream_in, blocks[0].stack
+        inside = {by_name[b.node] for b in blocks}
+        made = {by_name[b.stream_out]: b for b in blocks}  # the route's own values: read inside as they are
         routed: dict[str, fx.Node] = {}  # one call per side input and route, however many blocks read it
+        back: list[tuple[fx.Node, fx.Node, fx.Node]] = []  # (a block's output, the full stream, the index) to put back
         for block in blocks:
             node = by_name[block.node]
             slot = report.stack_of(block.index).stream_slot
@@ -122,18 +128,20 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                     _set_slot(node, slot, graph.call_function(static_tokens, (slot_value(node, slot),)))
             if block.stack != stack:  # into the next stack, through the owner's code between them
                 before, this = report.stacks[stack], report.stacks[block.stack]
-                out = by_name[report.blocks[before.first + before.depth - 1].stream_out]
                 into = slot_value(node, this.stream_slot)
-                if into is not out:
+                last = by_name[report.blocks[before.first + before.depth - 1].stream_out]
+                inside |= between(last, into) if isinstance(into, fx.Node) else set()  # the join runs on the kept tokens
+                if into is not last:
                     with graph.inserting_before(node):
-                        full = _copy_join(graph, out, into, full)
+                        full = graph.call_function(joined_stream, (into, full, index, this.joined_at))
                         index = graph.call_function(joined_index, (index, this.joined_at, before.tokens, this.tokens))
                 stack = block.stack
             for side in block.side_inputs:
                 cuts = route.cuts(side, stack)
-                if not cuts:
-                    continue
                 value = slot_value(node, side.slot)
+                if not cuts or any(isinstance(v, fx.Node) and any(descends(v, m) for m in made)
+                                   for v in pytree.tree_leaves(value)):  # made inside the route: its kept tokens
+                    continue
                 key = repr((stack, fx.node.map_arg(value, lambda n: n.name)))
                 if key not in routed:
                     with graph.inserting_before(node):
@@ -143,24 +151,27 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                                          for g in cuts if isinstance(g, Gather))
                             routed[key] = graph.call_function(static_tokens, (routed[key], axes))
                 _set_slot(node, side.slot, routed[key])
+            if block is not blocks[-1]:
+                back.append((by_name[block.stream_out], full, index))
         out = by_name[blocks[-1].stream_out]
         with graph.inserting_after(out):
             scattered = graph.call_function(scatter_tokens, (full, index, out))
         out.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
+        for value, whole, at in back:  # read outside the route: put back like the stream
+            readers = [u for u in value.users if u not in inside and not _routed_op(u)]
+            if readers:
+                with graph.inserting_after(value):
+                    restored = graph.call_function(scatter_tokens, (whole, at, value))
+                for user in readers:
+                    user.replace_input_with(value, restored)
         placed[k] = (selected, scattered)
     return placed
 
 
-def _copy_join(graph: fx.Graph, out: fx.Node, into: fx.Node, replacement: fx.Node) -> fx.Node:
-    """The owner's code that makes `into` (a stack's stream) from `out` (the previous stack's), copied with
-    `replacement` in place of `out`: the next stack's full-size stream at a route's start (its own tokens as the
-    route set them aside, what the owner joins in as it is now)."""
-    path = between(out, into)
-    env = {out: replacement}
-    for node in graph.nodes:
-        if node in path:
-            env[node] = graph.node_copy(node, lambda n: env.get(n, n))
-    return env[into]
+def _routed_op(node: fx.Node) -> bool:
+    """A node a route inserted (its gathers, scatters, joins), which reads the route's values on purpose."""
+    return node.op == "call_function" and node.target in (gather_tokens, scatter_tokens, route_side, joined_stream,
+                                                          joined_index, static_tokens)
 
 
 def _set_slot(node: fx.Node, slot, value: fx.Node) -> None:

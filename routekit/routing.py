@@ -6,6 +6,7 @@ route computes the same thing whichever places it. Plain torch ops, so torch.com
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .config import Route
-from .errors import SelectorError
+from .errors import ConfigError, SelectorError
 from .findings import Shrink
 from .selectors import checked, uniform
 from .selectors import selector as selector_spec
@@ -86,6 +87,14 @@ def joined_index(index: torch.Tensor, offset: int, inner: int, tokens: int) -> t
     before = torch.arange(offset, device=index.device).expand(batch, offset)
     after = torch.arange(offset + inner, tokens, device=index.device).expand(batch, tokens - offset - inner)
     return torch.cat([before, index + offset, after], dim=1)
+
+
+def joined_stream(joint: torch.Tensor, full: torch.Tensor, index: torch.Tensor, start: int) -> torch.Tensor:
+    """The full-size stream of a route's next stack: the owner's join of the kept tokens with its own (`joint`:
+    text in front at `start`, in front of the kept tokens), with the route's full stream in place of the kept
+    run, so that its routed tokens rejoin with their value at the route's start."""
+    kept = index.shape[1]
+    return torch.cat([joint[:, :start], full.to(joint.dtype), joint[:, start + kept:]], dim=1)
 
 
 def route_side(value: Any, stream: torch.Tensor, index: torch.Tensor, cuts: tuple, shared: bool) -> Any:
@@ -161,6 +170,33 @@ def _put(full: torch.Tensor, axis: int, index: torch.Tensor, kept: torch.Tensor,
     shape = [1] * full.dim()
     shape[batch], shape[axis] = index.shape
     return full.scatter(axis, (index if batch < axis else index.t()).reshape(shape).expand(kept.shape), kept)
+
+
+def kept_tokens(selector: str, rate: float, keep: tuple[int, ...], tokens: int, grid) -> int:
+    """How many tokens a route's blocks see: the kept positions plus the selector's share of the others. Asked of
+    the selector itself (once, on CPU), for a selector of the user's may keep any count it likes."""
+    others = tokens - len(keep)
+    if selector_spec(selector).needs_grid and (grid is None or math.prod(grid) != others):
+        return len(keep) + others - int(others * rate)
+    index = select_tokens(selector, 1, tokens, rate, keep, grid=grid, generator=torch.Generator().manual_seed(0),
+                          device="cpu", stream=torch.zeros(1, tokens, 1))
+    return index.shape[1]
+
+
+def resolve_keep(keep: tuple[int, ...] | None, tokens: int) -> tuple[int, ...]:
+    """`keep` as sorted non-negative positions in a stream of `tokens` tokens; ConfigError if out of range."""
+    if not keep:
+        return ()
+    bad = [i for i in keep if not -tokens <= i < tokens]
+    if bad:
+        raise ConfigError(
+            f"keep={list(keep)}: position {bad[0]} is outside the stream's {tokens} tokens "
+            f"(valid positions are {-tokens}..{tokens - 1}; negative ones count from the end)"
+        )
+    resolved = tuple(sorted({i % tokens for i in keep}))
+    if len(resolved) == tokens:
+        raise ConfigError(f"keep={list(keep)} keeps all {tokens} tokens of the stream, so the route would skip nothing")
+    return resolved
 
 
 class RouteSelect(nn.Module):

@@ -32,9 +32,11 @@ def fsdp_units(routed: nn.Module) -> list[list[nn.Module]]:
     layers the rewritten graph calls in it (see the module docstring), or the block where DAR calls it
     whole (its residual adds hidden inside)."""
     routed = unwrap_compiled(routed)[0]
-    plan = getattr(routed, "_routekit_plan", None)
+    routing = routed.__dict__.get("forward") if isinstance(routed, nn.Module) else None
+    plan = getattr(routing, "plan", None)
     if plan is None:
-        raise InputError(f"fsdp_units takes a model returned by routekit.apply, got {type(routed).__name__}")
+        raise InputError(f"fsdp_units takes a model routed by routekit.apply, got {type(routed).__name__} without "
+                         "routes")
     units = []
     for info in plan.report.blocks:
         block = routed.get_submodule(info.qualname)

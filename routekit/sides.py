@@ -2,9 +2,11 @@
 
 Other block inputs are per-token (they carry the token axis and must be gathered with a route's indices,
 wherever their token axes are), per-sample, or constants; numbers named like the grid's sizes shrink with
-grid selectors. The shapes decide most of it; what they leave open (a (B, X) tensor with X both the
-tokens and the channels, a last axis as long as the stream) is settled by probing the block (probe.py),
-and the layout of a joint table (text and image tokens along one axis) is read off the block's own code.
+grid selectors. Which axes carry the stream's tokens is read off the block's data flow (flow.py): the axes
+its code ties to the stream's token axis, never an axis that is merely as long. Where the block does not run
+on fake tensors, the shapes propose token axes and probes of the block decide (probe.py): an input the block
+takes whole on fewer tokens than the stream's is not per-token, whatever its length. The layout of a joint
+table (text and image tokens along one axis) is read off the block's own code.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from torch import nn
 
 from .errors import RoutekitError
 from .findings import BlockInfo, Gather, SideInput
-from .graphs import CATS, Slot, to_networkx
+from .flow import Tied
+from .graphs import CATS, Slot, meta_of, to_networkx
 from .probe import block_runs, trace_block
 from .routing import is_opaque, keys
 from .trace import Trace
@@ -30,10 +33,12 @@ from .values import TensorMeta
 
 
 def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, channels: int,
-               sequences: set[int]) -> tuple[SideInput, tuple[Gather, ...]]:
-    """Classify a block input: its tensors by their axes (token axes are those as long as the stream, or as
-    the stream joined with another sequence of the block's inputs: `sequences`), its numbers by name. Joint
-    tables come back apart, listed as `unordered` until `joint_order` reads their layout off the block."""
+               sequences: set[int], tied: dict[tuple, Tied] | None) -> tuple[SideInput, tuple[Gather, ...]]:
+    """Classify a block input: its tensors by the axes the block's data flow ties to the stream's (`tied`:
+    {path: Tied}, from `flow.token_axes`), or where that is unknown (None) by their shapes (token axes are those
+    as long as the stream, or as the stream joined with another sequence of the block's inputs: `sequences`),
+    its numbers by name. Joint tables come back apart, listed as `unordered` until `joint_order` reads their
+    layout off the block."""
     node = arg.name if isinstance(arg, fx.Node) else None
     meta = meta_of(arg)
     gathers, grid, joint, sealed = [], [], [], []
@@ -42,7 +47,11 @@ def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chann
         if any(_token_axes(m, batch, tokens, channels, sequences) for m in inside) and not isinstance(leaf, TensorMeta):
             sealed.append(keys(path))
         if isinstance(leaf, TensorMeta):
-            found = _token_axes(leaf, batch, tokens, channels, sequences)
+            if tied is not None:
+                found = tied.get(keys(path))
+                found = (found.axes, found.batched, found.relation == "joint") if found is not None else None
+            else:
+                found = _token_axes(leaf, batch, tokens, channels, sequences)
             if found is not None:
                 axes, batched, is_joint = found
                 (joint if is_joint else gathers).append(Gather(keys(path), axes, batched))
@@ -61,19 +70,6 @@ def parameter_names(module: nn.Module) -> dict:
     except (TypeError, ValueError):
         return {}
     return dict(enumerate(params))
-
-
-def meta_of(arg: Any) -> Any:
-    """What a call argument holds: fx nodes replaced by their recorded values (tensors as TensorMeta).
-
-    An object registered with pytree (a cache, a context dataclass) is rebuilt around the values where the
-    recording put nodes in it: probes of the block need values, and a node handed to a block fails every call.
-    """
-    def holds_nodes(v: Any) -> bool:
-        return any(isinstance(leaf, fx.Node) for leaf in pytree.tree_leaves(v))
-
-    return pytree.tree_map(lambda v: v.meta.get("rk") if isinstance(v, fx.Node) else v, arg,
-                           is_leaf=lambda v: isinstance(v, fx.Node) or (is_opaque(v) and not holds_nodes(v)))
 
 
 def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,
@@ -120,34 +116,33 @@ def _grid_axis(name: str, path: tuple) -> int | None:
     return None
 
 
-def _ambiguous(side: SideInput, batch: int, tokens: int, channels: int) -> bool:
-    """A float (B, X) with X == tokens == channels: adaLN's c, or a per-token weight."""
-    meta = side.meta
-    return (isinstance(meta, TensorMeta) and side.tokens and tokens == channels and len(meta.shape) == 2
-            and meta.shape[0] == batch and meta.dtype.is_floating_point)
-
-
 def resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: TensorMeta, fewer: int,
              decided: dict) -> BlockInfo:
-    """Settle what the shapes alone leave open by probing the block with `fewer` tokens.
+    """Settle by probing the block with `fewer` tokens what its shapes alone proposed, where its data flow is
+    unknown (`BlockInfo.flow` False; a block whose data flow was read needs no probe).
 
-    An ambiguous side input (`_ambiguous`) is per-sample if the block runs with it unchanged, per-token if only
-    with it cut too. A tensor whose last axis is as long as the stream and follows a token axis (an attention
-    mask (B, 1, N, N), or a RoPE table (B, N, head_dim) where head_dim happens to equal N) has its last axis cut
-    where the block runs that way: every such tensor's two readings are probed together (a block given a mask
-    and a RoPE table fails if either is cut wrong), and one combination must run, else each is `collided`.
+    An input proposed as per-token that the block takes whole beside the cut stream is not per-token (a caption
+    as long as the stream, read by cross-attention; a (B, D) embedding with D as long): the block would fail if
+    its axis met the stream's. A tensor whose last axis is as long as the stream and follows a token axis (an
+    attention mask (B, 1, N, N), or a RoPE table (B, N, head_dim) where head_dim happens to equal N) has its last
+    axis cut where the block runs that way: every such tensor's two readings are probed together (a block given a
+    mask and a RoPE table fails if either is cut wrong), and one combination must run, else each is `collided`.
     `decided` carries the decision from block to block (same class, same inputs).
     """
-    batch, tokens, channels = stream.shape
+    if block.flow:
+        return block
+    tokens = stream.shape[1]
     sides = list(block.side_inputs)
     for i, side in enumerate(sides):
-        if not _ambiguous(side, batch, tokens, channels):
+        if not any(side.leaf(g.path).shape[a] == tokens for g in side.tokens for a in g.axes):
             continue
         unchanged = replace(side, tokens=())
         without = replace(block, side_inputs=tuple(sides[:i] + [unchanged] + sides[i + 1:]))
-        if fewer < 1 or block_runs(model, without, stream_slot, stream, fewer):
-            sides[i] = unchanged
-        elif not block_runs(model, block, stream_slot, stream, fewer):
+        key = (block.cls, "whole", side.slot, repr(side.meta))
+        if key not in decided:
+            decided[key] = fewer < 1 or block_runs(model, without, stream_slot, stream, fewer) \
+                or not block_runs(model, block, stream_slot, stream, fewer)
+        if decided[key]:
             sides[i] = unchanged
     open_ = [(i, j) for i, side in enumerate(sides) for j, g in enumerate(side.tokens)
              if len(g.axes) >= 2 and g.axes[-1] == len(side.leaf(g.path).shape) - 1]
@@ -190,7 +185,7 @@ def image_tables(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: 
     batch, tokens, _ = stream.shape
     k = len(special)
     count = tokens - row * (k // row + 1)  # whole rows fewer, the stream shorter than the tables
-    if not k or tuple(special) != tuple(range(k)) or count <= k:
+    if block.flow or not k or tuple(special) != tuple(range(k)) or count <= k:
         return block
     found = {}
     for i, side in enumerate(block.side_inputs):

@@ -2,7 +2,7 @@
 
 The token grid is read off the patch embedding the stream comes from; tokens of the stream that do not
 come from it (class, register, text tokens) are special, and routes keep them. A traced graph shows both:
-each token's origin is read backwards along the token axis (`_made_from_image`). A recording shows no
+each token's origin is read backwards along the token axis (origins.py). A recording shows no
 owner code, so there they are measured on the example call (record.py's measurements). Where stacks are
 chained (Flux's double-stream blocks, then its single-stream ones), a later stack's tokens are placed by
 where the previous stack's output sits in its stream (`join_offset`).
@@ -21,8 +21,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .errors import AnalysisError
-from .findings import BlockInfo, CallGrid, Stack
-from .graphs import CATS, Slot, kind_only, slot_value, to_networkx
+from .findings import BlockInfo, CallGrid, Segment, Stack, layout_positions
+from .graphs import Slot, slot_value, to_networkx
+from .origins import Origins
 from .probe import LayoutPerSample, grid_cells, token_offset, tokens_not_from
 from .record import Image, grid_image, grid_of_call, image_input, named_sizes
 from .trace import Trace
@@ -76,7 +77,21 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
         cells = grid_cells(model, *call, *at, grid, positions, module=module,
                            image=None if module is not None else image_input(*call, batch))
     return {"grid": grid, "grid_node": grid_node, "call_grid": rule, "special": special, "unknown_special": unknown,
-            "reordered": _broken_lines(cells, grid, positions, at[0], module) if cells is not None else None}
+            "reordered": _broken_lines(cells, grid, positions, at[0], module) if cells is not None else None,
+            "layout": _layout(tr.graph, first_in, batch, tokens, chains, special) if images is None else None}
+
+
+def _layout(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int, chains: dict, special: tuple[int, ...],
+            source: fx.Node | None = None) -> tuple[Segment, ...] | None:
+    """The stream's layout (`Origins.layout`) where the graph shows one that gives this call's `special` tokens
+    (the layout of a stream with nothing from the image is all the image's: the tokens are alike); else None."""
+    found = Origins(graph, stream_in, batch, chains, source).layout(stream_in, tokens)
+    if found is not None and all(s.special for s in found) and not special:
+        found = (Segment(False, None),)
+    sizes = {n.target: n.meta["rk"].shape for n in graph.nodes
+             if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)}
+    placed = layout_positions(found, tokens, sizes) if found is not None else None
+    return found if placed is not None and placed[0] == tuple(special) else None
 
 
 def joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous: Stack, stream: TensorMeta,
@@ -90,8 +105,14 @@ def joined_stack(graph: fx.Graph, chains: dict, before: str, name: str, previous
     made = [p % previous.tokens not in {q % previous.tokens for q in previous.special} for p in range(previous.tokens)]
     for p, from_image in enumerate(made):
         special[offset + p] = not from_image
+    out, into = _stream_out(chains, before), slot_value(chains[name][0][0], chains[name][1][0])
+    layout = None
+    if measure is None and isinstance(into, fx.Node):  # the joins around the earlier stack's run, as any call makes them
+        layout = _layout(graph, into, stream.shape[0], tokens, chains, _positions([p < offset or p >= offset
+                         + previous.tokens for p in range(tokens)]), source=out)
     return {"grid": previous.grid, "grid_node": previous.grid_node, "special": _positions(special),
-            "unknown_special": previous.unknown_special, "reordered": previous.reordered, "joined_at": offset}
+            "unknown_special": previous.unknown_special, "reordered": previous.reordered, "joined_at": offset,
+            "layout": layout}
 
 
 def _stream_out(chains: dict, name: str) -> fx.Node | None:
@@ -119,7 +140,7 @@ def join_offset(graph: fx.Graph, chains: dict, before: str, after: str, measure=
         if offset is None:
             raise AnalysisError(f"{after}'s stream does not hold {before}'s output unchanged")
         return offset
-    made = _made_from_image(graph, stream, into.shape[0], into.shape[1], chains, source=out)
+    made = Origins(graph, stream, into.shape[0], chains, source=out).of(stream, into.shape[1])
     count = meta.shape[1]
     starts = [i for i in range(into.shape[1] - count + 1) if made is not None and all(made[i:i + count])]
     if not starts or sum(made) != count:
@@ -140,9 +161,9 @@ _PATCH_EMBEDDINGS = (nn.Conv2d, nn.Conv3d)
 def _graph_special(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int,
                    chains: dict) -> tuple[int, ...] | None:
     """The special tokens a traced graph shows: those the owner put into the stream from something other than the
-    image (`_made_from_image`): text joined in, register and class tokens, with or without a grid; None where
+    image (`origins.Origins`): text joined in, register and class tokens, with or without a grid; None where
     the graph does not show them."""
-    made = _made_from_image(graph, stream_in, batch, tokens, chains)
+    made = Origins(graph, stream_in, batch, chains).of(stream_in, tokens)
     if made is None:
         return None
     special = _positions([not m for m in made])
@@ -197,173 +218,6 @@ def _positions(flags: list[bool]) -> tuple[int, ...]:
     (text before the image keeps its positions at any image size, register tokens after it theirs)."""
     first = next((i for i, f in enumerate(flags) if not f), len(flags))
     return tuple(i if i < first else i - len(flags) for i, f in enumerate(flags) if f)
-
-
-def _made_from_image(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int, chains: dict,
-                     source: fx.Node | None = None) -> tuple[bool, ...] | None:
-    """Per token of the stream entering the blocks: whether it was made from the image, the model's first tensor
-    input (latents, pixels, token ids) that the stream comes from; None where a `cat` along the token axis does
-    not show which of its parts holds which tokens.
-
-    Read backwards along the token axis: a `cat` along it joins its parts' tokens; a chain's block hands on the
-    tokens of its stream input, any other op those of its inputs that carry as many tokens (the batched ones
-    before a table shared by the batch); a value none of whose inputs carry its tokens (a patch embedding's
-    flatten) was made from the image if the image is among its ancestors. Only the tokens' origin counts: text
-    tokens that attended to the image in a joint block are still text. With `source`, the origin asked about
-    is that node (an earlier stack's stream output) instead of the image.
-    """
-    inputs = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)]
-    g = to_networkx(graph)
-    ancestors = nx.ancestors(g, stream_in.name)
-    image = None if source is not None else next((n for n in inputs if n.name in ancestors or n is stream_in), None)
-    stream_of = {}  # a chain block's stream output node -> its stream input
-    for nodes, (slot, out_index) in chains.values():
-        for node in nodes:
-            out = node if out_index is None else next(
-                (u for u in node.users if u.target is operator.getitem and u.args[1] == out_index), None)
-            if out is not None and isinstance(slot_value(node, slot), fx.Node):
-                stream_of[out] = slot_value(node, slot)
-    memo: dict[fx.Node, tuple[bool, ...] | None] = {}
-
-    def carries(value: Any, count: int) -> bool:
-        meta = getattr(value, "meta", {}).get("rk") if isinstance(value, fx.Node) else None
-        return isinstance(meta, TensorMeta) and len(meta.shape) >= 2 and meta.shape[1] == count
-
-    def origin(node: fx.Node, count: int) -> tuple[bool, ...] | None:
-        if node in memo:
-            return memo[node]
-        memo[node] = result = _origin(node, count)
-        return result
-
-    order = {n: i for i, n in enumerate(graph.nodes)}
-
-    def _origin(node: fx.Node, count: int) -> tuple[bool, ...] | None:
-        writes = sorted((u for u in node.users if u.op == "call_function" and u.target is operator.setitem
-                         and u.args[0] is node), key=order.get)
-        made = _made(node, count)
-        if not writes or made is None:
-            return made
-        made, written = list(made), set()  # item assignments into the value, in order (a canvas filled per sample)
-        for write in writes:
-            positions = _token_positions(write.args[1], count)
-            value = write.args[2]
-            got = of_value(value, len(positions)) if positions is not None and isinstance(value, fx.Node) else None
-            if got is None or len(got) != len(positions):
-                return None
-            for p, m in zip(positions, got):
-                made[p] = (made[p] or m) if p in written else m
-                written.add(p)
-        return tuple(made)
-
-    def whole(node: fx.Node) -> tuple[bool, ...] | None:
-        """The origins of all of a tensor's tokens (its axis 1), or None for a tensor with no token axis."""
-        meta = node.meta.get("rk")
-        return origin(node, meta.shape[1]) if isinstance(meta, TensorMeta) and len(meta.shape) >= 2 else None
-
-    def of_value(value: fx.Node, count: int) -> tuple[bool, ...] | None:
-        """The origins of the `count` tokens a value assigned into the stream holds: a slice of some tensor's
-        tokens, or a tensor of its own carrying them."""
-        if value.op == "call_function" and value.target is operator.getitem \
-                and isinstance(value.args[0].meta.get("rk"), TensorMeta):
-            return _sliced(value, whole)
-        return origin(value, count) if carries(value, count) else None
-
-    def _made(node: fx.Node, count: int) -> tuple[bool, ...] | None:
-        if source is not None and node is source:
-            return (True,) * count
-        if node.op == "placeholder":
-            return (node is image,) * count
-        if node.op == "get_attr":
-            return (False,) * count
-        if node in stream_of:
-            return origin(stream_of[node], count)
-        if _is_token_cat(node):
-            if not isinstance(node.args[0], (list, tuple)):  # a cat of a tuple some call returns: parts unseen
-                return None
-            parts = list(node.args[0])
-            if not all(isinstance(p, fx.Node) and carries(p, p.meta["rk"].shape[1]) for p in parts) \
-                    or sum(p.meta["rk"].shape[1] for p in parts) != count:
-                return None
-            made = [origin(p, p.meta["rk"].shape[1]) for p in parts]
-            return None if any(m is None for m in made) else sum(made, ())
-        if node.op == "call_function" and node.target is operator.getitem \
-                and isinstance(node.args[0].meta.get("rk"), TensorMeta):  # a slice of a tensor's tokens
-            made = _sliced(node, whole)
-            if made is not None and len(made) == count:
-                return made
-        call = node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
-        kinds = kind_only(call)
-        feeding = [a for a in call.all_input_nodes if carries(a, count) and a not in kinds]
-        batched = [a for a in feeding if a.meta["rk"].shape[0] == batch] or feeding
-        if not batched:
-            parts = [a.meta["rk"].shape[1] for a in call.all_input_nodes if isinstance(a.meta.get("rk"), TensorMeta)
-                     and len(a.meta["rk"].shape) >= 3 and a.meta["rk"].shape[0] == batch]
-            if len(parts) > 1 and sum(parts) == count:  # sequences joined inside a call the graph does not open
-                return None
-            if image is None:
-                return (False,) * count
-            if image is node:
-                return (True,) * count
-            above = nx.ancestors(g, node.name)
-            if image.name not in above:
-                return (False,) * count
-            if any(p is not image and p.name in above and _sequence_like(p, image) for p in inputs):
-                # the image and another input's sequence (a caption's) both feed a value whose tokens start here:
-                # Z-Image joins them per sample (`cat` along axis 0 of (N, D) tensors) and pads the batch, which
-                # no token axis shows; which tokens are whose is not known from the graph
-                return None
-            return (True,) * count
-        made = [origin(a, count) for a in batched]
-        if any(m is None for m in made) or (call is not node and len(set(made)) > 1):
-            # one output of a call fed several sequences this long from different origins (a joint block's text
-            # and image outputs, as many tokens each): the graph does not show which it hands on
-            return None
-        return tuple(any(column) for column in zip(*made))
-
-    return origin(stream_in, tokens)
-
-
-def _sequence_like(node: fx.Node, image: fx.Node) -> bool:
-    """An input that can hold tokens of its own beside the image's: a (N, D) or (B, N, D) tensor (a caption's
-    features, token ids with a batch) where the image is not; a boolean mask (whose counts shape the joined
-    sequence, not its tokens), a second latent shaped like the image, and a vector of timesteps or labels are not."""
-    meta = node.meta["rk"]
-    return len(meta.shape) in (2, 3) and len(meta.shape) != len(image.meta["rk"].shape) and meta.dtype != torch.bool
-
-
-def _token_positions(index: Any, count: int) -> range | None:
-    """The token positions an index into a (B, N, ...) tensor picks: `[:, a:b]`, `[i, a:b]` (one sample's) or
-    `[i]` (all of one sample's); None for any other index."""
-    def value(v):  # a number the trace computed is a node holding it
-        return v.meta.get("rk") if isinstance(v, fx.Node) else v
-
-    index = tuple(slice(value(i.start), value(i.stop), value(i.step)) if isinstance(i, slice) else value(i)
-                  for i in (index if isinstance(index, tuple) else (index,)))
-    if any(isinstance(i, slice) and not all(b is None or type(b) is int for b in (i.start, i.stop, i.step))
-           for i in index):
-        return None
-    if not index or not (index[0] == slice(None) or type(index[0]) is int):
-        return None
-    if len(index) == 1:
-        return range(count) if type(index[0]) is int else None
-    return range(count)[index[1]] if isinstance(index[1], slice) else None
-
-
-def _sliced(node: fx.Node, origin) -> tuple[bool, ...] | None:
-    """The origins of the tokens `x[...]` picks (`_token_positions`), from `origin(x)`; None for another index."""
-    made = origin(node.args[0])
-    positions = None if made is None else _token_positions(node.args[1], len(made))
-    return None if positions is None else tuple(made[p] for p in positions)
-
-
-def _is_token_cat(node: fx.Node) -> bool:
-    """A `cat` along the token axis (dim 1 of (B, N, ...), or -2 of (B, N, D))."""
-    is_cat = (node.op == "call_function" and node.target in CATS) or (node.op == "call_method" and node.target == "cat")
-    meta = node.meta.get("rk")
-    if not is_cat or not isinstance(meta, TensorMeta) or len(meta.shape) < 2:
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    return isinstance(dim, int) and dim % len(meta.shape) == 1
 
 
 def _measure_point(chains: dict, chosen: str, batch: int, tokens: int) -> tuple[str, Slot]:

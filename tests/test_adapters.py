@@ -58,4 +58,4 @@ def test_a_lora_step_with_a_route_and_checkpointing_trains_only_lora_and_keeps_e
     assert trained and all("lora_" in n for n in trained), sorted(trained)[:5]
     assert len(calls) == 2 * len(model.transformer_blocks), calls  # every block ran again in backward
     checked = rk.verify(model, routed, args, kwargs)
-    assert checked["train"] == "rate 0 bit-identical"
+    assert checked.train == "rate 0 bit-identical"

@@ -27,7 +27,7 @@ import routekit as rk
 from backbones import dit, mamba, rwkv
 from routekit import dar as rk_dar
 from routekit.kernels import naive
-from routekit.model import report_of
+from routekit.model import report_of, routing_of
 
 FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SOME = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -283,7 +283,7 @@ def randomise_queries(routed: nn.Module, seed: int, scale: float = 1.0) -> None:
 
 def program_source(routed: nn.Module, train: bool) -> str:
     """The generated Python of the routed model's program for its one call signature in that mode."""
-    (bucket,) = [b for (mode, _), b in routed._routekit_executor.programs.items() if mode == train]
+    (bucket,) = [b for (mode, _), b in routing_of(routed).executor.programs.items() if mode == train]
     (program,) = bucket.values()
     return "".join(linecache.getlines(program.fn.__code__.co_filename))
 
@@ -559,7 +559,7 @@ def test_eval_program_is_stable_across_traces(spec, chunk, query):
     assert program_source(one, False) == program_source(two, False)
     assert torch.equal(out_one, out_two)
     source = program_source(one, False)
-    one._routekit_executor.programs.clear()  # traced again on the next call
+    routing_of(one).executor.programs.clear()  # traced again on the next call
     assert torch.equal(run(one, example, False), out_one)
     assert program_source(one, False) == source
 
@@ -1038,7 +1038,7 @@ def test_dar_inlines_blocks_that_return_tuples():
 
     model, x = built(Owner), tokens()
     routed = rk.apply(model, residual=rk.DAR(kernel="torch"), example_inputs=x)
-    assert rk.verify(model, routed, x)["outputs"] == 2
+    assert rk.verify(model, routed, x).outputs == 2
     with torch.no_grad():  # zero queries: each of the three aggregations is the mean of its sources
         h = model.embed(x)
         sources = [h]

@@ -845,6 +845,7 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
     gives the reference path's output and gradients, eager and under torch.compile (fullgraph); with a
     route over blocks 2..3 too, whose chunks read gathered shared sources with their own logits."""
     import routekit as rk
+from routekit.model import routing_of
     from backbones import dit
 
     torch.manual_seed(0)
@@ -870,7 +871,7 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
 
     want = outputs(routed("torch"))
     fused = routed("triton")
-    (bucket,) = [b for (train, _), b in fused._routekit_executor.programs.items() if train]
+    (bucket,) = [b for (train, _), b in routing_of(fused).executor.programs.items() if train]
     (program,) = bucket.values()
     assert "shared_part" in "".join(linecache.getlines(program.fn.__code__.co_filename))
     torch._dynamo.reset()

@@ -336,11 +336,17 @@ def test_blocks_whose_per_token_values_cannot_be_gathered_are_refused(model: nn.
 # --- models and inputs of the wrong kind -----------------------------------------------------------
 
 
-def test_applying_to_an_already_routed_model_says_to_strip_first() -> None:
+def test_applying_again_replaces_the_routes_and_a_dar_model_says_to_strip_first() -> None:
     routed = apply(routes=rk.Route(start=0, end=1))
-    with pytest.raises(rk.ConfigError, match=r"already routed.*routekit\.strip"):
-        rk.apply(routed, routes=rk.Route(start=0, end=1), example_inputs=example_inputs(LINEAR))
-    rk.apply(rk.strip(routed), routes=rk.Route(start=2, end=3), example_inputs=example_inputs(LINEAR))
+    again = rk.apply(routed, routes=rk.Route(start=2, end=3), example_inputs=example_inputs(LINEAR))
+    assert again is routed and [(r.start, r.end) for r in report_of(again).placed] == [(2, 3)]
+    with pytest.raises(rk.ConfigError):  # a refused apply leaves the routes as they were
+        rk.apply(routed, routes=rk.Route(start=2, end=99), example_inputs=example_inputs(LINEAR))
+    assert [(r.start, r.end) for r in report_of(routed).placed] == [(2, 3)]
+    dar = rk.apply(routed, residual=rk.DAR(kernel="torch"), example_inputs=example_inputs(LINEAR))
+    with pytest.raises(rk.ConfigError, match=r"has DAR.*strip\(model, drop_dar=True\)"):
+        rk.apply(dar, routes=rk.Route(start=0, end=1), example_inputs=example_inputs(LINEAR))
+    rk.apply(rk.strip(dar, drop_dar=True), routes=rk.Route(start=2, end=3), example_inputs=example_inputs(LINEAR))
 
 
 @pytest.mark.parametrize("args, kwargs, words", [

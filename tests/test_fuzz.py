@@ -304,4 +304,4 @@ def test_any_plan_on_any_input_shape_routes_and_trains_or_is_refused(call) -> No
     COUNTS["random plan and shape applied"] += 1
     routed.train()
     routed(torch.randn(*shape)).sum().backward()
-    assert rk.verify(model, routed, (torch.randn(*shape),))["mode"] == "graph"
+    assert rk.verify(model, routed, (torch.randn(*shape),)).mode == "graph"

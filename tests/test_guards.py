@@ -17,7 +17,7 @@ from torch import nn
 
 import routekit as rk
 import routekit.guards
-from routekit.model import report_of
+from routekit.model import report_of, routing_of
 from routekit.programs import Programs
 
 DIM = 8
@@ -196,7 +196,7 @@ class SquareGrid(nn.Module):
 
 
 def programs(routed: nn.Module) -> Programs:
-    return routed._routekit_executor
+    return routing_of(routed).executor
 
 
 @pytest.mark.parametrize("per_sample", [False, True])

@@ -15,9 +15,8 @@ from torch import nn
 
 import routekit as rk
 from routekit.model import report_of
-from routekit.plan import resolve_keep
 from routekit.probe import kept_tokens
-from routekit.routing import select_tokens
+from routekit.routing import resolve_keep, select_tokens
 
 DIM = 8
 
@@ -103,7 +102,7 @@ def test_routed_models_never_set_the_kept_tokens_aside_and_grid_selectors_keep_g
     special = list(rk.inspect(model, inputs).special)
     routed = rk.apply(model, rk.Route(start=1, end=2, selector=selector, keep=special), example_inputs=inputs,
                       generator=torch.Generator().manual_seed(0))
-    assert rk.verify(model, routed, inputs)["mode"] == "graph"
+    assert rk.verify(model, routed, inputs).mode == "graph"
     routed.train()
     for _ in range(5):
         routed(*inputs)

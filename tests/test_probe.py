@@ -13,7 +13,7 @@ from torch import nn
 
 import routekit as rk
 from routekit import rewrite as rk_rewrite
-from routekit.model import observe, report_of
+from routekit.model import observe, report_of, routing_of
 from routekit.plan import make_plan
 from routekit.probe import Probe, RouteAnswer
 
@@ -140,7 +140,7 @@ def test_a_call_of_a_new_signature_with_the_same_shapes_asks_the_probe_nothing_a
     got = routed(x, shift=0.5)
     assert counted.asked == 0
     torch.manual_seed(0)
-    want = routed._routekit_executor.run_fresh(routed, (x,), {"shift": 0.5})
+    want = routing_of(routed).executor.run_fresh(routed, (x,), {"shift": 0.5})
     assert counted.asked == 1  # a fresh program asks afresh
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -153,7 +153,7 @@ def test_a_broken_assumption_plans_afresh(monkeypatch):
     counted = Counted(monkeypatch)
     model.scale = 2.0  # read as a plain number by the traced forward: the program's assumption breaks
     routed(x)
-    assert counted.asked == 1 and routed._routekit_executor.retraced
+    assert counted.asked == 1 and routing_of(routed).executor.retraced
 
 
 def test_a_call_whose_blocks_see_other_shapes_asks_the_probe_again(monkeypatch):
@@ -190,5 +190,5 @@ def test_a_new_signature_after_a_block_changed_traces_that_block_again_not_the_p
     torch.manual_seed(0)
     got = routed(x, shift=0.5)
     torch.manual_seed(0)
-    want = routed._routekit_executor.run_fresh(routed, (x,), {"shift": 0.5})
+    want = routing_of(routed).executor.run_fresh(routed, (x,), {"shift": 0.5})
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -16,6 +16,7 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import routekit as rk
+from routekit.model import routing_of
 from backbones import dit
 from routekit import regions
 
@@ -26,7 +27,7 @@ def tiny_dit(depth: int = 4) -> nn.Module:
 
 
 def train_graph(routed: nn.Module):
-    (bucket,) = [b for (mode, _), b in routed._routekit_executor.programs.items() if mode]
+    (bucket,) = [b for (mode, _), b in routing_of(routed).executor.programs.items() if mode]
     (program,) = bucket.values()
     return program
 

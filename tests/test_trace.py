@@ -1290,4 +1290,4 @@ def test_a_mask_filled_with_the_streams_finfo_traces_and_follows_a_cast_of_the_m
                       mode="graph")
     assert report_of(routed).report.mode == "graph" and report_of(routed).dar is not None
     model.to(torch.bfloat16), routed.to(torch.bfloat16)
-    assert "matches DAR without routes" in rk.verify(model, routed, args)["train"]
+    assert "matches DAR without routes" in rk.verify(model, routed, args).train

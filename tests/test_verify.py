@@ -85,7 +85,7 @@ def routed_owner(mode: str = "graph", **options):
 def test_verify_passes_and_checks_eval_train_and_the_kept_tokens(mode):
     model, routed, args = routed_owner(mode)
     checked = rk.verify(model, routed, args)
-    assert checked["train"] == "rate 0 bit-identical" and checked["kept"] == 1 and checked["outputs"] == 1
+    assert checked.train == "rate 0 bit-identical" and "kept" in checked.checks and checked.outputs == 1
 
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
@@ -171,8 +171,8 @@ def test_verify_works_on_dar_models(routes):
     with torch.no_grad():
         routed.routekit.dar.query.normal_(generator=torch.Generator().manual_seed(3))
     checked = rk.verify(model, routed, args)
-    assert checked["nodes"] is None and checked["outputs"] == 1
-    assert checked["train"] == (None if routes is None else "rate 0 matches DAR without routes (to rounding)")
+    assert checked.nodes is None and checked.outputs == 1
+    assert checked.train == (None if routes is None else "rate 0 matches DAR without routes (to rounding)")
 
 
 def test_a_bf16_dar_model_with_a_route_left_routing_at_rate_0_fails_verify(monkeypatch):
@@ -186,7 +186,7 @@ def test_a_bf16_dar_model_with_a_route_left_routing_at_rate_0_fails_verify(monke
     routed = rk.apply(model, routes=[rk.Route(start=1, end=2)], residual=rk.DAR(chunk=2), example_inputs=args)
     with torch.no_grad():
         routed.routekit.dar.query.normal_(generator=torch.Generator().manual_seed(3))
-    assert rk.verify(model, routed, args)["train"] == "rate 0 matches DAR without routes (to rounding)"
+    assert rk.verify(model, routed, args).train == "rate 0 matches DAR without routes (to rounding)"
     monkeypatch.setattr(importlib.import_module("routekit.verify"), "_at_rate_zero", lambda routed: routed)
     with pytest.raises(rk.TrainingChanged, match="not close to DAR without routes"):
         rk.verify(model, routed, args)
@@ -285,7 +285,7 @@ def test_a_transformers_lm_with_its_cache_on_verifies_and_a_wrong_gather_in_it_i
     model, args = _llama()
     assert model.config.use_cache
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args)
-    assert rk.verify(model, routed, args)["kept"] == 1
+    assert "kept" in rk.verify(model, routed, args).checks
     monkeypatch.setattr(routekit.rewrite, "gather_tokens", lambda x, index: gather_tokens(x, index.roll(1, dims=0)))
     with pytest.raises(rk.TrainingChanged, match="input"):
         rk.verify(model, rk.apply(model, rk.Route(start=1, end=2), example_inputs=args), args)
@@ -301,7 +301,7 @@ def test_blocks_under_torch_compile_verify_by_running_eagerly_on_both_sides_and_
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args)
     checked = rk.verify(model, routed, args)
-    assert checked["train"] == "rate 0 bit-identical" and "blocks.0" in checked["compiled"]
+    assert checked.train == "rate 0 bit-identical" and "blocks.0" in checked.compiled
     routed.train()
     loss = routed(*args).square().mean()
     loss.backward()
@@ -335,7 +335,7 @@ def test_a_forward_compiled_on_its_class_is_a_compiled_region(monkeypatch):
     torch.manual_seed(0)
     model, x = Net(), torch.randn(2, 6, DIM)
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
-    assert rk.verify(model, routed, (x,))["compiled"].startswith("blocks.0, blocks.1, blocks.2 ...")
+    assert rk.verify(model, routed, (x,)).compiled.startswith("blocks.0, blocks.1, blocks.2 ...")
     monkeypatch.setattr(routekit.rewrite, "place_routes", dropping("blocks.3"))  # the planted change
     with pytest.raises(rk.TrainingChanged, match="rate 0"):
         rk.verify(model, rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,)), (x,))
@@ -378,7 +378,7 @@ def test_verify_runs_rate_0_on_a_copy_and_never_changes_the_routed_models_routes
     block = routed.get_submodule("blocks.1")
     handle = block.register_forward_pre_hook(lambda m, a: rates.append(live.route.rate) if m.training else None)
     try:
-        assert rk.verify(model, routed, args)["train"] == "rate 0 bit-identical"
+        assert rk.verify(model, routed, args).train == "rate 0 bit-identical"
     finally:
         handle.remove()
     assert rates and set(rates) == {0.5}
@@ -394,7 +394,7 @@ def test_verify_runs_rate_0_on_a_copy_and_never_changes_the_routed_models_routes
     finally:
         handle.remove()
     assert routed.routekit.routes[0] is live and live.route.rate == 0.5
-    assert rk.verify(model, routed, args)["train"] == "rate 0 bit-identical"
+    assert rk.verify(model, routed, args).train == "rate 0 bit-identical"
 
 def test_verify_holds_the_routed_model_to_the_original_forward_over_its_own_current_weights():
     class Shifted(Tokens):
@@ -411,7 +411,7 @@ def test_verify_holds_the_routed_model_to_the_original_forward_over_its_own_curr
     model = built(Shifted)
     routed = rk.apply(model, rk.Route(start=1, end=2, rate=0.5), example_inputs=tokens())
     routed.shift = nn.Parameter(torch.ones(D))  # the routed model's own parameter now differs from the model's
-    assert rk.verify(model, routed, tokens())["outputs"] == 1
+    assert rk.verify(model, routed, tokens()).outputs == 1
 
 
 def test_verify_reports_a_tensor_output_that_became_another_value():
@@ -467,11 +467,11 @@ def test_a_block_input_the_example_call_did_not_pass_is_cut_in_graph_mode_and_re
     model, image, mask = Masked(), torch.randn(2, 3, 8, 8), (torch.rand(2, 16) > 0.3).float()
     routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,))
     checked = rk.verify(model, routed, (image, mask))
-    assert checked["train"] == "rate 0 bit-identical" and checked["kept"] == 1
+    assert checked.train == "rate 0 bit-identical" and "kept" in checked.checks
     routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,), mode="boundary")
     routed.train()
     with pytest.raises(rk.ConfigError, match="takes a tensor float32.2, 16. as 'mask' on this call, where the "
                                              "example call passed None"):
         routed(image, mask)
     routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image, mask), mode="boundary")
-    assert rk.verify(model, routed, (image,))["kept"] == 1  # the mask the example passed, left out
+    assert "kept" in rk.verify(model, routed, (image,)).checks  # the mask the example passed, left out

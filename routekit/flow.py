@@ -1,0 +1,174 @@
+"""Which axes of a block's inputs hold the stream's tokens, read from the block's data flow.
+
+A block input is per-token along an axis only where that axis meets the stream's token axis in the block's
+code: elementwise or broadcast against the stream or what is made from it (a RoPE table times q, a mask added
+to q·kᵀ), joined onto it, or sliced by it. Equal lengths say nothing: a caption as long as the image is
+contracted by cross-attention and never meets the stream's token axis, and a (batch, width) time embedding
+as long as the stream meets the channels.
+
+So the block is run once on fake tensors (no data, no compute) whose every size is a symbol of its own, even
+where two sizes are equal (torch's symbolic shapes, without "duck" sizing, which would give equal sizes one
+symbol). The block's code ties symbols as it runs: a broadcast makes two sizes one, a slice or a split by the
+stream's length relates them. Afterwards an input axis whose size became the stream's token count is the
+stream's own tokens; one that became the token count plus another sequence's is a joint table (text and image
+tokens along one axis); one the block relates to the token count otherwise (a table over the image's patches,
+lined up with the stream's last tokens by length) holds part of the stream's tokens. A block that does not run
+on fake tensors (code that reads values, a kernel without a shape function) gets no answer here: its inputs
+are classified by probing the block itself (`sides.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .graphs import Slot
+from .routing import is_opaque, keys
+from .state import fresh
+
+Relation = Literal["same", "joint", "part"]
+
+
+@dataclass(frozen=True)
+class Tied:
+    """A tensor input's token axes, as the block's data flow ties them to the stream's token axis.
+
+    axes: the axes that hold the stream's tokens (a mask (B, 1, N, N) has two). batched: its first axis is the
+    batch's (or 1, shared by it). relation: "same" (as many tokens as the stream, in its order), "joint" (the
+    stream's tokens and another sequence's along one axis), "part" (fewer: the stream's tokens less some the
+    block sets apart, such as the class and register tokens before the image's patches)."""
+
+    axes: tuple[int, ...]
+    batched: bool
+    relation: Relation = "same"
+
+
+def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) -> dict[tuple, Tied] | None:
+    """{(slot, path): Tied} for every tensor among the block's inputs (but the stream) whose axes the block ties
+    to the stream's token axis; tensors it does not tie are absent. None where the block does not run on fake
+    tensors with symbolic sizes, or its stream's sizes are not symbols (a token count of 1)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    with _quiet():  # torch logs each symbol and guard it makes, and a failure at length: an answer here, not news
+        env = ShapeEnv(duck_shape=False)
+        mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+        sizes: dict[tuple, list[Any]] = {}
+
+        def fake(slot, path, leaf):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                return leaf
+            context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * leaf.dim())
+            made = mode.from_tensor(leaf, symbolic_context=context)
+            sizes[(slot, keys(path))] = [s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in made.shape]
+            return made
+
+        def faked(slot, value):
+            return pytree.tree_map_with_path(lambda p, leaf: fake(slot, p, leaf), value, is_leaf=is_opaque)
+
+        args, kwargs = fresh((args, kwargs))  # objects (a cache) the block writes to are copies
+        fake_args = [faked(i, a) for i, a in enumerate(args)]
+        fake_kwargs = {k: faked(k, v) for k, v in kwargs.items()}
+        stream = sizes.get((stream_slot, ()))
+        if stream is None or len(stream) != 3 or not isinstance(stream[1], sympy.Expr):
+            return None
+        try:
+            with mode, torch.no_grad(), _eval(module), _unchanged(module):
+                module(*fake_args, **fake_kwargs)
+        except Exception:
+            return None
+    resolve = lambda e: env.replace(e) if isinstance(e, sympy.Basic) else sympy.Integer(e)  # noqa: E731
+    batch, tokens = resolve(stream[0]), resolve(stream[1])
+    guards = [resolve(g.expr) for g in env.guards]
+    found = {}
+    for key, shape in sizes.items():
+        if key == (stream_slot, ()):
+            continue
+        axes, relations = [], []
+        for axis, size in enumerate(shape):
+            relation = _relation(resolve(size), tokens, guards)
+            if relation is not None:
+                axes.append(axis)
+                relations.append(relation)
+        if not axes:
+            continue
+        first = resolve(shape[0])
+        batched = 0 not in axes and len(shape) >= 2 and (first == batch or first == 1)
+        kind = "joint" if "joint" in relations else "part" if "part" in relations else "same"
+        found[key] = Tied(tuple(axes), batched, kind)
+    return found
+
+
+
+def _relation(size: sympy.Expr, tokens: sympy.Expr, guards: list[sympy.Expr]) -> Relation | None:
+    """How an axis of `size` relates to the stream's `tokens` after the block ran, or None where it does not."""
+    mine, theirs = size.free_symbols, tokens.free_symbols
+    if not mine or not theirs:
+        return None
+    if mine & theirs:
+        rest = sympy.simplify(size - tokens)
+        if rest == 0:
+            return "same"
+        if rest.is_number:
+            return "joint" if rest > 0 else "part"
+        return "joint" if not (rest.free_symbols & theirs) else "part"
+    # related without being equal: a guard of these two sizes alone (a split or slice of the stream by it)
+    if any(g.free_symbols and g.free_symbols <= mine | theirs and g.free_symbols & mine and g.free_symbols & theirs
+           for g in guards):
+        return "part"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet():
+    loggers = [logging.getLogger(name) for name in ("torch.__trace", "torch._subclasses.fake_tensor",
+                                                     "torch.fx.experimental.symbolic_shapes")]
+    flags = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, flag in zip(loggers, flags):
+            logger.disabled = flag
+
+
+@contextlib.contextmanager
+def _unchanged(module: nn.Module):
+    """The module as it was after the run: a value it cached on itself (a rotary table, a mask) would be fake."""
+    before = [(m, {name: dict(vars(m)[name]) if isinstance(vars(m)[name], dict) else vars(m)[name] for name in vars(m)})
+              for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes in before:
+            for name in list(vars(m)):
+                if name not in attributes:
+                    del vars(m)[name]
+                elif isinstance(attributes[name], dict) and isinstance(vars(m)[name], dict):
+                    table = vars(m)[name]
+                    table.clear()
+                    table.update(attributes[name])
+                else:
+                    vars(m)[name] = attributes[name]
+
+
+class _eval:
+    """The block in eval mode for the run (no dropout draws, no running statistics updated on fake values)."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.flags = module, {m: m.training for m in module.modules()}
+
+    def __enter__(self):
+        self.module.eval()
+
+    def __exit__(self, *exc):
+        for m, flag in self.flags.items():
+            m.training = flag

@@ -1,0 +1,190 @@
+"""A reference for a route that does not come from routekit's own reading of the model.
+
+A correct TREAD route runs blocks `start..end` on the kept tokens alone and hands the routed tokens on with
+their value at the route's start. For blocks whose tokens meet only in attention, the original blocks over
+the *whole* stream compute the same for the kept tokens if every attention ignores the routed tokens as keys:
+what a kept token attends to is then exactly what it attends to in the route, and every per-token input (a
+RoPE row, a mask row, a caption read whole by cross-attention) is the one the original forward hands it,
+whatever routekit decided about that input. So a route that cuts an input it should not (a caption as long as
+the stream, gathered at the kept positions), or leaves whole one it should cut, differs from this reference.
+
+Which keys are the routed tokens' is itself read off data, not off routekit's classification: a first run
+with the routed tokens set to NaN at the route's start (and each attention computed with the NaN keys masked
+out, their keys and values zeroed) shows, at every attention call inside the route, which key positions came
+from routed tokens, and at the route's end which positions hold them. A second run with the true values
+masks the same keys, and puts the routed tokens back at the end. Where NaN reaches a kept token anyway, the
+blocks mix tokens other than by `scaled_dot_product_attention` (a convolution, a scan, attention written out
+by hand), and the reference does not apply: `reference` says so instead of comparing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .graphs import Slot
+
+
+@dataclass
+class _Route:
+    """One route as the reference sees it: its first and last block, the stream's slot and output index there,
+    and which tokens it routes (bool (B, N) at its start, from the routed run's selection)."""
+
+    start: str
+    end: str
+    slot: Slot
+    out_index: int | None
+    routed: torch.Tensor
+    ends: torch.Tensor | None = None  # (B, N') which positions of the last block's output hold routed tokens
+    stream: torch.Tensor | None = None  # the stream at the route's start (the values put back at its end)
+
+
+@dataclass
+class _Masks:
+    """What the NaN run found, and the second run replays: per attention call inside a route, in call order,
+    the key positions to ignore (bool (B, S))."""
+
+    calls: list[torch.Tensor] = field(default_factory=list)
+    active: int = 0  # routes open now
+    replay: bool = False
+    at: int = 0
+    leaked: bool = False
+
+
+class _MaskedAttention(TorchFunctionMode):
+    """`scaled_dot_product_attention` inside a route with the routed tokens' keys ignored."""
+
+    def __init__(self, masks: _Masks):
+        super().__init__()
+        self.masks = masks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or not self.masks.active:
+            return func(*args, **kwargs)
+        call = _SDPA.bind(*args, **kwargs)
+        call.apply_defaults()
+        query, key, value = call.arguments["query"], call.arguments["key"], call.arguments["value"]
+        rest = {k: v for k, v in call.arguments.items() if k not in ("query", "key", "value")}
+        if self.masks.replay:
+            ignored = self.masks.calls[self.masks.at]
+            self.masks.at += 1
+        else:
+            ignored = key.isnan().flatten(0, -3).any(-1).reshape(*key.shape[:-2], key.shape[-2])
+            ignored = ignored.reshape(-1, *ignored.shape[-1:]) if ignored.dim() > 1 else ignored[None]
+            ignored = ignored.view(key.shape[0], -1, key.shape[-2]).any(1) if key.dim() > 2 else ignored
+            self.masks.calls.append(ignored)
+        with torch.overrides._enable_torch_function():
+            return _attention(query, key, value, ignored, **rest)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`scaled_dot_product_attention`'s signature, to read a call however it passes its arguments."""
+
+
+_SDPA = inspect.signature(_sdpa)
+
+
+def _attention(query, key, value, ignored, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    """Attention written out, with the keys `ignored` (bool (B, S)) zeroed and masked: a NaN there never reaches
+    a score (NaN · 0 is NaN; masking a NaN score after the product would leave it)."""
+    shape = (key.shape[0],) + (1,) * (key.dim() - 3) + (key.shape[-2], 1)
+    keep = ~ignored.reshape(shape)
+    key, value = key.where(keep, 0.0), value.where(keep, 0.0)
+    if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+    scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    scores = scores.masked_fill(~keep.transpose(-2, -1), float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(value.dtype).nan_to_num(0.0) @ value
+
+
+def masked_reference(model: nn.Module, original, routes: list[tuple[str, str, Slot, int | None, torch.Tensor]],
+                     args: tuple, kwargs: dict, seed: int) -> tuple[Any, int] | str:
+    """The model's output with `routes` done by masking (the module docstring), and how many attention calls
+    were masked; or why the reference does not apply. `original(*args, **kwargs)` runs the model's original
+    forward; `routes` is, per route, (first block, last block, stream slot, output index, routed (B, N) bool)."""
+    masks = _Masks()
+    plan = [_Route(*r) for r in routes]
+    try:
+        _run(model, original, plan, masks, args, kwargs, seed, poison=True)
+    except _NoKeys as err:
+        return str(err)
+    if masks.leaked or not masks.calls:
+        return ("the routed blocks mix tokens other than by scaled_dot_product_attention (a convolution, a scan, "
+                "attention written out), so masking keys does not make a reference" if masks.calls else
+                "the routed blocks call no scaled_dot_product_attention, so masking keys does not make a reference")
+    masks.replay = True
+    out = _run(model, original, plan, masks, args, kwargs, seed, poison=False)
+    return out, len(masks.calls)
+
+
+class _NoKeys(Exception):
+    pass
+
+
+def _run(model: nn.Module, original, routes: list[_Route], masks: _Masks, args: tuple, kwargs: dict, seed: int,
+         poison: bool) -> Any:
+    handles = []
+    for route in routes:
+        handles.append(model.get_submodule(route.start).register_forward_pre_hook(
+            _enter(route, masks, poison), with_kwargs=True))
+        handles.append(model.get_submodule(route.end).register_forward_hook(_leave(route, masks, poison)))
+    try:
+        torch.manual_seed(seed)
+        with _MaskedAttention(masks):
+            return original(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _enter(route: _Route, masks: _Masks, poison: bool):
+    def hook(module, args, kwargs):
+        masks.active += 1
+        stream = args[route.slot] if isinstance(route.slot, int) else kwargs[route.slot]
+        route.stream = stream
+        if not poison:
+            return None
+        flagged = route.routed.to(stream.device)[..., None].expand_as(stream)
+        poisoned = stream.masked_fill(flagged, float("nan"))
+        if isinstance(route.slot, int):
+            return (*args[:route.slot], poisoned, *args[route.slot + 1:]), kwargs
+        return args, {**kwargs, route.slot: poisoned}
+    return hook
+
+
+def _leave(route: _Route, masks: _Masks, poison: bool):
+    def hook(module, args, output):
+        masks.active -= 1
+        out = output if route.out_index is None else output[route.out_index]
+        if poison:
+            route.ends = out.isnan().any(-1)
+            if int(route.ends.sum()) != int(route.routed.sum()):
+                masks.leaked = True  # NaN reached tokens the route keeps (or never left the ones it routes)
+            return None
+        restored = out.clone()
+        restored[route.ends] = route.stream[route.routed.to(route.stream.device)].to(out.dtype)
+        if route.out_index is None:
+            return restored
+        items = list(output)
+        items[route.out_index] = restored
+        return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
+    return hook
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
