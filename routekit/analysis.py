@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .calls import parameter_names
 from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
 from .graphs import Slot, between, meta_of, reads_kind, slot_value, slots, to_networkx
@@ -30,7 +31,7 @@ from .guards import hooked
 from .probe import block_flow, token_offset, trace_block
 from .record import Image
 from .residuals import plain_layer, timestep_embeddings, without_residual
-from .sides import image_tables, joint_order, parameter_names, resolved, side_input
+from .sides import image_tables, joint_order, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
 from .trace import Trace

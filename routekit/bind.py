@@ -24,9 +24,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .blocks import traced_alone
+from .calls import parameter_names, slot_named
 from .errors import ConfigError
 from .findings import BlockInfo, GraphReport, SideInput, Stack, layout_positions
 from .graphs import meta_of, slot_value, slots
+from .guards import hooked
 from .record import grid_of_call
 from .routing import is_opaque, kept_tokens, keys, resolve_keep
 from .selectors import selector as selector_spec
@@ -35,15 +37,18 @@ from .trace import Trace, trace
 from .values import TensorMeta, same
 
 
-def bind(plan: Any, model: nn.Module, args: tuple, kwargs: dict) -> tuple[Trace, Any]:
-    """The training trace of `model` on this call, and `plan` (a `plan.Plan`) bound to it."""
+def bind(plan: Any, model: nn.Module, args: tuple, kwargs: dict, *, fresh: bool = False) -> tuple[Trace, Any]:
+    """The training trace of `model` on this call, and `plan` (a `plan.Plan`) bound to it. `fresh`: every block
+    DAR inlines traced again too (what `verify` compares a program with), not only those whose trace no longer
+    holds."""
     with eager():
         tr = trace(model, args, kwargs)
-    report = bound_report(plan.report, tr, model, (args, kwargs))
+    report = bound_report(plan.report, tr, model, (args, kwargs), fresh)
     return tr, bound_plan(plan, report, model)
 
 
-def bound_report(decided: GraphReport, tr: Trace, model: nn.Module, call: tuple[tuple, dict]) -> GraphReport:
+def bound_report(decided: GraphReport, tr: Trace, model: nn.Module, call: tuple[tuple, dict],
+                 fresh: bool = False) -> GraphReport:
     """`decided` (made on the example call) with its nodes, shapes and per-call counts those of `tr`."""
     graph = tr.graph
     nodes = _block_calls(decided, graph)
@@ -52,14 +57,16 @@ def bound_report(decided: GraphReport, tr: Trace, model: nn.Module, call: tuple[
     stacks: list[Stack] = []
     for stack in decided.stacks:
         first = nodes[decided.blocks[stack.first].qualname]
-        stream = getattr(slot_value(first, stack.stream_slot), "meta", {}).get("rk")
+        slot = slot_named(model.get_submodule(first.target), [s for s, _ in slots(first)], stack.stream_slot)
+        stack = dataclasses.replace(stack, stream_slot=stack.stream_slot if slot is None else slot)
+        stream = getattr(slot_value(first, stack.stream_slot), "meta", {}).get("rk") if slot is not None else None
         if not isinstance(stream, TensorMeta) or len(stream.shape) != 3 or stream.shape[2] != stack.stream.shape[2]:
             raise ConfigError(
                 f"this call hands {decided.blocks[stack.first].qualname} a stream {stream!r} where the example call "
                 f"handed it {stack.stream}: call the model as the example call did")
         stacks.append(_bound_stack(stack, stream, stacks[-1] if stacks else None, graph, sizes, call))
-    blocks = [_bound_block(block, nodes[block.qualname], stacks[block.stack], decided.stack_of(block.index), model)
-              for block in decided.blocks]
+    blocks = [_bound_block(block, nodes[block.qualname], stacks[block.stack], decided.stack_of(block.index), model,
+                           fresh) for block in decided.blocks]
     by_name = {n.name: n for n in graph.nodes}
     return dataclasses.replace(decided, stacks=tuple(stacks), blocks=tuple(blocks), leafed=dict(tr.leafed),
                                specialised=tuple(tr.specialised),
@@ -145,22 +152,35 @@ def _positions(flags: list[bool]) -> tuple[int, ...]:
     return tuple(i if i < first else i - len(flags) for i, f in enumerate(flags) if f)
 
 
-def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, model: nn.Module) -> BlockInfo:
+def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, model: nn.Module,
+                 fresh: bool = False) -> BlockInfo:
     """`block` as this call makes it: its call and stream output in this graph, each of its inputs cut as decided."""
     out = node if stack.stream_out_index is None else next(
         (u for u in node.users if u.target is operator.getitem and u.args[1] == stack.stream_out_index), node)
-    by_slot = {side.slot: side for side in block.side_inputs}
+    module = model.get_submodule(block.qualname)
+    if hooked(module) and block.body is not None and block.adds:  # DAR would inline it, and its hooks not run
+        if len(block.adds) > 1:
+            raise ConfigError(
+                f"{block.qualname} has hooks now, which DAR's graph would not run (it inlines the block to read its "
+                f"{len(block.adds)} sublayers' outputs), and as one call (one source, its hooks run) it would change "
+                "DAR's aggregation points: remove the hook, or apply DAR again")
+        block = dataclasses.replace(block, adds=())  # one sublayer: the block called whole is the same one source
+    names = parameter_names(module)
+    by_name = {names.get(side.slot, side.slot) if isinstance(side.slot, int) else side.slot: side
+               for side in block.side_inputs}
     sides = []
     for slot, arg in slots(node):
         if slot == stack.stream_slot:
             continue
-        meta = meta_of(arg)
-        sides.append(_bound_side(block, by_slot.get(slot), slot, arg, meta))
+        decided_side = by_name.get(names.get(slot, slot) if isinstance(slot, int) else slot)
+        sides.append(_bound_side(block, decided_side, slot, arg, meta_of(arg)))
     bound = dataclasses.replace(block, node=node.name, stream_out=out.name, side_inputs=tuple(sides))
-    if block.body is not None and block.body.specialised and not same(
-            (stack.stream, [(s.slot, s.meta) for s in sides]), (decided.stream, [(s.slot, s.meta)
-                                                                              for s in block.side_inputs])):
-        bound = _retraced(bound, stack, model)
+    if block.body is None:
+        return bound
+    shaped = block.body.specialised and not same((stack.stream, [(s.slot, s.meta) for s in sides]),
+                                                 (decided.stream, [(s.slot, s.meta) for s in block.side_inputs]))
+    if fresh or shaped or block.body.assumed.broken(model.get_submodule(block.qualname)) is not None:
+        bound = _retraced(bound, stack, model)  # traced at other shapes, or the block changed since (a value it read)
     return bound
 
 
@@ -184,7 +204,7 @@ def _bound_side(block: BlockInfo, decided: SideInput | None, slot, arg: Any, met
         return SideInput(slot, node, meta)
     present = {keys(p) for p, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]
                if isinstance(leaf, TensorMeta)}
-    return dataclasses.replace(decided, node=node, meta=meta,
+    return dataclasses.replace(decided, slot=slot, node=node, meta=meta,
                                tokens=tuple(g for g in decided.tokens if g.path in present))
 
 

@@ -98,6 +98,28 @@ _CONSTANT_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.dev
                    torch.Size, torch.Generator, slice, range, enum.Enum, type, nn.Module)
 
 
+def parameter_names(module: nn.Module) -> dict:
+    """{positional slot: parameter name} of a module's forward (without self; a compiled module's own): a block
+    called positionally in one place (under torch.utils.checkpoint) and by keyword in another is one call."""
+    module = getattr(module, "_orig_mod", module)
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return {}
+    return dict(enumerate(params))
+
+
+def slot_named(module: nn.Module, slots: Any, slot) -> Any:
+    """The slot among a call's `slots` (positions and keywords) that binds the same parameter of `module`'s forward
+    as `slot` did on another call, or None where the call does not pass it."""
+    names = parameter_names(module)
+    name = names.get(slot, slot) if isinstance(slot, int) else slot
+    for other in slots:
+        if (names.get(other, other) if isinstance(other, int) else other) == name:
+            return other
+    return None
+
+
 def is_constant(value: Any) -> bool:
     """A value a graph can be specialised to: immutable, or compared by value, or code (a function, a module).
 

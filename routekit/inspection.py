@@ -25,6 +25,8 @@ def inspect(model: nn.Module, example_inputs: tuple | torch.Tensor = (), example
     """
     model = unwrap_compiled(model)[0]
     if routing_of(model) is not None:
+        if example_inputs != () or example_kwargs is not None:
+            example_call(model, example_inputs, example_kwargs)  # checked all the same
         return routing_of(model).plan
     if residual is not None and not isinstance(residual, DAR):
         raise ConfigError(f"residual must be routekit.DAR(...) or None, got {residual!r}")

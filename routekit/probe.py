@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .blocks import device_of, fake_block_inputs, traced_alone
+from .calls import slot_named
 from .config import Route
 from .findings import BlockInfo, GraphReport
 from .flow import token_axes
@@ -102,8 +103,9 @@ def _stream_into(model: nn.Module, args: tuple, kwargs: dict, block: str, slot,
     effect on the model; None where the call does not reach the block or hands it no tensor there."""
     seen: list[Any] = []
 
-    def capture(mod, a, kw):
-        seen.append(a[slot] if isinstance(slot, int) else kw.get(slot))
+    def capture(mod, a, kw):  # by the parameter's name: a call under checkpointing passes it by position
+        at = slot_named(mod, [*range(len(a)), *kw], slot)
+        seen.append(None if at is None else a[at] if isinstance(at, int) else kw[at])
         raise _Stop
 
     handles = [model.get_submodule(block).register_forward_pre_hook(capture, with_kwargs=True)]

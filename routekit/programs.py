@@ -92,7 +92,7 @@ class Programs:
                   plan: Plan | None = None) -> Any:
         """The output of a program traced now (not the cached one) for this call, with or without the routes,
         from this executor's plan or from `plan` (the same model, other routes)."""
-        program = _build(plan or self.plan, routed, args, kwargs, routes)
+        program = _build(plan or self.plan, routed, args, kwargs, routes, fresh=True)
         return program(routed, call_inputs(*_bound(self.signature, args, kwargs)))
 
     def called(self) -> frozenset[str]:
@@ -142,9 +142,10 @@ def _bound(signature: inspect.Signature, args: tuple, kwargs: dict):
     return bound, call_spec(bound)
 
 
-def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None) -> Program:
+def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None,
+           fresh: bool = False) -> Program:
     """The plan bound to this call (`bind.bind`: the call traced, the decision bound to its trace), written in."""
-    tr, bound = bind(plan, routed, args, kwargs)
+    tr, bound = bind(plan, routed, args, kwargs, fresh=fresh)
     return build_program(tr, bound, routed, routed.training, routes)
 
 

@@ -11,7 +11,6 @@ table (text and image tokens along one axis) is read off the block's own code.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from dataclasses import replace
 from typing import Any
@@ -61,15 +60,6 @@ def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chann
                 grid.append((keys(path), axis))
     return (SideInput(slot, node, meta, tuple(gathers), tuple(grid), tuple(g.path for g in joint), sealed=tuple(sealed),
                       argument=names.get(slot, slot)), tuple(joint))
-
-
-def parameter_names(module: nn.Module) -> dict:
-    """{positional slot: parameter name} of a block's forward (without self), for reading numbers by name."""
-    try:
-        params = list(inspect.signature(type(module).forward).parameters)[1:]
-    except (TypeError, ValueError):
-        return {}
-    return dict(enumerate(params))
 
 
 def _token_axes(meta: TensorMeta, batch: int, tokens: int, channels: int,

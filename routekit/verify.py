@@ -37,14 +37,13 @@ from torch import nn
 from torch.func import functional_call
 
 from .bind import bind
-from .calls import bind_arguments
+from .calls import bind_arguments, parameter_names
 from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
 from .model import example_call, original_forward, report_of, routing_of, unwrap_compiled
 from .plan import Plan
 from .programs import Programs
 from .reference import masked_reference
 from .routing import gather_tokens, route_side
-from .sides import parameter_names
 from .state import eager, fresh, is_compiled, preserved_state, training_mode
 from .trace import trace
 from .values import flatten

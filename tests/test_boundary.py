@@ -15,10 +15,11 @@ import pickle
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 import routekit as rk
-from routekit.model import report_of, routing_of
+from routekit.model import original_forward, report_of, routing_of
 
 DIM, GRID = 8, (4, 4)
 
@@ -115,9 +116,10 @@ def test_apply_falls_back_to_boundary_mode_when_the_owner_does_not_trace_and_say
     assert [s.kind for s in report.blocks[0].side_inputs if s.node] == ["per-token", "per-sample"]
     inspected = rk.inspect(untraceable, args, kwargs)
     assert inspected.mode == "boundary" and inspected.stack == "blocks" and inspected.stream_slot == "x"
-    assert rk.verify(untraceable, routed, args, kwargs) == {"mode": "boundary", "nodes": None, "outputs": 2,
-                                                           "train": "rate 0 bit-identical", "kept": 1,
-                                                           "compiled": None}
+    checked = rk.verify(untraceable, routed, args, kwargs)
+    assert (checked.mode, checked.nodes, checked.outputs, checked.train, checked.compiled) == (
+        "boundary", None, 2, "rate 0 bit-identical", None)
+    assert checked.checks == ("eval", "train", "kept")  # its blocks call no attention: no masked reference
 
 
 def test_boundary_mode_routes_exactly_like_graph_mode() -> None:
@@ -177,19 +179,26 @@ def test_a_users_forward_hook_on_a_routes_last_block_sees_its_own_output_in_both
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
 
 
-def test_the_users_model_gets_no_hooks_and_eval_is_the_original_forward() -> None:
+def test_the_hooks_act_only_in_a_routed_training_forward_and_eval_is_the_original_forward() -> None:
+    """Boundary mode hooks the route's blocks of the model itself; the hooks pass everything through anywhere but
+    in the routed model's training forward: a block called on its own, the original forward, eval."""
     untraceable, _ = twins()
     args, kwargs = call()
-    routed = route(untraceable)
-    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in untraceable.blocks)
-    assert any(b._forward_pre_hooks for b in routed.blocks)
-    assert all(a is b for a, b in zip(untraceable.parameters(), routed.parameters()))
     torch.manual_seed(3)
     before = untraceable.train()(*args, **kwargs).sample
-    routed.train()(*args, **kwargs)
+    routed = route(untraceable)
+    assert routed is untraceable and any(b._forward_pre_hooks for b in routed.blocks)
     torch.manual_seed(3)
-    assert torch.equal(untraceable(*args, **kwargs).sample, before)  # routing did not touch the original
-    assert torch.equal(routed.eval()(*args, **kwargs).sample, untraceable.eval()(*args, **kwargs).sample)
+    assert not torch.equal(routed(*args, **kwargs).sample, before)  # routed
+    with original_forward(routed):
+        torch.manual_seed(3)
+        assert torch.equal(routed(*args, **kwargs).sample, before)  # the hooks passed everything through
+    x = torch.randn(2, 16, 8)
+    got, want = routed.blocks[1](x), type(routed.blocks[1]).forward(routed.blocks[1], x)
+    assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
+    with original_forward(routed):
+        want = routed.eval()(*args, **kwargs).sample
+    assert torch.equal(routed.eval()(*args, **kwargs).sample, want)
 
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
@@ -270,8 +279,9 @@ def test_a_torch_compiled_model_is_routed_inside_and_comes_back_compiled_the_sam
     assert rk.verify(compiled, routed, args, kwargs).mode == "graph"
     routed.train()(*args, **kwargs).sample.sum().backward()
     assert rk.last_route_mask(routed).shape == (2, 16) and report_of(routed).depth == 5
-    assert type(rk.strip(routed)) is type(compiled) and type(rk.strip(routed)._orig_mod) is Owner
     assert rk.inspect(routed).routes == ROUTES
+    plain = rk.strip(routed)
+    assert type(plain) is type(compiled) and type(plain._orig_mod) is Owner
 
 
 def test_a_ddp_wrapped_model_is_refused_with_what_to_do(tmp_path) -> None:

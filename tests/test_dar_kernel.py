@@ -845,8 +845,8 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
     gives the reference path's output and gradients, eager and under torch.compile (fullgraph); with a
     route over blocks 2..3 too, whose chunks read gathered shared sources with their own logits."""
     import routekit as rk
-from routekit.model import routing_of
     from backbones import dit
+    from routekit.model import routing_of
 
     torch.manual_seed(0)
     model = dit.DiT(depth=5 if route else 3, hidden=24, heads=2, patch=2, input_size=4, in_channels=2, num_classes=5,

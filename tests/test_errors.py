@@ -22,6 +22,7 @@ from torch import nn
 
 import routekit as rk
 from routekit.model import report_of
+from routekit.routing import gather_tokens
 from routekit.selectors import selector_names
 
 DEPTH = 4
@@ -274,12 +275,26 @@ class LongSkip(nn.Module):
         return x + outs[1]
 
 
-def test_a_route_through_a_block_whose_output_escapes_is_refused_but_may_end_there() -> None:
+def test_a_block_output_read_outside_the_chain_is_put_back_like_the_stream_and_refused_where_it_cannot_be() -> None:
+    """Block 1's output feeds the head too (a long skip). A route through it hands that reader the stream as TREAD
+    defines a route's output: the kept tokens as block 1 made them, the routed ones as the route began. Boundary
+    mode places routes at block calls and sees no reader but the blocks: the reader gets the kept tokens alone,
+    and apply's dry run refuses the route, saying where it failed."""
     x = torch.randn(2, 6, 8)
-    with pytest.raises(rk.ConfigError) as err:
-        rk.apply(LongSkip(), routes=rk.Route(start=0, end=2), example_inputs=x)
-    assert "cannot pass through blocks.1" in str(err.value) and "end the route at block 1" in str(err.value)
-    routed = rk.apply(LongSkip(), routes=rk.Route(start=0, end=1), example_inputs=x)
+    torch.manual_seed(0)
+    model = LongSkip()
+    routed = rk.apply(model, routes=rk.Route(start=0, end=2), example_inputs=x)
+    routed.train()
+    out = routed(x)
+    index = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(2, -1)
+    with torch.no_grad():
+        h1 = model.blocks[1](model.blocks[0](gather_tokens(x, index)))
+        after = x.scatter(1, index[..., None].expand(-1, -1, 8), model.blocks[2](h1))
+        skip = x.scatter(1, index[..., None].expand(-1, -1, 8), h1)
+        torch.testing.assert_close(out, model.blocks[3](after) + skip)
+    with pytest.raises(rk.ConfigError, match="the routed training forward failed on the example inputs"):
+        rk.apply(LongSkip(), routes=rk.Route(start=0, end=2), example_inputs=x, mode="boundary")
+    routed = rk.apply(LongSkip(), routes=rk.Route(start=0, end=1), example_inputs=x, mode="boundary")
     assert routed.train()(x).shape == x.shape
 
 
@@ -299,9 +314,11 @@ class LongSkipProjected(LongSkip):
 
 
 def test_a_module_the_escaping_output_feeds_is_named_by_its_path() -> None:
-    """The refusal named the fx node (`skips_proj`, HunyuanDiT's `blocks_4`), not the module a user knows."""
+    """With DAR (which does not put block outputs back), the refusal names the module a user knows
+    (`skips.proj`), not the fx node (`skips_proj`, HunyuanDiT's `blocks_4`)."""
     with pytest.raises(rk.ConfigError, match=r"its output is also used by skips\.proj, outside the chain"):
-        rk.apply(LongSkipProjected(), routes=rk.Route(start=0, end=2), example_inputs=torch.randn(2, 6, 8))
+        rk.apply(LongSkipProjected(), routes=rk.Route(start=0, end=2), residual=rk.DAR(kernel="torch"),
+                 example_inputs=torch.randn(2, 6, 8))
 
 
 class PerTokenAux(nn.Module):
@@ -370,7 +387,7 @@ def test_the_other_verbs_refuse_models_routekit_did_not_route() -> None:
     for verb in (rk.strip, report_of, rk.last_route_mask):
         with pytest.raises(rk.InputError):
             verb(model)
-    with pytest.raises(rk.InputError, match="verify compares"):
+    with pytest.raises(rk.InputError, match="verify checks a model routed"):
         rk.verify(model, model, inputs)
     routed = apply(routes=rk.Route(start=0, end=1))
     with pytest.raises(rk.InputError, match="no routed forward has run yet"):

@@ -24,7 +24,8 @@ def test_the_flop_fraction_counts_routed_blocks_at_their_kept_tokens():
     assert plan.block_flop_fraction() == pytest.approx((2 * 10 + 2 * 5) / (4 * 10))
 
 
-def test_a_call_that_changes_the_number_of_dar_aggregations_is_refused():
+def test_a_call_that_runs_other_blocks_than_the_example_call_is_refused_naming_the_block():
+    """DAR's aggregation points (and any route) were decided on the example call's blocks."""
     class Cut(Tokens):
         def forward(self, x, depth: int = 4):
             h = self.embed(x)
@@ -35,7 +36,7 @@ def test_a_call_that_changes_the_number_of_dar_aggregations_is_refused():
     model = built(Cut)
     routed = rk.apply(model, residual=rk.DAR(kernel="torch"), example_inputs=tokens(), example_kwargs={"depth": 4})
     routed.train()
-    with pytest.raises(ConfigError, match="aggregation points"):
+    with pytest.raises(ConfigError, match="runs blocks.3 0 times, where the example call ran it once"):
         routed(tokens(), depth=3)
 
 

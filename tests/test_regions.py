@@ -16,9 +16,9 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import routekit as rk
-from routekit.model import routing_of
 from backbones import dit
 from routekit import regions
+from routekit.model import routing_of
 
 
 def tiny_dit(depth: int = 4) -> nn.Module:

@@ -7,6 +7,7 @@ module modes, hooks), in graph and in boundary mode.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import platform
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import D, Tokens, built, tokens
+from tiny import D
 from torch import nn
 
 import routekit as rk
@@ -24,6 +25,7 @@ import routekit.rewrite
 import routekit.routing
 from backbones import dit
 from routekit.errors import InferenceChanged
+from routekit.model import Routing
 from routekit.routing import gather_tokens
 from routekit.verify import _compare
 
@@ -90,10 +92,12 @@ def test_verify_passes_and_checks_eval_train_and_the_kept_tokens(mode):
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
 def test_an_eval_that_differs_is_caught(mode, monkeypatch):
+    """A routing whose eval forward is not the original's (planted: eval outputs doubled) fails the eval check."""
     model, routed, args = routed_owner(mode)
-    forward = type(routed).forward
-    monkeypatch.setattr(type(routed), "forward", lambda self, *a: forward(self, *a) * (1 if self.training else 2))
-    with pytest.raises(rk.InferenceChanged, match="graph differs|not bit-identical"):
+    call = Routing.__call__
+    monkeypatch.setattr(Routing, "__call__", lambda self, *a, **k: call(self, *a, **k) * (
+        1 if self.model.training or self.suspended else 2))
+    with pytest.raises(rk.InferenceChanged, match="not bit-identical"):
         rk.verify(model, routed, args)
 
 
@@ -187,7 +191,7 @@ def test_a_bf16_dar_model_with_a_route_left_routing_at_rate_0_fails_verify(monke
     with torch.no_grad():
         routed.routekit.dar.query.normal_(generator=torch.Generator().manual_seed(3))
     assert rk.verify(model, routed, args).train == "rate 0 matches DAR without routes (to rounding)"
-    monkeypatch.setattr(importlib.import_module("routekit.verify"), "_at_rate_zero", lambda routed: routed)
+    monkeypatch.setattr(importlib.import_module("routekit.verify"), "_every_token", lambda routed: contextlib.nullcontext())
     with pytest.raises(rk.TrainingChanged, match="not close to DAR without routes"):
         rk.verify(model, routed, args)
 
@@ -213,7 +217,7 @@ def test_a_dar_program_never_goes_stale(monkeypatch):
         rk.verify(model, routed, args)
 
 
-# --- apply, inspect and verify leave the model untouched -----------------------------------------------------
+# --- apply changes the model's forward alone; inspect and verify leave it untouched ------------------------------
 
 
 def snapshot(model: nn.Module) -> dict:
@@ -228,18 +232,21 @@ def snapshot(model: nn.Module) -> dict:
     }
 
 
-def assert_same(before: dict, after: dict) -> None:
+def assert_same(before: dict, after: dict, *, parts=("modes", "hooks", "attributes", "grads")) -> None:
     assert before["state"].keys() == after["state"].keys()
     for key in before["state"]:
         assert torch.equal(before["state"][key], after["state"][key]), f"{key} changed"
-    for part in ("modes", "hooks", "attributes", "grads"):
+    for part in parts:
         assert before[part] == after[part], part
     assert torch.equal(before["rng"], after["rng"]), "the global RNG moved"
 
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
 @pytest.mark.parametrize("training", [True, False])
-def test_apply_inspect_and_verify_leave_the_model_bit_identical(mode, training):
+def test_apply_installs_routing_and_nothing_else_inspect_and_verify_change_nothing_strip_undoes_it(mode, training):
+    """apply routes the model in place: its forward becomes the routing (and boundary mode hooks the route's
+    blocks); its weights, buffers, modes, gradients and the global RNG stay as they were. inspect and verify
+    change nothing; strip gives back the model exactly as it was."""
     torch.manual_seed(0)
     model = Owner(cache=mode == "boundary")
     model.train(training)
@@ -249,19 +256,30 @@ def test_apply_inspect_and_verify_leave_the_model_bit_identical(mode, training):
     rk.inspect(model, args, routes=[rk.Route(start=1, end=3)], mode=mode)
     assert_same(before, snapshot(model))
     routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=args, mode=mode)
-    assert_same(before, snapshot(model))
+    assert routed is model and type(routed) is Owner
+    applied = snapshot(model)
+    assert_same(before, applied, parts=("modes", "grads"))
+    assert applied["attributes"][""] == sorted({*before["attributes"][""], "forward", "routekit"})
+    assert {k for k in applied["hooks"] if applied["hooks"][k] != before["hooks"][k]} == (
+        {"blocks.1", "blocks.2", "blocks.3"} if mode == "boundary" else set())
     rk.verify(model, routed, args)
-    assert_same(before, snapshot(model))
+    assert_same(applied, snapshot(model))
     assert model.bn.num_batches_tracked.item() == 0
+    rk.strip(routed)
+    assert_same(before, snapshot(model))
 
 
-def test_a_dar_apply_leaves_the_model_bit_identical():
+def test_a_dar_apply_adds_its_queries_and_changes_nothing_else():
     model, args = tiny_dit()
     model.train()
     before = snapshot(model)
     twin = copy.deepcopy(model)
     routed = rk.apply(model, routes=[rk.Route(start=1, end=2)], residual=rk.DAR(chunk=2), example_inputs=args)
     rk.verify(model, routed, args)
+    after = snapshot(model)
+    assert set(after["state"]) - set(before["state"]) == {"routekit.dar.query"}
+    assert all(torch.equal(before["state"][k], after["state"][k]) for k in before["state"])
+    rk.strip(routed, drop_dar=True)
     assert_same(before, snapshot(model))
     torch.manual_seed(5)
     want = twin(*args)
@@ -369,9 +387,9 @@ def test_a_route_lays_the_kept_tokens_out_as_the_stream_is():
 
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
-def test_verify_runs_rate_0_on_a_copy_and_never_changes_the_routed_models_routes(mode):
-    """Verify's rate-0 run keeps every token through a copy of the routed model: the routed model's own routes
-    keep their rate while it runs, and after, also when a run fails."""
+def test_verify_runs_rate_0_and_puts_the_routes_back_after_also_when_a_run_fails(mode):
+    """Verify's rate-0 run keeps every token by setting the routes' rate to 0 for the while: after it, also when
+    a run fails, the routed model's routes have their own rate again."""
     model, routed, args = routed_owner(mode)
     live = routed.routekit.routes[0]
     rates = []
@@ -381,10 +399,10 @@ def test_verify_runs_rate_0_on_a_copy_and_never_changes_the_routed_models_routes
         assert rk.verify(model, routed, args).train == "rate 0 bit-identical"
     finally:
         handle.remove()
-    assert rates and set(rates) == {0.5}
+    assert 0.0 in rates and live.route.rate == 0.5
 
     def fail(module, inputs):
-        if module.training:
+        if module.training and live.route.rate == 0.0:
             raise RuntimeError("a training run fails")
 
     handle = block.register_forward_pre_hook(fail)
@@ -393,25 +411,7 @@ def test_verify_runs_rate_0_on_a_copy_and_never_changes_the_routed_models_routes
             rk.verify(model, routed, args)
     finally:
         handle.remove()
-    assert routed.routekit.routes[0] is live and live.route.rate == 0.5
-    assert rk.verify(model, routed, args).train == "rate 0 bit-identical"
-
-def test_verify_holds_the_routed_model_to_the_original_forward_over_its_own_current_weights():
-    class Shifted(Tokens):
-        def __init__(self):
-            super().__init__()
-            self.shift = nn.Parameter(torch.zeros(D))  # the owner's own: not in a module the copies share
-
-        def forward(self, x):
-            h = self.embed(x) + self.shift
-            for block in self.blocks:
-                h = block(h)
-            return h
-
-    model = built(Shifted)
-    routed = rk.apply(model, rk.Route(start=1, end=2, rate=0.5), example_inputs=tokens())
-    routed.shift = nn.Parameter(torch.ones(D))  # the routed model's own parameter now differs from the model's
-    assert rk.verify(model, routed, tokens()).outputs == 1
+    assert live.route.rate == 0.5
 
 
 def test_verify_reports_a_tensor_output_that_became_another_value():
@@ -457,21 +457,20 @@ class Masked(nn.Module):
         return x
 
 
-def test_a_block_input_the_example_call_did_not_pass_is_cut_in_graph_mode_and_refused_by_name_in_boundary_mode():
-    """Example inputs without the mask, then a call with it. Graph mode plans the call's signature again and cuts
-    the mask, and verify checks that call against that plan: it checked it against the example's, cut nothing,
-    and failed inside the block with a size mismatch. Boundary mode, which learned how to cut each block input on
-    the example call alone, refuses the call and names the argument (the blocks got the mask whole, and failed
-    the same way)."""
+@pytest.mark.parametrize("mode", ["graph", "boundary"])
+def test_a_block_input_the_example_call_did_not_pass_is_refused_by_name_and_one_it_passed_may_be_left_out(mode):
+    """Example inputs without the mask, then a call with it: what a route cuts was decided on the example call,
+    which says nothing of the mask, so the call is refused and the argument named (left whole, the blocks would
+    get it beside the kept tokens and fail inside, or worse not). Example inputs with the mask, then a call
+    without it: the mask is left out, and verify checks that call."""
     torch.manual_seed(0)
     model, image, mask = Masked(), torch.randn(2, 3, 8, 8), (torch.rand(2, 16) > 0.3).float()
-    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,))
-    checked = rk.verify(model, routed, (image, mask))
-    assert checked.train == "rate 0 bit-identical" and "kept" in checked.checks
-    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,), mode="boundary")
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,), mode=mode)
     routed.train()
     with pytest.raises(rk.ConfigError, match="takes a tensor float32.2, 16. as 'mask' on this call, where the "
                                              "example call passed None"):
         routed(image, mask)
-    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image, mask), mode="boundary")
-    assert "kept" in rk.verify(model, routed, (image,)).checks  # the mask the example passed, left out
+    routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image, mask), mode=mode)
+    checked = rk.verify(model, routed, (image,))  # the mask the example passed, left out
+    assert checked.train == "rate 0 bit-identical" and "kept" in checked.checks
+    assert "kept" in rk.verify(model, routed, (image, mask)).checks
