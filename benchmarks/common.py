@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import flop_counter
+
+from routekit.flops import flop_counter_mode  # noqa: F401  (the benchmarks' and tests' counter)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
@@ -209,22 +210,6 @@ def figure(path: Path, *grid: int, **subplots) -> Iterator[tuple]:
 def call(model: nn.Module, args: tuple, kwargs: dict):
     out = model(*args, **kwargs)
     return out.sample if hasattr(out, "sample") else out
-
-
-def flop_counter_mode() -> flop_counter.FlopCounterMode:
-    """torch's FLOP counter, attention on the CPU included. Before torch 2.15 the counter had no formula for the
-    CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) and counted it as
-    free, so a CPU count left attention out and a route's FLOP ratio came out higher than the GPU's. Where the
-    registry lacks them, the same formulas torch uses for the GPU's fused kernels count them."""
-    aten = torch.ops.aten
-    cpu_attention = {
-        aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
-    }
-    missing = {op: formula for op, formula in cpu_attention.items() if op not in flop_counter.flop_registry}
-    return flop_counter.FlopCounterMode(display=False, custom_mapping=missing)
 
 
 def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:

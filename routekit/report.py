@@ -144,7 +144,7 @@ def draw_plan(plan: Any, path: str) -> str:
     except ImportError as err:
         from .errors import RoutekitError
 
-        raise RoutekitError("drawing needs matplotlib: pip install 'routekit[plot]'") from err
+        raise RoutekitError("drawing needs matplotlib: pip install matplotlib") from err
     r, tokens = plan.report, plan.report.tokens
     width = max(8.0, 0.55 * r.depth + 3)
     fig, ax = plt.subplots(figsize=(width, 3.6))

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -491,11 +493,55 @@ def test_the_command_line_runs_as_a_module_and_answers_bad_input_without_a_trace
 def test_the_demo_runs_from_the_command_line_and_draws_no_bar_off_a_terminal():
     """`make demo`'s command, as a fresh user runs it: every stage says what it found, and with the output piped
     (no terminal) the timing loops draw no progress bar, only the result line."""
-    done = subprocess.run([sys.executable, "-m", "routekit", "demo", "--steps", "1", "--batch", "2"],
+    # as from an installed routekit: the repository's backbones cannot be imported
+    run = "import sys; sys.modules['backbones'] = None; from routekit.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", run, "demo", "--steps", "5", "--batch", "1"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "route 0: blocks 2→8, rate 0.5" in done.stdout and "outputs bit-identical" in done.stdout
-    assert "measured speed-up" in done.stdout
+    assert "measured speed-up" in done.stdout and "FLOP limit" in done.stdout and "(medians of 5)" in done.stdout
+    assert any(said in done.stdout for said in ("too noisy to read", "of the FLOP limit", "above the FLOP limit"))
+
+
+def test_inspect_takes_a_model_from_the_current_folder_with_an_example_shape_or_factory(tmp_path):
+    """The README's first model, saved as ./tiny.py, inspected from that folder by the installed script's code: the
+    model's file has no example_inputs, so the command asks for a shape or a factory, and takes either."""
+    (tmp_path / "tiny.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.norm, self.linear = nn.LayerNorm(16), nn.Linear(16, 16)\n\n"
+        "    def forward(self, x):\n"
+        "        return x + self.linear(self.norm(x))\n\n"
+        "class Tiny(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = nn.Conv2d(3, 16, 4, 4)\n"
+        "        self.blocks = nn.ModuleList(Block() for _ in range(8))\n\n"
+        "    def forward(self, image):\n"
+        "        x = self.embed(image).flatten(2).transpose(1, 2)\n"
+        "        for block in self.blocks:\n"
+        "            x = block(x)\n"
+        "        return x\n\n"
+        "def images(model, batch):\n"
+        "    return torch.randn(batch, 3, 32, 32)\n")
+    script = "import sys; sys.path.remove(''); from routekit.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": str(Path(rk.__file__).parents[1])}
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-c", script, "inspect", "tiny:Tiny", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+
+    asked = cli()
+    assert asked.returncode == 2 and "--shape 4,3,32,32" in asked.stderr and "--inputs" in asked.stderr, asked.stderr
+    for argv in (("--shape", "2,3,32,32"), ("--inputs", "tiny:images"), ("--inputs", "tiny:images", "--batch", "3")):
+        done = cli(*argv, "--routes", "2:5")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "blocks (8 blocks)" in done.stdout and "token grid  : 8×8" in done.stdout, done.stdout
+    assert "float32[3, 64, 16]" in done.stdout
+    bad = cli("--shape", "2,3,x")
+    assert bad.returncode == 2 and "--shape" in bad.stderr and "Traceback" not in bad.stderr
     assert "it/s" not in done.stderr and "\r" not in done.stderr
 
 
