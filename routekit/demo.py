@@ -108,7 +108,7 @@ def reading(vanilla: list[float], routed: list[float], limit: float) -> tuple[fl
         verdict = (f"too noisy to read: step-by-step speed-ups spread {spread:.0%} between quartiles (the machine is "
                    "busy); run again on an idle machine, or with more --steps")
     elif speedup > limit * (1 + NOISY):
-        verdict = (f"above the FLOP limit by more than the noise allows: this CPU's kernels do not scale with "
+        verdict = ("above the FLOP limit by more than the noise allows: this CPU's kernels do not scale with "
                    "tokens (small matrices run below peak); read the GPU results in docs/benchmarks.md")
     else:
         verdict = f"{speedup / limit:.2f} of the FLOP limit; the spread between quartiles is {spread:.0%}"
