@@ -158,3 +158,20 @@ def test_step_indices_cover_each_epoch_once_and_follow_from_the_step_alone():
     assert sorted(order[:10]) == list(range(10)) and sorted(order[10:20]) == list(range(10))
     assert finetune.step_indices(3, 10, 4, seed=3) == order[12:16]
     assert finetune.step_indices(0, 10, 4, seed=4) != order[:4]
+
+
+def test_the_finetune_benchmark_times_both_variants_and_writes_its_files(tmp_path):
+    """`python -m benchmarks.finetune --quick`: a tiny FLUX through the finetune command's step, routed and not,
+    written as JSON, markdown and PNG with the machine, the commit and the command."""
+    pytest.importorskip("matplotlib")
+    from benchmarks import finetune as bench
+
+    bench.main(["--quick", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "finetune_flux.json").read_text())
+    assert {"commit", "command", "device"} <= set(data["machine"])
+    base, routed = data["rows"]
+    assert base["variant"] == "--routes none" and routed["variant"] == "--routes 2:-2"
+    assert routed["flops"] < base["flops"] and routed["flop_limit"] > 1.2
+    assert len(data["setup"]["step_by_step_speedups"]) == 2
+    assert "| `--routes 2:-2` |" in (tmp_path / "finetune_flux.md").read_text()
+    assert (tmp_path / "finetune_flux.png").stat().st_size > 1000
