@@ -55,7 +55,7 @@ test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/python $(PYTEST)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check routekit backbones recipes tests benchmarks
+	$(VENV)/bin/ruff check routekit backbones recipes tests benchmarks examples
 
 # What a GPU machine without internet needs beside its torch, transformers and accelerate to run the benchmarks
 # and the convergence study: routekit's pure dependencies, diffusers and peft as wheels for its Python (.whl/, installed
