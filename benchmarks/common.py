@@ -39,7 +39,7 @@ TINY = {"dit": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4}, "rwkv": {"dep
 
 def commit() -> str:
     """The short commit the tree is at, with " (dirty)" when tracked files differ from it. RK_COMMIT wins:
-    a lent GPU machine gets the tree without its history."""
+    a machine that gets the tree without its history."""
     if os.environ.get("RK_COMMIT"):
         return os.environ["RK_COMMIT"]
 
@@ -107,7 +107,7 @@ def free_memory() -> None:
 
     A model routekit rewrote sits in reference cycles (an fx graph's nodes and the graph point at each other, and
     its modules are the model's), so `del` leaves its parameters and gradients allocated until Python's cycle
-    collector happens to run, and the next row's peak would count them (docs/measurements.md has the case)."""
+    collector happens to run, and the next row's peak would count them (a DiT-XL/2 row's peak once counted the row before it)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -158,7 +158,7 @@ def step_stats(times: list[float], host: list[float]) -> dict[str, float]:
 
 def kept_rows(path: Path, measured: Callable[[dict], bool]) -> list[dict]:
     """The rows of an earlier result file that this call does not measure again (``--add``), each with the
-    commit it was measured at: a study too long for one device call is made by several, each replacing its
+    commit it was measured at: a study too long for one process is made by several, each replacing its
     own rows."""
     if not path.exists():
         raise SystemExit(f"--add keeps the rows of {path}, which does not exist; run once without --add")

@@ -139,10 +139,10 @@ class DAR(_Config):
     did, and training moves each gate towards DAR's mix. None of the paper's variants has this.
 
     `regions`: under torch.compile, trace and compile each distinct block body once and reuse it for the other
-    blocks (regional compilation, routekit/regions.py), instead of once per block. A trade: on an H200, DiT-XL/2
-    at batch 256, the first compiled step took 97 s against 128 s, while each step cost 9.1% over the plain
-    model's instead of 7.7% (Inductor does not fuse across a region's edge, which may be the cause): worth it
-    for short runs (under about 5,000 steps there). Eager runs are the same either way, bit for bit.
+    blocks (regional compilation, routekit/regions.py), instead of once per block. A trade: the first compiled
+    step is shorter, each later step a little longer (Inductor does not fuse across a region's edge; the
+    measured numbers are in docs/benchmarks.md): worth it for short runs. Eager runs are the same either way,
+    bit for bit.
     """
 
     query: Literal["static", "static_t", "dynamic"] = "static"
