@@ -107,7 +107,8 @@ def free_memory() -> None:
 
     A model routekit rewrote sits in reference cycles (an fx graph's nodes and the graph point at each other, and
     its modules are the model's), so `del` leaves its parameters and gradients allocated until Python's cycle
-    collector happens to run, and the next row's peak would count them (a DiT-XL/2 row's peak once counted the row before it)."""
+    collector happens to run, and the next row's peak would count them (a DiT-XL/2 row's peak once counted the
+    row before it)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -588,3 +588,19 @@ def test_inspect_of_a_transformers_lm_fits_a_terminal_and_lists_its_specialisati
     assert max(map(len, text.splitlines())) <= 120, max(text.splitlines(), key=len)
     assert text.count("constant   DynamicCache") == 1 and "side inputs : (every block)" in text
     assert "specialised to the example's shapes (" in text and "masking_utils.py:" in text
+
+
+@pytest.mark.parametrize("routes, said", [(rk.Route(start=2, end=5, rate=0), "rate=0"),
+                                          (rk.Route(start=0, end=-1), "covers the whole stack of 8 blocks"),
+                                          ({"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0,
+                                                        "end_layer_idx": 7}]}, "covers the whole stack")])
+def test_a_route_that_routes_nothing_or_the_whole_stack_is_warned_of(routes, said):
+    arch = dataclasses.replace(LINEAR, depth=8, kinds=LINEAR.kinds * 2)
+    with pytest.warns(rk.RouteWarning, match=said):
+        rk.apply(build(arch), routes=routes, example_inputs=example_inputs(arch))
+
+
+def test_a_usual_route_gets_no_warning(recwarn):
+    arch = dataclasses.replace(LINEAR, depth=8, kinds=LINEAR.kinds * 2)
+    rk.apply(build(arch), routes=[rk.Route(start=1, end=3), rk.Route(start=4, end=-2)], example_inputs=example_inputs(arch))
+    assert not [w for w in recwarn if issubclass(w.category, rk.RouteWarning)]
