@@ -604,3 +604,39 @@ def test_a_usual_route_gets_no_warning(recwarn):
     arch = dataclasses.replace(LINEAR, depth=8, kinds=LINEAR.kinds * 2)
     rk.apply(build(arch), routes=[rk.Route(start=1, end=3), rk.Route(start=4, end=-2)], example_inputs=example_inputs(arch))
     assert not [w for w in recwarn if issubclass(w.category, rk.RouteWarning)]
+
+
+def test_report_cells_are_cut_and_wrapped_at_word_boundaries():
+    from routekit.report import _cut
+
+    said = "the forward compares or passes on .type = 'cpu' while tracing"
+    cut = _cut(said, 40)
+    assert len(cut) <= 40 and cut.endswith("...") and said.startswith(cut[:-3]) and said[len(cut) - 3] == " "
+    assert _cut("x" * 50, 20) == "x" * 17 + "..."  # one word longer than the width is cut inside it
+    assert _cut(said, 200) == said
+
+
+def test_a_leafed_submodule_shows_its_whole_reason_wrapped_and_long_notes_wrap():
+    class Picky(nn.Module):
+        def forward(self, x):
+            if x.device.type == "cpu" and x.sum() > -1e30:  # data-dependent: cannot be traced
+                return x
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.picky = Picky()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(6))
+
+        def forward(self, x):
+            x = self.picky(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    report = str(rk.inspect(Model(), (torch.randn(2, 5, 8),), routes=rk.Route(start=1, end=3)))
+    lines = report.splitlines()
+    assert all(len(line) <= 125 for line in lines), max(lines, key=len)
+    leaf = next(i for i, line in enumerate(lines) if line.startswith("    picky: "))
+    assert not lines[leaf].endswith("...") and "..." not in lines[leaf]
