@@ -104,7 +104,9 @@ def format_plan(plan: Any) -> str:
         if rp.shrink:
             lines.append(f"           the grid sizes handed to the blocks shrink along axes {list(rp.shrink)}")
     if plan.placed:
-        lines.append(f"  block FLOPs per step: ×{plan.block_flop_fraction():.3f} of the original (token-linear estimate)")
+        how = ("each block's FLOPs at the tokens it sees, counted" if plan.flops_measured
+               else "token-linear estimate: a block's FLOPs could not be counted")
+        lines.append(f"  block FLOPs per step: ×{plan.block_flop_fraction():.3f} of the original ({how})")
     if r.residual:
         total = sum(len(b.adds or ()) for b in r.blocks)
         lines.append(f"  residual adds (what DAR rewrites): {total} in {r.depth} blocks, {r.residual} granularity")
