@@ -374,14 +374,18 @@ class Probe:
 
         from .flops import flop_counter_mode
 
-        args, kwargs = fake_block_inputs(info, stack.stream_slot, stack.stream, _device(self.model),
-                                         None if tokens == stack.tokens else tokens, shrink)
-        try:
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode, flop_counter_mode() as counter, torch.no_grad():
-                fake = lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-                module(*pytree.tree_map(fake, args), **pytree.tree_map(fake, kwargs))
-        except Exception:
-            return None
+        args, kwargs = fresh(fake_block_inputs(info, stack.stream_slot, stack.stream, _device(self.model),
+                                               None if tokens == stack.tokens else tokens, shrink))
+        # no lasting side effects: what the block stores on itself or its inputs' objects (a cache) while it runs on
+        # fake tensors is put back
+        with preserved_state(self.model, _tensors(args, kwargs)):
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode, flop_counter_mode() as counter, \
+                        torch.no_grad():
+                    fake = lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+                    module(*pytree.tree_map(fake, args), **pytree.tree_map(fake, kwargs))
+            except Exception:
+                return None
         return counter.get_total_flops()
 
     def _shared(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...]) -> bool:

@@ -1,0 +1,38 @@
+"""routekit: rewrite the graph of any block-stacked PyTorch model for cheaper training.
+
+    routed = routekit.apply(model, routes="default", example_inputs=(x, t, y))
+    routed.train()  # blocks 2..depth-4 see half the tokens (TREAD)
+    routed.eval()   # the original forward, bit for bit
+
+The package exports what a user calls; the rest lives in its own module: the plan a routed model carries
+(`routekit.model.report_of`, `routekit.plan.Plan`), the analysis (`routekit.findings.GraphReport`), the
+selector registry (`routekit.selectors`: `selector_names`, `uniform` for selectors of your own) and FSDP2's
+unit list (`routekit.sharding.fsdp_units`).
+"""
+
+from .config import DAR, Route
+from .errors import (
+    AnalysisError,
+    ConfigError,
+    InferenceChanged,
+    InputError,
+    NonFiniteError,
+    RoutekitError,
+    RouteWarning,
+    SelectorError,
+    TraceError,
+    TrainingChanged,
+    VerificationError,
+)
+from .inspection import inspect
+from .model import FallbackWarning, apply, force_keep, last_route_mask, strip
+from .selectors import register_selector
+from .sharding import shard
+from .verify import verify
+
+__all__ = [
+    "DAR", "Route", "apply", "force_keep", "inspect", "last_route_mask", "register_selector", "shard", "strip", "verify",
+    "AnalysisError", "ConfigError", "FallbackWarning", "InferenceChanged", "InputError", "NonFiniteError",
+    "RoutekitError", "RouteWarning", "SelectorError", "TraceError", "TrainingChanged", "VerificationError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,269 @@
+"""Plan → block-call hooks: boundary mode, for owners whose forward cannot be traced.
+
+The same plan as the graph rewrite, placed at the block calls instead of into a graph. The routed
+model gets private copies of the modules on the path to each hooked block (sharing parameters and
+buffers, so the state_dict is unchanged and the user's model gets no hooks). A forward pre-hook on
+block `start` selects and gathers the stream, pre-hooks on the route's blocks gather their per-token
+side inputs, and a forward hook on block `end` scatters the kept tokens back. The hooks act only
+inside the routed model's training forward, so eval is the original forward, untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import ConfigError
+from .findings import BlockInfo, Gather, SideInput
+from .graphs import Slot
+from .plan import Plan, resolve_keep, suggestion
+from .record import grid_of_call
+from .routing import gather_tokens, joined_index, route_side, scatter_tokens, static_tokens
+from .state import shallow_copy
+from .values import TensorMeta
+
+
+class Hooks:
+    """The executor of boundary mode: hooks that place a plan's routes at block calls, and what one
+    routed forward carries between them."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.paths: list[str] = []  # modules the routed model holds private copies of
+        self.select_paths: list[str] = []  # where the routed model holds each route's selector
+        self.active = False
+        self._clear()
+
+    def _clear(self) -> None:
+        self.selects: list[nn.Module] = []  # the selectors of the model running now
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grid_source: tuple[int, ...] | None = None  # the grid of the grid module's output on this forward
+        self.call: tuple[tuple, dict] = ((), {})
+
+    def grid(self, stream: torch.Tensor) -> tuple[int, ...] | None:
+        """The grid of this forward, for grid selectors: the grid of the grid module's output, else the grid the call
+        gives where the analysis measured it on the example's (`findings.CallGrid`): it follows the image's size."""
+        rule = self.plan.report.call_grid if self.plan.measured_grid else None
+        if not rule:
+            return self.grid_source
+        grid = grid_of_call(rule, *self.call, stream.shape[0])
+        self.plan.check_grid_found(stream.shape[1], grid)
+        return grid
+
+    def keep(self, route: int, stream: torch.Tensor, grid: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The positions route `route` keeps on this forward where the stream is not the example's length (None:
+        the plan's): the positions given, resolved against this stream, or the special tokens the example call
+        showed, where this call's grid leaves as many tokens besides the image's. Refused where it leaves others
+        (a caption of another length): boundary mode found them on the example call and cannot find them again."""
+        placed = self.plan.placed[route]
+        stack = self.plan.report.stack_of(placed.start)
+        tokens = stream.shape[1]
+        if tokens == stack.tokens or not placed.keep:
+            return None
+        if placed.route.keep is not None:
+            return resolve_keep(placed.route.keep, tokens)
+        cells = math.prod(grid) if grid is not None else None
+        if cells is not None and tokens - cells != len(stack.special):
+            raise ConfigError(
+                f"route {route}: this call's stream holds {tokens - cells} tokens besides the {cells} of its image's "
+                f"grid, where the example inputs' held {len(stack.special)} ({suggestion(stack.special)}: text, "
+                "class or register tokens every route keeps); boundary mode found them on the example call and "
+                "cannot find them again: call the model with as many (captions of the example's length; where the "
+                "model packs them by their mask, as Lumina2 does, as many unmasked tokens in the longest), or give "
+                "the route keep=[...] covering the longest caption"
+            )
+        return resolve_keep(stack.special, tokens)
+
+    def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The original forward with the routes live, choosing tokens with `routed`'s own selectors (verify runs a
+        copy of the routed model whose selectors keep every token)."""
+        self.active, self.selects = True, [routed.get_submodule(path) for path in self.select_paths]
+        self.call = (args, kwargs)
+        try:
+            return routed._routekit_base.forward(routed, *args, **kwargs)
+        finally:
+            self.active = False
+            self._clear()
+
+    def attach(self, routed: nn.Module, selects: list[nn.Module]) -> None:
+        paths = {id(module): path for path, module in routed.named_modules()}
+        self.select_paths = [paths[id(select)] for select in selects]
+        report = self.plan.report
+        for k, route in enumerate(self.plan.placed):
+            blocks = report.blocks[route.start:route.end + 1]
+            after = self._private(routed, blocks[-1].qualname).register_forward_hook(_After(self, k))
+            for block in blocks:
+                module = self._private(routed, block.qualname)
+                before = _Before(self, k, block, block is blocks[0], after.id if block is blocks[-1] else None)
+                module.register_forward_pre_hook(before, with_kwargs=True)
+        if report.grid_node and self.plan.placed and not self.plan.grid_given:
+            self._private(routed, report.grid_node).register_forward_hook(_GridSource(self))
+
+    def _private(self, root: nn.Module, qualname: str) -> nn.Module:
+        """`root`'s own copy of the module at `qualname`, copying every module on the path once."""
+        module, path = root, ""
+        for atom in qualname.split(".") if qualname else []:
+            path = f"{path}.{atom}" if path else atom
+            if path not in self.paths:
+                module._modules[atom] = _own_copy(module._modules[atom])
+                self.paths.append(path)
+            module = module._modules[atom]
+        return module
+
+    def route_sides(self, route: int, block: BlockInfo, stream: torch.Tensor, index: torch.Tensor, args: tuple,
+                    kwargs: dict):
+        placed = self.plan.placed[route]
+        for side in block.side_inputs:
+            cuts = placed.cuts(side, block.stack)
+            if not cuts:
+                _check_unforeseen(side, args, kwargs, block, stream.shape[1])
+                continue
+            value = _get(args, kwargs, side.slot, block)
+            if value is None:  # absent on this call (a mask the owner passes only where captions differ in length)
+                continue
+            if id(value) not in self.gathered:  # once per value and forward, kept alive with it
+                self.gathered[id(value)] = (value, route_side(value, stream, index, cuts, placed.shared))
+            cut = self.gathered[id(value)][1]
+            if block.compiled:  # as the rewrite does: each token count compiled static (`routing.static_tokens`)
+                static_tokens(cut, tuple((g.path, g.axes if g.batched or placed.shared else tuple(a + 1 for a in g.axes))
+                                         for g in cuts if isinstance(g, Gather)))
+            args, kwargs = _put(args, kwargs, side.slot, cut)
+        if block.compiled:
+            slot = self.plan.report.stack_of(block.index).stream_slot
+            static_tokens(_get(args, kwargs, slot, block))
+        return args, kwargs
+
+
+class _Before:
+    """Forward pre-hook on a route's block: at `start` select and gather the stream; gather side inputs.
+
+    On the route's last block it also moves the scatter (`after`, a forward hook id) behind every forward hook
+    registered since: a user's hook on that block then sees the block's own output, the kept tokens, as it
+    does in graph mode, where the scatter is a graph node after the block call."""
+
+    def __init__(self, hooks: Hooks, route: int, block: BlockInfo, first: bool, after: int | None = None):
+        self.hooks, self.route, self.block, self.first, self.after = hooks, route, block, first, after
+
+    def __call__(self, module, args, kwargs):
+        hooks = self.hooks
+        if not hooks.active:
+            return None
+        registered = module._forward_hooks
+        if self.after is not None and self.after in registered and list(registered)[-1] != self.after:
+            registered.move_to_end(self.after)  # only when a hook came since: under torch.compile, a graph break
+        slot = hooks.plan.report.stack_of(self.block.index).stream_slot
+        if self.first:
+            hooks.gathered = {}
+            stream = _get(args, kwargs, slot, self.block)
+            grid = hooks.grid(stream)
+            index = hooks.selects[self.route](stream, grid, hooks.keep(self.route, stream, grid))
+            hooks.pending[self.route] = (stream, index)
+            args, kwargs = _put(args, kwargs, slot, gather_tokens(stream, index))
+        elif self.route not in hooks.pending:
+            return None
+        elif hooks.plan.report.stack_of(self.block.index).first == self.block.index:  # into the next stack
+            hooks.pending[self.route] = _joined(hooks.plan.report, self.block.stack, _get(args, kwargs, slot, self.block),
+                                                *hooks.pending[self.route])
+        stream, index = hooks.pending[self.route]
+        return hooks.route_sides(self.route, self.block, stream, index, args, kwargs)
+
+
+def _joined(report, stack: int, joint: torch.Tensor, full: torch.Tensor, index: torch.Tensor):
+    """A route's (full-size stream, index) in the next stack, whose stream `joint` the owner made of the kept
+    tokens (at the stack's `joined_at`) and tokens of its own around them, unchanged (analysis measured that):
+    the full-size stream is `joint` with the route's full stream in place of the kept run."""
+    this, before = report.stacks[stack], report.stacks[stack - 1]
+    start, kept = this.joined_at, index.shape[1]
+    if joint is full or (start == 0 and joint.shape[1] == kept and this.tokens == before.tokens):
+        return full, index  # the stacks hand the stream on as it is
+    full = torch.cat([joint[:, :start], full.to(joint.dtype), joint[:, start + kept:]], dim=1)
+    return full, joined_index(index, start, before.tokens, this.tokens)
+
+
+class _After:
+    """Forward hook on a route's last block: the kept tokens rejoin the stream as it was at the route start."""
+
+    def __init__(self, hooks: Hooks, route: int):
+        self.hooks, self.route = hooks, route
+
+    def __call__(self, module, args, output):
+        if not self.hooks.active or self.route not in self.hooks.pending:
+            return None
+        stream, index = self.hooks.pending.pop(self.route)
+        plan = self.hooks.plan
+        position = plan.report.stack_of(plan.placed[self.route].end).stream_out_index
+        if position is None:
+            return scatter_tokens(stream, index, output)
+        items = list(output)
+        items[position] = scatter_tokens(stream, index, items[position])
+        if isinstance(output, list):
+            return items
+        return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+
+
+class _GridSource:
+    """Forward hook on the patch embedding: the grid of this forward, for grid selectors (its output's
+    (B, C, H, W) or (B, C, T, H, W) spatial sizes)."""
+
+    def __init__(self, hooks: Hooks):
+        self.hooks = hooks
+
+    def __call__(self, module, args, output):
+        if self.hooks.active and isinstance(output, torch.Tensor) and output.dim() in (4, 5):
+            self.hooks.grid_source = tuple(output.shape[2:])
+
+
+def _own_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` (same parameters, buffers, children) with its own hook tables."""
+    copy = shallow_copy(module)
+    for attr, value in module.__dict__.items():
+        if "hook" in attr and isinstance(value, dict):
+            copy.__dict__[attr] = type(value)(value)
+    compiled = module.__dict__.get("_compiled_call_impl")
+    if compiled is not None:  # `block.compile()`: its compiled call is the module's own, which skips the copy's
+        # hooks; the copy runs its hooks, then that compiled call (with the options the user compiled it with)
+        copy.__dict__["_compiled_call_impl"] = None
+        copy.__dict__["forward"] = compiled
+    return copy
+
+
+def _check_unforeseen(side: SideInput, args: tuple, kwargs: dict, block: BlockInfo, tokens: int) -> None:
+    """Refuse a tensor as long as the stream where the example call passed no tensor (Lumina2 passes its blocks an
+    attention mask only where captions differ in length): boundary mode learned how a route cuts each block input
+    on the example call, so it cannot tell whether this one carries the stream's tokens, and the block would
+    see it whole beside the kept tokens. An input nothing cuts may be left out of a call: nothing to check."""
+    if any(isinstance(v, TensorMeta) for v in pytree.tree_leaves(side.meta)):
+        return
+    slot = side.slot
+    value = (args[slot] if slot < len(args) else None) if isinstance(slot, int) else kwargs.get(slot)
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and tokens in leaf.shape[1:]:
+            name = side.argument if side.argument is not None else side.slot
+            raise ConfigError(
+                f"{block.qualname} takes a tensor {str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)} as "
+                f"{name!r} on this call, where the example call passed {side.describe()}: boundary mode learned how a "
+                "route cuts each block input on the example call and cannot tell whether this one carries the "
+                "stream's tokens. Give example inputs on which it is a tensor too (an attention mask the model "
+                "passes only where captions differ in length: an example batch whose captions do)"
+            )
+
+
+def _get(args: tuple, kwargs: dict, slot: Slot, block: BlockInfo):
+    try:
+        return args[slot] if isinstance(slot, int) else kwargs[slot]
+    except (IndexError, KeyError):
+        raise ConfigError(
+            f"{block.qualname} was called without its argument {slot!r}, which it had on the example inputs; "
+            "boundary mode routes calls made the way the example inputs made them"
+        ) from None
+
+
+def _put(args: tuple, kwargs: dict, slot: Slot, value: torch.Tensor) -> tuple[tuple, dict]:
+    if isinstance(slot, int):
+        return (*args[:slot], value, *args[slot + 1:]), kwargs
+    return args, {**kwargs, slot: value}

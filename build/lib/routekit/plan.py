@@ -1,0 +1,538 @@
+"""The plan: what routekit will do to one model, checked once, frozen.
+
+`make_plan` takes the analysis and the user's request (routes, DAR, grid) and either refuses with a
+`ConfigError` that says what was wrong and what would be valid, or returns a `Plan` that the graph
+rewrite and the block-call hooks read and nobody writes. Every check lives here: routes against the
+stack, `keep` against the stream and its special tokens, blocks a route cannot contain or pass
+through, selectors against the grid and the blocks (whole rows), DAR's sources and chunks.
+
+Planning runs nothing: what only running the model can tell (how many tokens a selector keeps, which blocks
+fail on them) it asks a `Prober` (probe.py's `Probe`), one question per route, and judges the answer here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .config import DAR, Route
+from .errors import ConfigError
+from .findings import BlockInfo, GraphReport, Shrink
+from .report import draw_plan, format_plan
+from .selectors import selector, selector_names
+
+if TYPE_CHECKING:
+    from .probe import RouteAnswer
+
+
+class Prober(Protocol):
+    """What the plan asks of a model: one question per route (probe.py's `Probe` answers it by running blocks)."""
+
+    def route(self, route: Route, start: int, end: int, keep: tuple[int, ...], grid, shrink: tuple[int, ...],
+              bodies: bool = False) -> RouteAnswer: ...
+
+    def block_flops(self, block: int, tokens: int, shrink: tuple[int, ...] = ()) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """One route, resolved against the chain and the stream: its first and last block (non-negative), the
+    positions it always keeps, its kept count; per stack it crosses, the tokens its blocks see there (a later
+    stack's stream also holds the tokens the owner joined in, all kept)."""
+
+    route: Route
+    start: int
+    end: int
+    keep: tuple[int, ...]  # sorted non-negative positions every selection contains (in the first stack's stream)
+    kept: int  # tokens the route's blocks see (in its first stack)
+    shared: bool = False  # one selection for the whole batch: a block reads a table without a batch axis
+    shrink: tuple[int, ...] = ()  # the grid axes whose sizes, handed to the blocks as numbers, shrink
+    stacks: tuple[int, ...] = (0,)  # the stacks the route runs through, in order
+    kept_in: tuple[int, ...] = ()  # tokens its blocks see in each of them
+    fixed_in: tuple[int, ...] = ()  # of those, the always-kept ones (its keep, and what each join adds)
+    bodies: tuple[BlockInfo, ...] = ()  # DAR: its blocks whose own trace was shape-bound, traced at its kept count
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end + 1)
+
+    def kept_at(self, stack: int) -> int:
+        return self.kept_in[self.stacks.index(stack)] if self.kept_in else self.kept
+
+    def cuts(self, side, stack: int | None = None) -> tuple:
+        """What this route changes in a block's side input (a `findings.SideInput`) in `stack` (its first by
+        default): its token-carrying tensors (gathered) and the grid sizes the selector shrinks; () where it
+        passes unchanged."""
+        fixed = self.fixed_in[self.stacks.index(stack)] if stack is not None and self.fixed_in else len(self.keep)
+        return side.tokens + tuple(Shrink(path, fixed) for path, axis in side.grid if axis in self.shrink)
+
+
+@dataclass(frozen=True)
+class DarPlan:
+    """DAR resolved against the blocks: aggregation points, the timestep embedding's node, two-phase chunks."""
+
+    config: DAR
+    points: int  # one aggregation per residual add (or per block whose adds are hidden)
+    timestep: str | None  # the node of e(t) for static_t queries
+    two_phase: tuple[tuple[int, int], ...]  # (first point, points) of the chunks computed in two phases
+    two_phase_unrouted: tuple[tuple[int, int], ...]  # the same without the routes (DAR's eval graph)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The analysis with the routes and DAR placed on it. It prints as a table and draws as a PNG; its
+    report's fields read as its own (`plan.stack` is `plan.report.stack`)."""
+
+    report: GraphReport
+    placed: tuple[RoutePlan, ...]  # the routes resolved against the stream
+    dar: DarPlan | None
+    grid: tuple[int, int] | None  # the token grid selectors see (given, or the report's)
+    grid_given: bool  # True: fixed by the user; False: read at run time off the grid node/module
+    flops: tuple[tuple[int, int, int], ...] = ()  # (block, tokens its stack's stream has there, forward FLOPs), measured
+
+    @property
+    def measured_grid(self) -> tuple[int, ...] | None:
+        """The grid the analysis found with nothing to read it off at run time (packed latents whose sizes the call
+        named, an image patchified by reshaping): fixed for the shapes this plan serves (another shape is
+        planned again)."""
+        return self.grid if self.grid and not self.grid_given and not self.report.grid_node else None
+
+    @property
+    def routes_shape_bound(self) -> bool:
+        """Whether the routes hold for this plan's shapes alone: a grid measured on the call, or positions every
+        selection keeps (resolved against this stream's length, and special tokens found on this call: a caption
+        of another length moves the image's tokens). A program with them is planned again for other shapes."""
+        return self.measured_grid is not None or any(p.keep for p in self.placed)
+
+    @property
+    def routes(self) -> list[Route]:
+        """The routes as the user gave them."""
+        return [p.route for p in self.placed]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.report, name)
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+    def draw(self, path: str) -> str:
+        """Write a PNG of the block stack with the routes marked; returns the path."""
+        return draw_plan(self, path)
+
+    def route_at(self) -> dict[int, int]:
+        """{block index: route number} for every routed block."""
+        return {i: k for k, r in enumerate(self.placed) for i in r.blocks}
+
+    def uncompiled_by_dar(self) -> list[str]:
+        """The blocks compiled on their own that DAR inlines (every block whose residual adds it rewrites: its
+        aggregations read sublayer outputs across blocks), so that in training their code runs uncompiled."""
+        return [b.qualname for b in self.report.blocks if self.dar and b.compiled and b.adds]
+
+    def block_flop_fraction(self) -> float:
+        """Fraction of block compute left with the routes: each block's forward FLOPs at the tokens it sees, routed
+        and not, as counted when the plan was made (`flops_measured`: every token a block reads counts, a joint
+        stack's text too, and attention's quadratic share), else compute linear in the stream's tokens."""
+        report, kept = self.report, {}
+        for r in self.placed:
+            kept.update({i: r.kept_at(report.blocks[i].stack) for i in r.blocks})
+        tokens = [report.stack_of(i).tokens for i in range(report.depth)]
+        if self.flops_measured:
+            counted = {(b, n): f for b, n, f in self.flops}
+            return sum(counted[i, kept.get(i, n)] for i, n in enumerate(tokens)) / sum(
+                counted[i, n] for i, n in enumerate(tokens))
+        return sum(kept.get(i, n) for i, n in enumerate(tokens)) / sum(tokens)
+
+    @property
+    def flops_measured(self) -> bool:
+        return bool(self.flops)
+
+    def check_grid_found(self, tokens: int, grid: tuple[int, ...] | None) -> None:
+        """Refuse a call whose stream of `tokens` comes from no grid (`grid` None) or from one of other cells, where
+        the example inputs' came from a grid a route's selector reads."""
+        reads = [r.selector for r in self.routes if selector(r.selector).needs_grid]
+        if reads and (grid is None or math.prod(grid) + len(self.report.special) != tokens):
+            found = (f"this call's image makes a {'×'.join(map(str, grid))} grid, {math.prod(grid)} cells for a stream "
+                     f"of {tokens} tokens" if grid else f"this call's stream ({tokens} tokens) comes from no grid "
+                     "routekit finds")
+            raise ConfigError(
+                f"selector {reads[0]!r} reads the token grid, and {found}, where the example inputs' stream came from "
+                f"a {'×'.join(map(str, self.grid))} grid (a model may "
+                "pad some image sizes into a longer sequence, as HiDream does images that are not square): call it "
+                "at image sizes like the example's, or route with a selector that reads no grid (selector='random')"
+            )
+
+    def with_report(self, report: GraphReport, probe: Prober) -> Plan:
+        """The same request planned on another analysis of the model (another call signature or shape);
+        refuses one that would not keep DAR's parameters' shapes, or that lost the grid a route's selector reads."""
+        if self.grid and not self.grid_given and report.grid is None:
+            self.check_grid_found(report.tokens, None)
+        plan = make_plan(report, self.routes, self.dar.config if self.dar else None, probe,
+                         grid=self.grid if self.grid_given else None)
+        if (plan.dar and plan.dar.points) != (self.dar and self.dar.points):
+            raise ConfigError(
+                f"this call gives {plan.dar.points if plan.dar else 0} DAR aggregation points where the example "
+                f"inputs gave {self.dar.points if self.dar else 0}: DAR's parameters were made for the example's "
+                "call; call the model the way the example inputs did"
+            )
+        return plan
+
+
+def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, probe: Prober, *,
+              grid: tuple[int, int] | None = None) -> Plan:
+    """Check the request against the analysis and freeze it; ConfigError names what is wrong and what would be valid.
+
+    `probe` answers what the report cannot (`Prober`): `probe.Probe(model, report)` for the model analysed.
+    """
+    given = grid is not None
+    grid = checked_grid(grid, report.tokens, len(report.special)) if given else report.grid
+    try:
+        spans = resolve_blocks(routes, [b.qualname for b in report.blocks])
+    except ConfigError as err:
+        others = {k: v for k, v in report.candidates.items() if k not in {s.name for s in report.stacks}}
+        if not others or "outside the stack" not in str(err):
+            raise
+        raise ConfigError(
+            f"{err}. The stack routed is {report.stack!r}; other chains of blocks: {others}. A model "
+            "whose blocks sit in stages (Swin's windowed stages joined by patch merging, a U-Net's levels) has one "
+            "chain per stage, with another token count in each: a route lives in one, named with stack='...'"
+        ) from None
+    planned = []
+    for k, (route, (start, end)) in enumerate(zip(routes, spans)):
+        keep = _checked_keep(k, route, report.stack_of(start), grid)
+        _check_image_tables(k, route, report.blocks[start:end + 1], report, keep)
+        shrink = _shrink(k, route, report.blocks[start:end + 1], grid)
+        _check_blocks_of(k, route, report.blocks[start:end + 1], report, grid, given)
+        answer = probe.route(route, start, end, keep, grid, shrink, bodies=residual is not None)
+        _check_answer(k, route, report.blocks[start:end + 1], answer, grid)
+        stacks = tuple(range(report.blocks[start].stack, report.blocks[end].stack + 1))
+        planned.append(RoutePlan(route, start, end, keep, answer.kept, shared=answer.shared, shrink=shrink,
+                                 stacks=stacks, kept_in=report.joined_counts(start, end, answer.kept),
+                                 fixed_in=report.joined_counts(start, end, len(keep)), bodies=answer.bodies))
+    dar = _dar_plan(residual, report, planned) if residual is not None else None
+    return Plan(report, tuple(planned), dar, grid, given, _block_flops(report, planned, probe))
+
+
+def _block_flops(report: GraphReport, planned: list[RoutePlan], probe: Prober) -> tuple[tuple[int, int, int], ...]:
+    """Each block's forward FLOPs at its stack's tokens, and each routed block's at its kept count, as the probe
+    counts them; () where any is unknown (the estimate is then token-linear)."""
+    if not planned or not hasattr(probe, "block_flops"):
+        return ()
+    asked = [(b.index, report.stack_of(b.index).tokens, ()) for b in report.blocks]
+    asked += [(i, r.kept_at(report.blocks[i].stack), r.shrink) for r in planned for i in r.blocks]
+    out = []
+    for block, tokens, shrink in asked:
+        flops = probe.block_flops(block, tokens, shrink)
+        if flops is None:
+            return ()
+        out.append((block, tokens, flops))
+    return tuple(out)
+
+
+def checked_grid(grid, tokens: int, special: int = 0) -> tuple[int, ...]:
+    """A user's grid=(H, W) or (T, H, W): positive ints whose product is the stream's tokens, or its tokens but
+    the `special` ones (text, register, class tokens joined to the image's)."""
+    if not (isinstance(grid, (tuple, list)) and len(grid) in (2, 3) and all(type(g) is int and g > 0 for g in grid)):
+        raise ConfigError(f"grid is (H, W) or (T, H, W), positive ints, got {grid!r:.80}")
+    if math.prod(grid) not in (tokens, tokens - special):
+        others = f" or, without its {special} special tokens, {tokens - special}" if special else ""
+        raise ConfigError(f"grid {tuple(grid)} does not match the stream's {tokens} tokens{others} (the grid's "
+                          "product must equal it)")
+    return tuple(int(g) for g in grid)
+
+
+def resolve_blocks(routes: list[Route], block_names: list[str]) -> list[tuple[int, int]]:
+    """Each route's (start, end) as non-negative block indices (negative ones count from the end); refuses
+    routes that do not fit a stack with these blocks, listing the valid blocks, and routes that overlap."""
+    depth = len(block_names)
+    listing = ", ".join(f"{i}: {n}" for i, n in enumerate(block_names))
+    spans = []
+    for k, r in enumerate(routes):
+        ends = [_named_block(k, r, e, block_names) if isinstance(e, str) else e for e in (r.start, r.end)]
+        bad = [i for i in ends if not -depth <= i < depth]
+        if bad:
+            raise ConfigError(
+                f"route {k} ({r.start}→{r.end}): block {bad[0]} is outside the stack: valid block indices are "
+                f"0..{depth - 1}, or -{depth}..-1 counting from the end ({listing})"
+            )
+        start, end = ends[0] % depth, ends[1] % depth
+        if start > end:
+            raise ConfigError(f"route {k} ({r.start}→{r.end}) starts at block {start}, after its end at block {end}; "
+                              "the route covers blocks start..end")
+        spans.append((start, end))
+    ordered = sorted(range(len(spans)), key=lambda k: spans[k][0])
+    for i, j in zip(ordered, ordered[1:]):
+        (a_start, a_end), (b_start, b_end) = spans[i], spans[j]
+        if b_start <= a_end:
+            raise ConfigError(
+                f"route {j} ({b_start}→{b_end}) overlaps route {i} ({a_start}→{a_end}): routes must be disjoint; "
+                f"a route after route {i} can start at block {a_end + 1} or later"
+            )
+    return spans
+
+
+def _named_block(k: int, route: Route, name: str, block_names: list[str]) -> int:
+    """The chain index of a block named by its stack and its index in it ("single_transformer_blocks.-2")."""
+    container, _, index = name.rpartition(".")
+    members = [i for i, n in enumerate(block_names) if n.rpartition(".")[0] == container]
+    stacks = list(dict.fromkeys(n.rpartition(".")[0] for n in block_names))
+    if not members or not index.lstrip("-").isdigit() or not -len(members) <= int(index) < len(members):
+        raise ConfigError(
+            f"route {k} ({route.start}→{route.end}): {name!r} names no block of the chain; name one as "
+            f"'<stack>.<index>' with a stack of {stacks} and an index within it (negative ones count from its end)"
+        )
+    return members[int(index)]
+
+
+def resolve_keep(keep: tuple[int, ...] | None, tokens: int) -> tuple[int, ...]:
+    """`keep` as sorted non-negative positions in a stream of `tokens` tokens; ConfigError if out of range."""
+    if not keep:
+        return ()
+    bad = [i for i in keep if not -tokens <= i < tokens]
+    if bad:
+        raise ConfigError(
+            f"keep={list(keep)}: position {bad[0]} is outside the stream's {tokens} tokens "
+            f"(valid positions are {-tokens}..{tokens - 1}; negative ones count from the end)"
+        )
+    resolved = tuple(sorted({i % tokens for i in keep}))
+    if len(resolved) == tokens:
+        raise ConfigError(f"keep={list(keep)} keeps all {tokens} tokens of the stream, so the route would skip nothing")
+    return resolved
+
+
+def suggestion(special: tuple[int, ...]) -> str:
+    return f"keep={list(special)}"
+
+
+def _checked_keep(k: int, route: Route, report, grid) -> tuple[int, ...]:
+    """The route's resolved keep: the positions given, or with `keep=None` the special tokens analysis found
+    (class, register, text tokens: a route never sets them aside unless `keep=[]` says to); refuses keeps
+    that do not fit the stream. `report`: the stack the route starts in (its stream, special tokens)."""
+    tokens = report.tokens
+    if route.keep is None and report.unknown_special:
+        raise ConfigError(
+            f"route {k}: {report.unknown_special}, so it cannot keep them by itself: pass keep=[...] with the "
+            "positions of the tokens that are not the image's (text, register, class tokens; negative positions "
+            "count from the end), or keep=[] to route every token alike"
+        )
+    try:
+        keep = resolve_keep(report.special if route.keep is None else route.keep, tokens)
+    except ConfigError as err:
+        raise ConfigError(f"route {k}: {err}") from None
+    if selector(route.selector).needs_grid and grid is not None:
+        special = resolve_keep(report.special, tokens)
+        if tokens - len(keep) != math.prod(grid) or (special and keep != special):
+            fix = f"; keep exactly the special tokens: {suggestion(report.special)}" if report.special else ""
+            raise ConfigError(
+                f"route {k}: selector {route.selector!r} picks from the {'×'.join(map(str, grid))} grid, but with "
+                f"keep={list(keep)} {tokens - len(keep)} of the {tokens} tokens are left to pick from{fix}"
+            )
+    return keep
+
+
+def _check_image_tables(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport,
+                        keep: tuple[int, ...]) -> None:
+    """Refuse a keep without the special tokens where a block of the route takes a table over the image's tokens
+    only (`sides.image_tables`): the block lines it up with the stream's last tokens, so the special ones must
+    all stay before them."""
+    special = resolve_keep(report.stack_of(blocks[0].index).special, report.stack_of(blocks[0].index).tokens)
+    if set(special) <= set(keep):
+        return
+    for block in blocks:
+        tokens = report.stack_of(block.index).tokens
+        for side in block.side_inputs:
+            short = next((g for g in side.tokens if side.leaf(g.path).shape[g.axes[0]] < tokens), None)
+            if short is not None:
+                where = "".join(f"[{p!r}]" for p in short.path)
+                raise ConfigError(
+                    f"route {k}: keep={list(route.keep)} sets aside special tokens, but {block.qualname}'s input "
+                    f"{side.slot!r}{where} ({side.describe()}) is a table over the image's tokens only, which the "
+                    f"block lines up with the stream's last tokens: every token before them must stay. Leave keep "
+                    f"unset to keep the special tokens ({suggestion(report.special)}), or keep them all"
+                )
+
+
+def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report: GraphReport, grid,
+                     given: bool) -> None:
+    """Refuse blocks the route cannot contain or pass through, as the report shows them, and a grid selector
+    without a grid, or with a found one (not `given`) whose lines the stream breaks up."""
+    for block in blocks:
+        hidden = [s for s in block.side_inputs if s.unordered]
+        if hidden:
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: its input {hidden[0].slot!r} holds a table over the "
+                f"stream's tokens joined with another input's ({hidden[0].describe()}), and the block's code does not "
+                "show which come first (routekit reads that off a cat of the two inside the block); end the route "
+                "before this block"
+            )
+        sealed = [s for s in block.side_inputs if s.sealed]
+        if sealed:
+            side = sealed[0]
+            where = "".join(f"[{k!r}]" for k in side.sealed[0])
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: its input {side.slot!r}{where} is an object "
+                f"({side.describe()}) holding a tensor over the stream's tokens, and a route does not cut inside "
+                "objects (state such as a cache is the blocks' own); pass that tensor to the block as an argument "
+                "or inside a tuple/list/dict, or end the route before this block"
+            )
+        collided = [s for s in block.side_inputs if s.collided]
+        if collided:
+            side = collided[0]
+            where = "".join(f"[{k!r}]" for k in side.collided[0])
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: its input {side.slot!r}{where} ({side.describe()}) has "
+                f"a last axis as long as the stream's {report.stack_of(block.index).tokens} tokens, and the block "
+                "runs neither with that axis cut nor with it kept when the stream is cut, so routekit cannot tell "
+                "whether it holds tokens or features; trace with example inputs of another token count (one no "
+                "feature axis is as long as)"
+            )
+        if block.aux_escapes:
+            raise ConfigError(
+                f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "
+                f"({block.aux_escapes[0]}), which would have only the kept tokens"
+            )
+    for block in blocks[:-1]:
+        if block.escapes:
+            raise ConfigError(
+                f"route {k} cannot pass through {block.qualname}: its output is also used by "
+                f"{block.escapes[0].split(' → ')[1]}, outside the chain; end the route at block {block.index} "
+                "or start it after"
+            )
+    if selector(route.selector).needs_grid and grid is None:
+        raise ConfigError(
+            f"route {k}: selector {route.selector!r} needs the token grid, and none was found (no 4-D patch "
+            "embedding output upstream of the stream); pass grid=(H, W) to routekit.apply"
+        )
+    reordered = report.stack_of(blocks[0].index).reordered
+    if selector(route.selector).needs_grid and not given and reordered:
+        raise ConfigError(
+            f"route {k}: selector {route.selector!r} keeps runs of tokens as lines of the grid, but {reordered}: "
+            "use a selector that reads no grid (selector='random'), or pass grid= only if the stream's own order is "
+            "a grid's"
+        )
+
+
+def _check_answer(k: int, route: Route, blocks: tuple[BlockInfo, ...], answer: RouteAnswer, grid) -> None:
+    """Refuse the selector where the probe found a block of the route that cannot take what it keeps."""
+    stuck = [b for b in blocks if b.index in answer.stuck]
+    if stuck:
+        block = stuck[0]
+        fix = ("and so does every block of the route: no route can hold them" if len(stuck) == len(blocks) else
+               f"start the route after block {block.index}" if block is blocks[0] else
+               f"end the route before block {block.index}")
+        raise ConfigError(
+            f"route {k}: {block.qualname} ({block.cls}) fails on fewer tokens than the stream's, whole grid rows "
+            "fewer too, so no selector can route it: it holds or is handed something as long as the stream that a "
+            f"route does not cut (a position bias of its own, say); {fix}"
+        )
+    for block in blocks:
+        if block.index in answer.fails:
+            raise ConfigError(
+                f"route {k}: {block.qualname} ({block.cls}) fails on the {answer.kept} tokens selector "
+                f"{route.selector!r} keeps of the {'×'.join(map(str, grid))} grid; try another grid selector "
+                "('row', 'column', 'window', 'frame') or end the route before this block"
+            )
+        if block.index in answer.rows:
+            raise ConfigError(
+                f"route {k}: {block.qualname} ({block.cls}) fails on a token count that is not whole grid rows, "
+                f"so selector {route.selector!r} would break it; use selector='row' (or 'window')"
+            )
+
+
+def _shrink(k: int, route: Route, blocks, grid) -> tuple[int, ...]:
+    """The grid axes (negative) whose sizes the route's blocks are handed and its selector shrinks; refuses a
+    selector whose kept tokens form no grid, where a block takes the grid's sizes."""
+    takers = [b for b in blocks if any(s.grid for s in b.side_inputs)]
+    if not takers or grid is None:
+        return ()
+    spec = selector(route.selector)
+    kept = spec.kept_grid(grid, route.rate) if spec.kept_grid else None
+    if kept is None:
+        names = [s.slot if s.argument is None else s.argument for s in takers[0].side_inputs if s.grid]
+        fitting = [n for n in selector_names() if (f := selector(n).kept_grid) and f(grid, route.rate) is not None]
+        raise ConfigError(
+            f"route {k}: {takers[0].qualname} is handed the token grid's sizes as numbers (arguments "
+            f"{', '.join(map(repr, names))}), so the tokens it keeps must form a grid smaller than the "
+            f"{'×'.join(map(str, grid))} one, which selector {route.selector!r}'s do not; selectors that keep such a "
+            f"grid on this one: {', '.join(map(repr, fitting)) or 'none'}"
+        )
+    return tuple(axis - len(grid) for axis in range(len(grid)) if kept[axis] != grid[axis])
+
+
+def _dar_plan(config: DAR, report: GraphReport, routes: list[RoutePlan]) -> DarPlan:
+    if report.mode != "graph":
+        raise ConfigError(
+            "residual=DAR(...) rewrites the residual adds of a traced graph and needs graph mode, but "
+            f"{report.model}.forward does not trace ({report.fallback or 'mode=boundary was asked for'})"
+        )
+    checkpointed = [b.qualname for b in report.blocks if b.checkpointed and b.adds]
+    if checkpointed:
+        raise ConfigError(
+            f"residual=DAR(...) inlines the blocks into one graph, and the forward runs {checkpointed[0]} under "
+            "torch.utils.checkpoint, which DAR would silently drop (activation memory would come back); turn "
+            "activation checkpointing off for DAR (model.disable_gradient_checkpointing() in diffusers)"
+        )
+    if report.residual is None or report.residual.startswith("unknown"):
+        raise ConfigError(
+            f"residual=DAR(...) needs each block of {report.stack} traced alone to find its residual adds: "
+            f"{report.residual or 'the blocks were not analysed'}"
+        )
+    joined = [s for s in report.stacks[1:] if s.tokens != report.stacks[0].tokens]
+    if joined:
+        raise ConfigError(
+            f"residual=DAR(...) aggregates sublayer outputs of one shape, and the stream of {joined[0].name} also "
+            f"holds the {joined[0].tokens - report.stacks[0].tokens} tokens the model joins in before it; give DAR "
+            f"one stack: stack={report.stacks[0].name!r} or stack={joined[0].name!r}"
+        )
+    plain = [b.qualname for b in report.blocks if b.residual_free]
+    if plain:
+        more = f" (and {len(plain) - 1} more blocks)" if len(plain) > 1 else ""
+        raise ConfigError(
+            f"residual=DAR(...) replaces residual adds, and {plain[0]}{more} has none: its output is not its input "
+            "plus a sublayer's output, so there is no history for DAR to aggregate over; DAR applies to residual "
+            "networks (DiT, ViT, LLM blocks)"
+        )
+    timestep = None
+    if config.query == "static_t":
+        timestep = report.embedding(config.timestep)
+        if timestep is None and config.timestep is not None:
+            raise ConfigError(f"DAR(timestep={config.timestep!r}): no call of that module yields a "
+                              f"(batch, {report.stream.shape[2]}) embedding")
+        if timestep is None:
+            raise ConfigError(
+                "DAR(query='static_t') needs the model's timestep embedding: no (batch, channels) value computed "
+                "from a 1-D float input alone was found; name the module with DAR(timestep='t_embedder')"
+            )
+    for route in routes:
+        for body in route.bodies:
+            stack, adds = report.stack_of(body.index), report.blocks[body.index].adds
+            if len(body.adds) != len(adds):
+                raise ConfigError(
+                    f"DAR: {body.qualname} has {len(body.adds)} residual adds on the route's {route.kept_at(body.stack)} "
+                    f"tokens but {len(adds)} on all {stack.tokens}; its code branches on the token count, so DAR "
+                    "cannot be combined with this route"
+                )
+    sizes = [len(b.adds) or 1 for b in report.blocks]
+    return DarPlan(config, sum(sizes), timestep, tuple(sorted(two_phase_chunks(sizes, routes, config).items())),
+                   tuple(sorted(two_phase_chunks(sizes, [], config).items())))
+
+
+def two_phase_chunks(sizes: list[int], routes: list[RoutePlan], config: DAR) -> dict[int, int]:
+    """{first point: points} of the chunks computed in two phases, for blocks of `sizes` aggregation points:
+    static queries (known before the chunk runs), chunks of two or more points, and no route boundary
+    inside the chunk (its shared sources must keep their tokens throughout)."""
+    if config.query == "dynamic" or (config.chunk or 0) < 2:
+        return {}
+    first = [0]
+    for size in sizes:
+        first.append(first[-1] + size)
+    total = first[-1]
+    boundaries = {first[r.start] for r in routes} | {first[r.end + 1] for r in routes}
+    chunks = {}
+    for p in range(0, total, config.chunk):
+        size = min(config.chunk, total - p)
+        if size >= 2 and not any(b in boundaries for b in range(p + 1, p + size)):
+            chunks[p] = size
+    return chunks

@@ -1,0 +1,292 @@
+"""`verify`: prove that a routed model changes only what was asked, in eval and in training.
+
+Three checks; the first raises `InferenceChanged`, the training checks `TrainingChanged`, each with what differs:
+
+1. eval: the routed model in eval is the original model: the same traced graph, node for node, and
+   bit-identical outputs under the same seed. A DAR model changes the model, so its eval is held to the
+   DAR graph that a fresh trace builds now (a program built at `apply` must not have gone stale).
+2. train at rate 0: the routed model's own training program, with every route keeping every token,
+   reproduces the original forward in train mode (the model as the routed model holds it now, same
+   seed) bit for bit: routes are pure gathers and scatters, nothing else in the graph may differ. With
+   DAR, to rounding, against DAR without routes: route boundaries split chunk sums, and the tolerance is a few
+   units in the last place of the output's dtype. Where a block inlined by DAR was specialised to the kept
+   count, the routed program is traced again at rate 0, and the result says so.
+3. the kept tokens: at the first route's start, with its real rate, the route's first block gets the
+   original stream gathered at the kept tokens, and computes what the original block computes on the
+   original inputs cut to them (the stream gathered, every side input as the plan cuts it).
+
+Both sides run alike: each run gets its own copy of the call's arguments (a generation cache the first run
+filled would otherwise hand the next run its keys and values too), and where the model holds compiled
+regions (blocks under `torch.compile`) every run, routed or not, runs them eagerly: a routed program calls a
+compiled block at other shapes and strides, Dynamo compiles it again, and another kernel rounds otherwise, a
+difference that says nothing about the rewrite. The result says so (`compiled`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.func import functional_call
+
+from .calls import bind_arguments
+from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
+from .model import RoutedModel, example_call, report_of, unwrap_compiled
+from .plan import Plan
+from .programs import Programs
+from .rewrite import STATE
+from .routing import gather_tokens, route_side
+from .sides import parameter_names
+from .state import eager, fresh, is_compiled, preserved_state, shallow_copy, training_mode
+from .trace import trace
+from .values import flatten
+
+
+def graph_lines(graph: fx.Graph) -> list[str]:
+    """One line per node: op, target and arguments, in the names users know (module paths)."""
+    lines = []
+    for node in graph.nodes:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        lines.append(f"{node.name} = {node.op}[{target}](args={node.args}, kwargs={node.kwargs})")
+    return lines
+
+
+def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Tensor = (),
+           example_kwargs: dict | None = None, *, seed: int = 0) -> dict:
+    """Check `routed` against `model` on the example inputs (see the module docstring); returns what was
+    compared: {"mode", "nodes" (eval graph nodes compared, or None), "outputs", "train", "kept", "compiled"
+    (the compiled regions run eagerly for the comparison, or None)}."""
+    model, routed = unwrap_compiled(model)[0], unwrap_compiled(routed)[0]
+    if type(seed) is not int:
+        raise InputError(f"seed is an int, got {seed!r:.80}")
+    if not isinstance(routed, RoutedModel):
+        raise InputError(f"verify compares a model with routekit.apply(model, ...); got {type(routed).__name__}")
+    args, kwargs = example_call(model, example_inputs, example_kwargs)
+    plan = report_of(routed)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    compiled = compiled_regions(routed)
+    with preserved_state(model, tensors), preserved_state(routed, tensors), eager():
+        nodes, outputs = _eval(model, routed, args, kwargs, seed)
+        with torch.enable_grad():  # as training runs: a forward may branch on it (checkpointing its blocks)
+            train = _train_at_rate_zero(routed, args, kwargs, seed) if plan.placed else None
+            kept = _kept_tokens(routed, args, kwargs, seed) if plan.placed and plan.dar is None else 0
+    note = (f"{', '.join(compiled[:3])}{' ...' if len(compiled) > 3 else ''} compiled: run eagerly on both sides"
+            if compiled else None)
+    return {"mode": plan.report.mode, "nodes": nodes, "outputs": outputs, "train": train, "kept": kept,
+            "compiled": note}
+
+
+def compiled_regions(model: nn.Module) -> list[str]:
+    """The modules of `model` that run under torch.compile (`state.is_compiled`)."""
+    return [name or type(module).__name__ for name, module in model.named_modules() if is_compiled(module)]
+
+
+def _original(routed: nn.Module) -> nn.Module:
+    """The model the routed model was made from: the original forward over the state they share."""
+    return routed._routekit_model
+
+
+def _run(module: nn.Module, args: tuple, kwargs: dict, seed: int, what: str, error=InferenceChanged) -> Any:
+    torch.manual_seed(seed)
+    args, kwargs = fresh((args, kwargs))
+    try:
+        return module(*args, **kwargs)
+    except Exception as err:
+        raise error(f"{what} fails on the example inputs: {type(err).__name__}: {err}") from err
+
+
+def _eval(model: nn.Module, routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> tuple[int | None, int]:
+    plan = report_of(routed)
+    with training_mode(model, False), training_mode(routed, False), torch.no_grad():
+        if plan.dar is not None:
+            want = _run(lambda *a, **k: routed._routekit_executor.run_fresh(routed, a, k), args, kwargs, seed,
+                        "the DAR graph traced afresh")
+            _compare(want, _run(routed, args, kwargs, seed, "the routed model in eval"), "the DAR model's eval program",
+                     "the DAR graph traced afresh")
+            return None, len(flatten(want)[0])
+        try:
+            original = graph_lines(trace(model, args, kwargs).graph)
+        except TraceError:
+            original = None  # an owner that does not trace in eval (boundary mode): outputs alone are compared
+        if original is not None:
+            now = graph_lines(trace(_original(routed), args, kwargs).graph)
+            if original != now:
+                diff = "\n".join(difflib.unified_diff(original, now, "original eval graph", "routed eval graph",
+                                                      lineterm="", n=1))
+                raise InferenceChanged(f"the routed model's eval graph differs from the original's:\n{diff}")
+        keys = set(model.state_dict(keep_vars=True))
+        state = {k: v for k, v in routed.state_dict(keep_vars=True).items() if k in keys}
+        want = _run(lambda *a, **k: functional_call(model, state, a, k), args, kwargs, seed,
+                    f"{type(model).__name__} in eval", InputError)
+        got = _run(routed, args, kwargs, seed, "the routed model in eval")
+    _compare(want, got, "original", "routed")
+    return (len(original) if original is not None else None), len(flatten(want)[0])
+
+
+def _at_rate_zero(routed: nn.Module) -> nn.Module:
+    """`routed` with every route keeping every token, for verify's rate-0 run: a copy that shares everything
+    with `routed` (modules, parameters, plan, executor and its programs) but routekit's route selectors, which
+    are copies at rate 0. The routed model itself is not changed, so nothing needs undoing when a run fails."""
+    state = getattr(routed, STATE)
+    zero_state = shallow_copy(state)
+    zero_state._modules["routes"] = nn.ModuleList(_selecting_every_token(select) for select in state.routes)
+    zero = shallow_copy(routed)
+    zero._modules[STATE] = zero_state
+    zero.__dict__["_compiled_call_impl"] = None  # `routed.compile()`'s call runs `routed`; verify runs eagerly
+    return zero
+
+
+def _selecting_every_token(select: nn.Module) -> nn.Module:
+    copy = shallow_copy(select)
+    copy.route = select.route.model_copy(update={"rate": 0.0})
+    return copy
+
+
+def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> str:
+    plan = report_of(routed)
+    executor = routed._routekit_executor
+    # DAR inlines the blocks, and a block whose code was specialised to its shapes is inlined as traced at the
+    # route's kept count: where that code cannot take every token (it reshapes to the kept grid), the training
+    # program cannot run at rate 0, and the routed program is traced again at rate 0 instead (and says so)
+    retraced = plan.dar is not None and any(plan.report.blocks[i].adds and plan.report.blocks[i].body.specialised
+                                            for r in plan.placed for i in r.blocks)
+    how = ""
+    every_token = _at_rate_zero(routed)
+    with training_mode(routed, True):
+        try:
+            got = _run(every_token, args, kwargs, seed, "the routed training graph at rate 0", TrainingChanged)
+        except TrainingChanged:
+            if not retraced:
+                raise
+            zero = dataclasses.replace(plan, placed=tuple(
+                dataclasses.replace(p, route=p.route.model_copy(update={"rate": 0.0})) for p in plan.placed))
+            got = _run(lambda *a, **k: executor.run_fresh(every_token, a, k, plan=zero), args, kwargs, seed,
+                       "the routed training graph traced at rate 0", TrainingChanged)
+            how = " (traced at rate 0: a block's code is specialised to the kept count)"
+        if plan.dar is not None:
+            reference = lambda *a, **k: executor.run_fresh(routed, a, k, routes=False)  # noqa: E731
+        else:
+            reference = _original(routed)
+        want = _run(reference, args, kwargs, seed, "the original forward in train mode", InputError)
+    if plan.dar is not None:  # the same sums in another order (route boundaries split two-phase chunks)
+        _compare(want, got, "DAR without routes", "routed DAR at rate 0", close=True, error=TrainingChanged,
+                 precision=_computed_in(routed))
+        return f"rate 0{how} matches DAR without routes (to rounding)"
+    _compare(want, got, "original in train mode", "routed training graph at rate 0", error=TrainingChanged)
+    return "rate 0 bit-identical"
+
+
+def _kept_tokens(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> int:
+    """The first route's first block computes what the original block computes on the kept tokens: its
+    stream input is the original's gathered at them, and its output is the original block's output on the
+    original inputs cut by the plan (the stream gathered, each side input as the plan cuts it)."""
+    seen: dict[str, Any] = {}
+
+    def capture(key):
+        def hook(module, a, kw):
+            seen.setdefault(key, fresh((a, kw)))  # as the block got it: the run goes on to change a cache
+            torch.manual_seed(seed + 1)  # the block's own random draws (dropout) are the same in every run
+        return hook
+
+    with training_mode(routed, True):
+        plan = _plan_of_call(routed, args, kwargs)
+        route, report = plan.placed[0], plan.report
+        block = report.blocks[route.start]
+        report = report.stack_of(route.start)  # the stream the route starts on
+        original = _original(routed)
+        for key, root in (("routed", routed), ("original", original)):
+            module = root.get_submodule(block.qualname)
+            handles = [module.register_forward_pre_hook(capture(key), with_kwargs=True)]
+            if key == "routed":  # first among the forward hooks: the block's own output, before a route's scatter
+                handles.append(module.register_forward_hook(lambda m, a, out: seen.setdefault("output", out),
+                                                            prepend=True))
+            try:
+                _run(root, args, kwargs, seed, f"the {key} model in train mode", TrainingChanged)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        index = getattr(routed, STATE).routes[0].last_index
+        module = original.get_submodule(block.qualname)
+        forward = type(unwrap_compiled(module)[0]).forward  # a compiled block's own signature
+        names = parameter_names(unwrap_compiled(module)[0])
+        name = lambda slot: names[slot] if isinstance(slot, int) else slot  # noqa: E731
+        bound = bind_arguments(forward, *seen["original"])  # by name: the two calls may differ in form
+        values = bound.arguments
+        stream = values[name(report.stream_slot)]
+        values[name(report.stream_slot)] = gather_tokens(stream, index)
+        routed_stream = bind_arguments(forward, *seen["routed"]).arguments[name(report.stream_slot)]
+        _compare(values[name(report.stream_slot)], routed_stream,
+                 f"{block.qualname}'s input {report.stream_slot!r} in the original, gathered",
+                 f"{block.qualname}'s input {report.stream_slot!r} in route 0", error=TrainingChanged)
+        for side in block.side_inputs:
+            key = name(side.slot)
+            if values.get(key) is not None:  # a per-token input this call leaves out is left out
+                values[key] = route_side(values[key], stream, index, route.cuts(side), route.shared)
+        torch.manual_seed(seed + 1)
+        want = module(*bound.args, **bound.kwargs)
+    # close rather than equal: the route's graph may hand the block an equivalent input in another form (an
+    # explicit causal mask where the eager forward passed None to the same attention)
+    _compare(want, seen["output"], f"{block.qualname} on the original's inputs cut to the kept tokens",
+             f"{block.qualname} in route 0", close=True, error=TrainingChanged, precision=_computed_in(module))
+    return 1
+
+
+def _plan_of_call(routed: nn.Module, args: tuple, kwargs: dict) -> Plan:
+    """The plan the routed model's training forward follows on this call: graph mode plans a call of another
+    signature or other shapes again (its blocks may take other inputs: a mask the example call did not pass),
+    boundary mode follows the example's."""
+    executor = routed._routekit_executor
+    if isinstance(executor, Programs):
+        return executor.program(routed, args, kwargs)[1].plan
+    return report_of(routed)
+
+
+def _computed_in(model: nn.Module) -> torch.dtype | None:
+    """The least precise floating dtype `model` computes in: its parameters' or, where autocast is on, autocast's.
+    An output's own dtype can be wider than the sums behind it: a bf16 LM casts its logits to fp32 at the end
+    (transformers' Mamba and FalconMamba heads do), and judging those by fp32's last place called every bf16 DAR
+    model changed."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtypes |= {torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
+
+
+def _tolerance(a: torch.Tensor, precision: torch.dtype | None = None) -> tuple[float, float]:
+    """(rtol, atol) for "the same sums in another order": a few units in the last place of the dtype the sums
+    were made in (the output's, or a less precise one the model computes in: `_computed_in`; bf16's is 2^-7),
+    the absolute part in proportion to the output's scale, since the sums that round are as large as the
+    largest values, not as the element."""
+    if not a.is_floating_point():
+        return 0.0, 0.0
+    eps = max(torch.finfo(a.dtype).eps, torch.finfo(precision).eps if precision is not None else 0.0)
+    scale = a.detach().abs().max().item() if a.numel() else 0.0
+    return max(1e-4, 4 * eps), max(1e-5, 4 * eps * scale)
+
+
+def _compare(expected, got, want_name: str, got_name: str, close: bool = False, depth: int = 0,
+             error: type = InferenceChanged, precision: torch.dtype | None = None) -> None:
+    want, have = flatten(expected), flatten(got)
+    if want[1] != have[1]:
+        raise error(f"output structure differs: {want_name} {want[1]}, {got_name} {have[1]}")
+    for i, (a, b) in enumerate(zip(want[0], have[0])):
+        if isinstance(a, torch.Tensor):
+            if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                described = f"{b.dtype}{list(b.shape)}" if isinstance(b, torch.Tensor) else repr(b)
+                raise error(f"output {i}: {want_name} {a.dtype}{list(a.shape)}, {got_name} {described}")
+            same = torch.allclose(a, b, *_tolerance(a, precision)) if close else torch.equal(a, b)
+            if not same:
+                diff = (a.double() - b.double()).abs()
+                raise error(
+                    f"output {i} of {got_name} is not {'close to' if close else 'bit-identical to'} {want_name}'s: "
+                    f"{int((diff > 0).sum())} of {diff.numel()} elements differ, max |Δ| = {diff.max().item():.3e}"
+                )
+        elif type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__") and depth < 4:
+            # an object without equality (a cache)
+            _compare(vars(a), vars(b), want_name, got_name, close, depth + 1, error, precision)
+        elif a != b:
+            raise error(f"output {i}: {want_name} {a!r}, {got_name} {b!r}")
