@@ -20,7 +20,7 @@ before `accelerate.prepare`, after LoRA, as routekit needs. Each step's randomne
 timesteps, which tokens a route keeps) is drawn from the seed and the step's number, so a run resumed from a
 checkpoint takes bit for bit the steps the uninterrupted run took.
 
-Writes into `--output`: `checkpoint-STEP/` (accelerate's state: the LoRA weights, optimizer, scheduler; and
+Writes into `--output`: `checkpoint-STEP/` (accelerate's state: the LoRA weights and the optimizer; and
 `trainer.json`), `loss.jsonl` (one line a step), `loss.png` (the curve) and, at the end,
 `pytorch_lora_weights.safetensors` (peft's LoRA state dict, keys prefixed `transformer.`, as diffusers'
 `load_lora_weights` reads it).
@@ -386,9 +386,7 @@ def run(args: argparse.Namespace) -> dict:
     example = {k: v.to(dtype) if v.is_floating_point() else v for k, v in example.items()}
     routed = route(model, routes, family, objective, example)
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=1e-2)
-    warmup = max(args.warmup, 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    routed, optimizer, scheduler = acc.prepare(routed, optimizer, scheduler)
+    routed, optimizer = acc.prepare(routed, optimizer)
 
     def save_hook(models, weights, folder):  # only the LoRA weights: the frozen ones are the --model folder's
         if acc.is_main_process:
@@ -440,19 +438,21 @@ def run(args: argparse.Namespace) -> dict:
         batch = samples.batch(indices[rank * args.batch_size:(rank + 1) * args.batch_size], acc.device)
         batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
         generator = step_generator(args.seed, step, rank)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup > 0 else args.lr  # from the step alone
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         with acc.autocast():
             loss = objective.loss(routed, family, batch, generator)
         acc.backward(loss)
         if args.max_grad_norm:
             acc.clip_grad_norm_(trainable, args.max_grad_norm)
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         mean = acc.reduce(loss.detach(), reduction="mean").item()
         if not math.isfinite(mean):
             raise RoutekitError(f"the loss is {mean} at step {step}: lower --lr or raise --max-grad-norm's clipping")
-        history.append({"step": step, "loss": mean, "lr": scheduler.get_last_lr()[0]})
+        history.append({"step": step, "loss": mean, "lr": lr})
         if acc.is_main_process:
             with log.open("a") as handle:
                 handle.write(json.dumps(history[-1]) + "\n")

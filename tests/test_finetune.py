@@ -76,6 +76,7 @@ def test_a_launched_flux_lora_run_with_a_route_resumes_bit_exactly(tmp_path):
     assert "it/s" not in done.stderr and "trained 4 steps" in done.stdout  # no bar off a terminal
     history = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3, 4] and all(h["loss"] > 0 for h in history)
+    assert [h["lr"] for h in history] == [5e-4, 1e-3, 1e-3, 1e-3]  # two steps of warm-up
     assert (run / "loss.png").stat().st_size > 1000 and {"checkpoint-2", "checkpoint-4"} <= {p.name for p in run.iterdir()}
     lora = load_file(run / "pytorch_lora_weights.safetensors")
     assert lora and all(k.startswith("transformer.") and "lora_" in k for k in lora)
