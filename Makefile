@@ -55,10 +55,10 @@ test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/python $(PYTEST)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check routekit backbones recipes tests benchmarks
+	$(VENV)/bin/ruff check routekit backbones recipes tests benchmarks examples
 
 # What a GPU machine without internet needs beside its torch, transformers and accelerate to run the benchmarks
-# and the convergence study: routekit's pure dependencies and diffusers as wheels for its Python (.whl/, installed
+# and the convergence study: routekit's pure dependencies, diffusers and peft as wheels for its Python (.whl/, installed
 # there with --no-deps), MNIST-5k as an npz and mamba-ssm's Triton kernels (its sdist's package folder, put on
 # PYTHONPATH: no CUDA build) under .cache/. Run it here, with internet, and carry both folders.
 GPU_PYTHON ?= 3.12
@@ -67,7 +67,7 @@ gpu-carry: $(STAMP)
 	mkdir -p .whl .cache/site
 	$(VENV)/bin/python -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  --platform manylinux2014_x86_64 -d .whl pydantic tqdm
-	$(VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d .whl diffusers
+	$(VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d .whl diffusers peft
 	$(VENV)/bin/python -m recipes.data --export .cache/routekit/mnist5k.npz
 	rm -rf .cache/mamba-src && mkdir -p .cache/mamba-src
 	$(VENV)/bin/python -c "import json, urllib.request as r; \

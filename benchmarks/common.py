@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import flop_counter
+
+from routekit.flops import flop_counter_mode  # noqa: F401  (the benchmarks' and tests' counter)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
@@ -38,7 +39,7 @@ TINY = {"dit": {"depth": 8, "hidden": 32, "heads": 2, "patch": 4}, "rwkv": {"dep
 
 def commit() -> str:
     """The short commit the tree is at, with " (dirty)" when tracked files differ from it. RK_COMMIT wins:
-    a lent GPU machine gets the tree without its history."""
+    a machine that gets the tree without its history."""
     if os.environ.get("RK_COMMIT"):
         return os.environ["RK_COMMIT"]
 
@@ -106,7 +107,8 @@ def free_memory() -> None:
 
     A model routekit rewrote sits in reference cycles (an fx graph's nodes and the graph point at each other, and
     its modules are the model's), so `del` leaves its parameters and gradients allocated until Python's cycle
-    collector happens to run, and the next row's peak would count them (docs/measurements.md has the case)."""
+    collector happens to run, and the next row's peak would count them (a DiT-XL/2 row's peak once counted the
+    row before it)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -157,7 +159,7 @@ def step_stats(times: list[float], host: list[float]) -> dict[str, float]:
 
 def kept_rows(path: Path, measured: Callable[[dict], bool]) -> list[dict]:
     """The rows of an earlier result file that this call does not measure again (``--add``), each with the
-    commit it was measured at: a study too long for one device call is made by several, each replacing its
+    commit it was measured at: a study too long for one process is made by several, each replacing its
     own rows."""
     if not path.exists():
         raise SystemExit(f"--add keeps the rows of {path}, which does not exist; run once without --add")
@@ -209,22 +211,6 @@ def figure(path: Path, *grid: int, **subplots) -> Iterator[tuple]:
 def call(model: nn.Module, args: tuple, kwargs: dict):
     out = model(*args, **kwargs)
     return out.sample if hasattr(out, "sample") else out
-
-
-def flop_counter_mode() -> flop_counter.FlopCounterMode:
-    """torch's FLOP counter, attention on the CPU included. Before torch 2.15 the counter had no formula for the
-    CPU's fused attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) and counted it as
-    free, so a CPU count left attention out and a route's FLOP ratio came out higher than the GPU's. Where the
-    registry lacks them, the same formulas torch uses for the GPU's fused kernels count them."""
-    aten = torch.ops.aten
-    cpu_attention = {
-        aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
-    }
-    missing = {op: formula for op, formula in cpu_attention.items() if op not in flop_counter.flop_registry}
-    return flop_counter.FlopCounterMode(display=False, custom_mapping=missing)
 
 
 def step_flops(model: nn.Module, args: tuple, kwargs: dict) -> int:

@@ -2,14 +2,14 @@
 
 The study is a fixed plan of runs. DiT-B/2 on MNIST-5k with vanilla, TREAD, DAR and DAR + TREAD, three seeds,
 420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 360 s
-each. One run (backbone, method, seed) is one process that fits one lent H200 for at most 9 minutes, its start,
-first step (torch.compile's compilation) and evaluations included, so any session can advance the study with
-its spare device time. Every run trains a shipped recipe (recipes/configs/<backbone>_<method>.yaml) for the same
-budget of training seconds (evaluation and the first step are not counted) with the same data order per seed,
-and is scored on its EMA weights every budget / evals training seconds: Fréchet distance in the features of a
-small MNIST classifier (lower is better) and that classifier's accuracy on class-conditional samples.
+each. One run (backbone, method, seed) is one process of at most 9 minutes on one GPU (`--wall-s`), its start,
+first step (torch.compile's compilation) and evaluations included, so the study grows one run at a time. Every
+run trains a shipped recipe (recipes/configs/<backbone>_<method>.yaml) for the same number of training seconds
+(evaluation and the first step are not counted) with the same data order per seed, and is scored on its EMA
+weights every budget_s / evals training seconds: Fréchet distance in the features of a small MNIST classifier
+(lower is better) and that classifier's accuracy on class-conditional samples.
 
-    python -m benchmarks.convergence --list                 # the plan: each run, its budget, whether it exists
+    python -m benchmarks.convergence --list                 # the plan: each run, its training seconds, whether it exists
     python -m benchmarks.convergence --next                 # train the first missing run, then the report
     python -m benchmarks.convergence --run dit_b2/tread/0   # a named run (two GPUs: one process each, with
                                                             # CUDA_VISIBLE_DEVICES=0 and =1), then the report
@@ -18,22 +18,16 @@ small MNIST classifier (lower is better) and that classifier's accuracy on class
                                                             # half a second of training each, on a CPU
 
 A GPU machine without internet needs what `make gpu-carry` gathers (.whl/ and .cache/: carry both). A run writes
-benchmarks/results/convergence/<backbone>/<method>_seed<seed>.json (commit it as soon as it exists:
-the report merges results made in different sessions) and the report benchmarks/results/convergence.{md,json,png}.
-Its training folder (logs, no checkpoints) goes under runs/convergence/. ``--quick`` keeps everything under
-runs/convergence_quick/. On a lent GPU, where at most 8 files come back from $OUT, keep the results in a scratch
-copy and send back only the new run and the report (a whole results folder under $OUT loses the run). Remove
-the copy first: on a machine still warm from an earlier call, ``cp -r`` would copy into the old one, and the run
-would be checked against stale results:
+benchmarks/results/convergence/<backbone>/<method>_seed<seed>.json (commit it as soon as it exists: the report
+merges results made at different times) and the report benchmarks/results/convergence.{md,json,png}. Its
+training folder (logs, no checkpoints) goes under runs/convergence/. ``--quick`` keeps everything under
+runs/convergence_quick/. ``--results DIR`` reads and writes the runs in another folder (a scratch copy of the
+committed ones) and ``--out DIR`` the report.
 
-    rm -rf /tmp/c && cp -r benchmarks/results/convergence /tmp/c && touch /tmp/t && python -m benchmarks.convergence --next \
-        --results /tmp/c --out $OUT && find /tmp/c -newer /tmp/t -name '*.json' -exec cp {} $OUT/ ';'
-
-A DAR + TREAD run's first step compiles for 81-91 s on a fresh machine, and with its evaluations that leaves its
-420 training seconds a few seconds short of the wall-clock guard. Inductor's cache lives in the machine's /tmp,
-which a machine still warm from the last call keeps: a call that trains the same run for a few steps into a
-scratch folder (``--run NAME --wall-s 160 --results /tmp/w --out /tmp/wout``, about 140 s) and then, at once,
-the real call, brought the first step down to 24 s. The seed does not change what is compiled.
+A DAR + TREAD run's first step compiles for 81-91 s on a fresh machine, which leaves its 420 training seconds a
+few seconds short of the wall-clock guard. With Inductor's cache warm (a few steps of the same run into a
+scratch folder first: ``--run NAME --wall-s 160 --results /tmp/w --out /tmp/wout``) the first step takes 24 s.
+The seed does not change what is compiled.
 
 What a result's fingerprint holds, and why. Runs made on different commits merge only where what they
 measure is the same, so every result carries a fingerprint, and the report (and a new run, before it trains)
@@ -92,9 +86,8 @@ from recipes.config import TrainConfig, differences, load_config, parse_config, 
 
 METHODS = ("vanilla", "tread", "dar", "dar_tread")
 LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DAR + TREAD"}
-# A lent machine kills a command at 600 s; installing the wheels takes about 5 s and copying the files less. 570,
-# not 540: DAR's first (compiling) step takes ~70 s against vanilla's ~40, and at 540 its run stopped at 401 of
-# its 420 training seconds.
+# A run's wall-clock limit: 570 s, not 540, as DAR's first (compiling) step takes ~70 s against vanilla's ~40,
+# and at 540 its run stopped at 401 of its 420 training seconds.
 WALL_S = 570.0
 REPORT_S = 10.0  # wall seconds kept after the final evaluation for the result and the report
 SAME_CODE = "same_code.json"  # beside the results: code hashes declared equal (load_same_code)
@@ -151,7 +144,7 @@ class Run:
 @dataclass(frozen=True)
 class Study:
     """A plan of runs and where its files go. Runs go in a fixed order (seed, then backbone, then method), so
-    any session's ``--next`` takes the same next run, and one seed of everything comes first."""
+    every ``--next`` takes the same next run, and one seed of everything comes first."""
 
     name: str  # the report's file name
     groups: tuple[Group, ...]

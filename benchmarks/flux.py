@@ -22,7 +22,7 @@ its program's assumptions), measured apart.
     python benchmarks/flux.py                  # on a GPU: batch 1 and 2, eager
     python benchmarks/flux.py --modes eager compile
     python benchmarks/flux.py --quick          # CPU smoke run: a tiny FLUX, 64 + 8 tokens
-    python benchmarks/flux.py --modes compile --batches 1 --add   # one device call's share of a longer study
+    python benchmarks/flux.py --modes compile --batches 1 --add   # one part of a longer study
 
 Writes benchmarks/results/flux.{json,md,png} (or --out DIR), after every measurement. With --add, the rows
 already there for the batches and modes this call does not measure stay, each with the commit it was measured

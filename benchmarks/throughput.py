@@ -20,7 +20,7 @@ Modes: ``eager``; ``compile``, the whole model under torch.compile; ``blocks``, 
 
 Writes benchmarks/results/<name>.{json,md,png} (--name, default throughput_<backbones>). With --add, the rows
 already in that file for the configurations (backbone, size, batch, mode, variant) this call does not measure
-stay, each with the commit it was measured at, so a study longer than one device call fills one file over several:
+stay, each with the commit it was measured at, so a study too long for one run fills one file over several:
 
     python benchmarks/throughput.py --sizes B/2 --batches 16 64 --modes graphs --variants vanilla routekit \
         --name throughput_dit_graphs

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from recipes.data import Dataset, cache_dir
 
@@ -66,7 +67,9 @@ def train_classifier(dataset: Dataset, device: torch.device | str, epochs: int, 
         opt = torch.optim.Adam(net.parameters(), lr=2e-3)
         schedule = torch.optim.lr_scheduler.OneCycleLR(opt, 2e-3, total_steps=epochs * (len(labels) // batch))
         net.train()
-        for _ in range(epochs):
+        bar = tqdm(range(epochs), desc="training the FD classifier (once; then cached)", unit="epoch", leave=False,
+                   disable=None)
+        for _ in bar:
             order = torch.randperm(len(labels), generator=gen).to(device)
             for start in range(0, len(labels) - batch + 1, batch):
                 idx = order[start:start + batch]

@@ -469,7 +469,10 @@ class Trainer:
         """EMA samples for labels, in chunks, from a fixed seed (the same noise at every evaluation)."""
         generator = torch.Generator().manual_seed(self.config.seed)
         sampler, out = self.config.sampler, []
-        for chunk in labels.split(SAMPLE_CHUNK):
+        chunks = labels.split(SAMPLE_CHUNK)
+        # the final evaluation may take minutes after the last step: a bar says so (none off a terminal)
+        for chunk in tqdm(chunks, desc=f"evaluating step {self.step}: sampling", unit="chunk", leave=False,
+                          disable=True if not self.progress else None):
             with self.acc.autocast():
                 images = sample(self.objective, self.ema, chunk, self.dataset.shape, steps=sampler.steps,
                                 guidance=sampler.guidance, null_class=self.dataset.num_classes,

@@ -18,6 +18,7 @@ from .errors import (
     InputError,
     NonFiniteError,
     RoutekitError,
+    RouteWarning,
     SelectorError,
     TraceError,
     TrainingChanged,
@@ -32,6 +33,6 @@ from .verify import verify
 __all__ = [
     "DAR", "Route", "apply", "force_keep", "inspect", "last_route_mask", "register_selector", "shard", "strip", "verify",
     "AnalysisError", "ConfigError", "FallbackWarning", "InferenceChanged", "InputError", "NonFiniteError",
-    "RoutekitError", "SelectorError", "TraceError", "TrainingChanged", "VerificationError",
+    "RoutekitError", "RouteWarning", "SelectorError", "TraceError", "TrainingChanged", "VerificationError",
 ]
 __version__ = "0.1.0"

@@ -7,12 +7,13 @@ Errors are `ConfigError`s that say what was wrong and what would be valid.
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, RouteWarning
 from .selectors import selector as selector_spec
 
 
@@ -139,10 +140,10 @@ class DAR(_Config):
     did, and training moves each gate towards DAR's mix. None of the paper's variants has this.
 
     `regions`: under torch.compile, trace and compile each distinct block body once and reuse it for the other
-    blocks (regional compilation, routekit/regions.py), instead of once per block. A trade: on an H200, DiT-XL/2
-    at batch 256, the first compiled step took 97 s against 128 s, while each step cost 9.1% over the plain
-    model's instead of 7.7% (Inductor does not fuse across a region's edge, which may be the cause): worth it
-    for short runs (under about 5,000 steps there). Eager runs are the same either way, bit for bit.
+    blocks (regional compilation, routekit/regions.py), instead of once per block. A trade: the first compiled
+    step is shorter, each later step a little longer (Inductor does not fuse across a region's edge; the
+    measured numbers are in docs/benchmarks.md): worth it for short runs. Eager runs are the same either way,
+    bit for bit.
     """
 
     query: Literal["static", "static_t", "dynamic"] = "static"
@@ -186,7 +187,23 @@ def coerce_routes(routes, depth: int) -> list[Route]:
     for r in routes:
         if not (isinstance(r, Route) or (isinstance(r, dict) and all(isinstance(k, str) for k in r))):
             raise ConfigError(f"each route is a Route or a dict of its fields (start, end, ...); got {r!r:.80}")
-    return [r if isinstance(r, Route) else Route(**r) for r in routes]
+    routes = [r if isinstance(r, Route) else Route(**r) for r in routes]
+    _warn_unlikely(routes, depth)
+    return routes
+
+
+def _warn_unlikely(routes: list[Route], depth: int) -> None:
+    """A `RouteWarning` for a route that routes nothing, or one over the whole stack."""
+    for k, r in enumerate(routes):
+        if r.rate == 0:
+            warnings.warn(f"route {k} ({r.start}→{r.end}) has rate=0: it routes no token, and training costs what it "
+                          "did; TREAD routes half (rate=0.5)", RouteWarning, stacklevel=4)
+        ends = (r.start, r.end)
+        if depth > 1 and all(isinstance(e, int) and -depth <= e < depth for e in ends) \
+                and (r.start % depth, r.end % depth) == (0, depth - 1):
+            warnings.warn(f"route {k} ({r.start}→{r.end}) covers the whole stack of {depth} blocks: the first blocks "
+                          "and the last, which embed the tokens and decode them, see only the kept ones; TREAD keeps "
+                          f"them unrouted (routes='default': 2→{depth - 4})", RouteWarning, stacklevel=4)
 
 
 def _from_simpletuner(route) -> Route:

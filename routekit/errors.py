@@ -42,5 +42,10 @@ class NonFiniteError(RoutekitError, FloatingPointError):
     """A routed forward produced NaN or Inf while `check_finite=True`."""
 
 
+class RouteWarning(UserWarning):
+    """A route that is valid but almost certainly not what was meant: one that routes no token (`rate=0`), or one
+    over the whole stack (TREAD keeps the first blocks and the last unrouted: they embed and decode the tokens)."""
+
+
 class SelectorError(ConfigError):
     """A selector returned indices a route cannot use; the message says which rule it broke."""

@@ -33,6 +33,8 @@ class Prober(Protocol):
     def route(self, route: Route, start: int, end: int, keep: tuple[int, ...], grid, shrink: tuple[int, ...],
               bodies: bool = False) -> RouteAnswer: ...
 
+    def block_flops(self, block: int, tokens: int, shrink: tuple[int, ...] = ()) -> int | None: ...
+
 
 @dataclass(frozen=True)
 class RoutePlan:
@@ -88,6 +90,7 @@ class Plan:
     dar: DarPlan | None
     grid: tuple[int, int] | None  # the token grid selectors see (given, or the report's)
     grid_given: bool  # True: fixed by the user; False: read at run time off the grid node/module
+    flops: tuple[tuple[int, int, int], ...] = ()  # (block, tokens its stack's stream has there, forward FLOPs), measured
 
     @property
     def measured_grid(self) -> tuple[int, ...] | None:
@@ -130,12 +133,22 @@ class Plan:
         return [b.qualname for b in self.report.blocks if self.dar and b.compiled and b.adds]
 
     def block_flop_fraction(self) -> float:
-        """Fraction of block compute left with the routes, counting compute as linear in tokens."""
+        """Fraction of block compute left with the routes: each block's forward FLOPs at the tokens it sees, routed
+        and not, as counted when the plan was made (`flops_measured`: every token a block reads counts, a joint
+        stack's text too, and attention's quadratic share), else compute linear in the stream's tokens."""
         report, kept = self.report, {}
         for r in self.placed:
             kept.update({i: r.kept_at(report.blocks[i].stack) for i in r.blocks})
         tokens = [report.stack_of(i).tokens for i in range(report.depth)]
+        if self.flops_measured:
+            counted = {(b, n): f for b, n, f in self.flops}
+            return sum(counted[i, kept.get(i, n)] for i, n in enumerate(tokens)) / sum(
+                counted[i, n] for i, n in enumerate(tokens))
         return sum(kept.get(i, n) for i, n in enumerate(tokens)) / sum(tokens)
+
+    @property
+    def flops_measured(self) -> bool:
+        return bool(self.flops)
 
     def check_grid_found(self, tokens: int, grid: tuple[int, ...] | None) -> None:
         """Refuse a call whose stream of `tokens` comes from no grid (`grid` None) or from one of other cells, where
@@ -185,7 +198,23 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, pr
                                  stacks=stacks, kept_in=report.joined_counts(start, end, answer.kept),
                                  fixed_in=report.joined_counts(start, end, len(keep)), bodies=answer.bodies))
     dar = _dar_plan(residual, report, planned) if residual is not None else None
-    return Plan(report, tuple(planned), dar, grid, given)
+    return Plan(report, tuple(planned), dar, grid, given, _block_flops(report, planned, probe))
+
+
+def _block_flops(report: GraphReport, planned: list[RoutePlan], probe: Prober) -> tuple[tuple[int, int, int], ...]:
+    """Each block's forward FLOPs at its stack's tokens, and each routed block's at its kept count, as the probe
+    counts them; () where any is unknown (the estimate is then token-linear)."""
+    if not planned or not hasattr(probe, "block_flops"):
+        return ()
+    asked = [(b.index, report.stack_of(b.index).tokens, ()) for b in report.blocks]
+    asked += [(i, r.kept_at(report.blocks[i].stack), r.shrink) for r in planned for i in r.blocks]
+    out = []
+    for block, tokens, shrink in asked:
+        flops = probe.block_flops(block, tokens, shrink)
+        if flops is None:
+            return ()
+        out.append((block, tokens, flops))
+    return tuple(out)
 
 
 def checked_grid(grid, tokens: int, special: int = 0) -> tuple[int, ...]:

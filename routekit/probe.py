@@ -291,6 +291,7 @@ class Probe:
 
     def __init__(self, model: nn.Module, report: GraphReport):
         self.model, self.report = model, report
+        self._flops: dict[tuple, int | None] = {}  # alike blocks (class, parameters, stack) counted once per count
 
     def route(self, route: Route, start: int, end: int, keep: tuple[int, ...], grid, shrink: tuple[int, ...],
               bodies: bool = False) -> RouteAnswer:
@@ -324,6 +325,36 @@ class Probe:
                            if block.adds and block.body is not None and block.body.specialised
                            and count != stack.tokens)
         return RouteAnswer(kept, tuple(fails), tuple(rows), shared, traced, tuple(stuck))
+
+    def block_flops(self, block: int, tokens: int, shrink: tuple[int, ...] = ()) -> int | None:
+        """Forward FLOPs of block `block` as a route's block sees `tokens` of its stack's tokens (the stream and its
+        per-token side inputs cut, what else it reads whole: a joint stack's text), counted by torch's FLOP
+        counter on fake tensors (nothing computed), once for alike blocks; None where the block does not run so."""
+        info, stack = self.report.blocks[block], self.report.stack_of(block)
+        module = self.model.get_submodule(info.qualname)
+        key = (info.cls, tuple(p.shape for p in module.parameters()), info.stack, tokens, shrink)
+        if key not in self._flops:
+            self._flops[key] = self._count_flops(info, stack, module, tokens, shrink)
+        return self._flops[key]
+
+    def _count_flops(self, info: BlockInfo, stack, module: nn.Module, tokens: int, shrink: tuple[int, ...]):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from .flops import flop_counter_mode
+
+        args, kwargs = fresh(fake_block_inputs(info, stack.stream_slot, stack.stream, device_of(self.model),
+                                               None if tokens == stack.tokens else tokens, shrink))
+        # no lasting side effects: what the block stores on itself or its inputs' objects (a cache) while it runs on
+        # fake tensors is put back
+        with preserved_state(self.model, _tensors(args, kwargs)):
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode, flop_counter_mode() as counter, \
+                        torch.no_grad():
+                    fake = lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+                    module(*pytree.tree_map(fake, args), **pytree.tree_map(fake, kwargs))
+            except Exception:
+                return None
+        return counter.get_total_flops()
 
     def _shared(self, block: BlockInfo, stack, count: int, shrink: tuple[int, ...]) -> bool:
         """Whether the block reads a table without a batch axis (a RoPE table (N, d)) and does not compute the same

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from typing import Any
 
 
@@ -81,7 +82,9 @@ def format_plan(plan: Any) -> str:
             notes.append(f"{len(b.adds)} residual adds" if b.adds else "no residual add found on its stream: one DAR source")
         if b.qualname in uncompiled:
             notes.append("compiled, DAR inlines it uncompiled")
-        lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {_cut('; '.join(notes), 58)}")
+        first, *more = textwrap.wrap("; ".join(notes), 58, break_on_hyphens=False) or [""]
+        lines.append(f"  {b.index:>3}  {_cut(b.qualname, 28):<28} {_cut(b.cls, 24):<24} {first}".rstrip())
+        lines += [" " * 61 + line for line in more]
     lines.append("")
     if r.fallback:
         lines.append(f"  boundary mode: routes sit at block calls, because the owner forward is not traceable: {r.fallback}")
@@ -101,14 +104,18 @@ def format_plan(plan: Any) -> str:
         if rp.shrink:
             lines.append(f"           the grid sizes handed to the blocks shrink along axes {list(rp.shrink)}")
     if plan.placed:
-        lines.append(f"  block FLOPs per step: ×{plan.block_flop_fraction():.3f} of the original (token-linear estimate)")
+        how = ("each block's FLOPs at the tokens it sees, counted" if plan.flops_measured
+               else "token-linear estimate: a block's FLOPs could not be counted")
+        lines.append(f"  block FLOPs per step: ×{plan.block_flop_fraction():.3f} of the original ({how})")
     if r.residual:
         total = sum(len(b.adds or ()) for b in r.blocks)
         lines.append(f"  residual adds (what DAR rewrites): {total} in {r.depth} blocks, {r.residual} granularity")
     if plan.dar:
         lines.append(f"  DAR: {plan.dar.config!r}: {plan.dar.points} aggregation points")
-    lines.append("  leafed submodules: " + (", ".join(f"{k} ({_cut(v, 60)})" for k, v in r.leafed.items())
-                                          if r.leafed else "none"))
+    lines.append("  leafed submodules: " + ("(called whole: their own code failed to trace)" if r.leafed else "none"))
+    for name, why in r.leafed.items():
+        lines += textwrap.wrap(f"{name}: {why}", 112, initial_indent="    ", subsequent_indent="      ",
+                               break_on_hyphens=False)
     if r.specialised:
         lines.append(f"  specialised to the example's shapes ({len(r.specialised)}; another shape traces again):")
         lines += [f"    {_cut(_short_paths(text), 112)}" for text in r.specialised[:8]]
@@ -131,7 +138,15 @@ def _short_paths(text: str) -> str:
 
 
 def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
+    """`text` in at most `width` characters: cut at the last word boundary that fits (mid-word only where one word
+    fills most of the width), "..." marking the cut."""
+    if len(text) <= width:
+        return text
+    cut = text[:width - 3]
+    space = cut.rfind(" ")
+    if space > width // 2:
+        cut = cut[:space].rstrip(" ,;:(")
+    return cut + "..."
 
 
 def draw_plan(plan: Any, path: str) -> str:
@@ -144,7 +159,7 @@ def draw_plan(plan: Any, path: str) -> str:
     except ImportError as err:
         from .errors import RoutekitError
 
-        raise RoutekitError("drawing needs matplotlib: pip install 'routekit[plot]'") from err
+        raise RoutekitError("drawing needs matplotlib: pip install matplotlib") from err
     r, tokens = plan.report, plan.report.tokens
     width = max(8.0, 0.55 * r.depth + 3)
     fig, ax = plt.subplots(figsize=(width, 3.6))

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -514,11 +516,55 @@ def test_the_command_line_runs_as_a_module_and_answers_bad_input_without_a_trace
 def test_the_demo_runs_from_the_command_line_and_draws_no_bar_off_a_terminal():
     """`make demo`'s command, as a fresh user runs it: every stage says what it found, and with the output piped
     (no terminal) the timing loops draw no progress bar, only the result line."""
-    done = subprocess.run([sys.executable, "-m", "routekit", "demo", "--steps", "1", "--batch", "2"],
+    # as from an installed routekit: the repository's backbones cannot be imported
+    run = "import sys; sys.modules['backbones'] = None; from routekit.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", run, "demo", "--steps", "5", "--batch", "1"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "route 0: blocks 2→8, rate 0.5" in done.stdout and "outputs bit-identical" in done.stdout
-    assert "measured speed-up" in done.stdout
+    assert "measured speed-up" in done.stdout and "FLOP limit" in done.stdout and "(medians of 5)" in done.stdout
+    assert any(said in done.stdout for said in ("too noisy to read", "of the FLOP limit", "above the FLOP limit"))
+
+
+def test_inspect_takes_a_model_from_the_current_folder_with_an_example_shape_or_factory(tmp_path):
+    """The README's first model, saved as ./tiny.py, inspected from that folder by the installed script's code: the
+    model's file has no example_inputs, so the command asks for a shape or a factory, and takes either."""
+    (tmp_path / "tiny.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.norm, self.linear = nn.LayerNorm(16), nn.Linear(16, 16)\n\n"
+        "    def forward(self, x):\n"
+        "        return x + self.linear(self.norm(x))\n\n"
+        "class Tiny(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = nn.Conv2d(3, 16, 4, 4)\n"
+        "        self.blocks = nn.ModuleList(Block() for _ in range(8))\n\n"
+        "    def forward(self, image):\n"
+        "        x = self.embed(image).flatten(2).transpose(1, 2)\n"
+        "        for block in self.blocks:\n"
+        "            x = block(x)\n"
+        "        return x\n\n"
+        "def images(model, batch):\n"
+        "    return torch.randn(batch, 3, 32, 32)\n")
+    script = "import sys; sys.path.remove(''); from routekit.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": str(Path(rk.__file__).parents[1])}
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-c", script, "inspect", "tiny:Tiny", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+
+    asked = cli()
+    assert asked.returncode == 2 and "--shape 4,3,32,32" in asked.stderr and "--inputs" in asked.stderr, asked.stderr
+    for argv in (("--shape", "2,3,32,32"), ("--inputs", "tiny:images"), ("--inputs", "tiny:images", "--batch", "3")):
+        done = cli(*argv, "--routes", "2:5")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "blocks (8 blocks)" in done.stdout and "token grid  : 8×8" in done.stdout, done.stdout
+    assert "float32[3, 64, 16]" in done.stdout
+    bad = cli("--shape", "2,3,x")
+    assert bad.returncode == 2 and "--shape" in bad.stderr and "Traceback" not in bad.stderr
     assert "it/s" not in done.stderr and "\r" not in done.stderr
 
 
@@ -565,3 +611,55 @@ def test_inspect_of_a_transformers_lm_fits_a_terminal_and_lists_its_specialisati
     assert max(map(len, text.splitlines())) <= 120, max(text.splitlines(), key=len)
     assert text.count("constant   DynamicCache") == 1 and "side inputs : (every block)" in text
     assert "specialised to the example's shapes (" in text and "masking_utils.py:" in text
+
+
+@pytest.mark.parametrize("routes, said", [(rk.Route(start=2, end=5, rate=0), "rate=0"),
+                                          (rk.Route(start=0, end=-1), "covers the whole stack of 8 blocks"),
+                                          ({"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0,
+                                                        "end_layer_idx": 7}]}, "covers the whole stack")])
+def test_a_route_that_routes_nothing_or_the_whole_stack_is_warned_of(routes, said):
+    arch = dataclasses.replace(LINEAR, depth=8, kinds=LINEAR.kinds * 2)
+    with pytest.warns(rk.RouteWarning, match=said):
+        rk.apply(build(arch), routes=routes, example_inputs=example_inputs(arch))
+
+
+def test_a_usual_route_gets_no_warning(recwarn):
+    arch = dataclasses.replace(LINEAR, depth=8, kinds=LINEAR.kinds * 2)
+    rk.apply(build(arch), routes=[rk.Route(start=1, end=3), rk.Route(start=4, end=-2)], example_inputs=example_inputs(arch))
+    assert not [w for w in recwarn if issubclass(w.category, rk.RouteWarning)]
+
+
+def test_report_cells_are_cut_and_wrapped_at_word_boundaries():
+    from routekit.report import _cut
+
+    said = "the forward compares or passes on .type = 'cpu' while tracing"
+    cut = _cut(said, 40)
+    assert len(cut) <= 40 and cut.endswith("...") and said.startswith(cut[:-3]) and said[len(cut) - 3] == " "
+    assert _cut("x" * 50, 20) == "x" * 17 + "..."  # one word longer than the width is cut inside it
+    assert _cut(said, 200) == said
+
+
+def test_a_leafed_submodule_shows_its_whole_reason_wrapped_and_long_notes_wrap():
+    class Picky(nn.Module):
+        def forward(self, x):
+            if x.device.type == "cpu" and x.sum() > -1e30:  # data-dependent: cannot be traced
+                return x
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.picky = Picky()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(6))
+
+        def forward(self, x):
+            x = self.picky(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    report = str(rk.inspect(Model(), (torch.randn(2, 5, 8),), routes=rk.Route(start=1, end=3)))
+    lines = report.splitlines()
+    assert all(len(line) <= 125 for line in lines), max(lines, key=len)
+    leaf = next(i for i, line in enumerate(lines) if line.startswith("    picky: "))
+    assert not lines[leaf].endswith("...") and "..." not in lines[leaf]

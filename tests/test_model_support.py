@@ -1,5 +1,5 @@
-"""Models people train today (tests/zoo.py), each routed, verified, counted and given DAR; and the README's
-model-support table, which this test builds and holds the README to.
+"""Models people train today (tests/zoo.py), each routed, verified, counted and given DAR; and docs/models.md's
+model-support table, which this test builds and holds docs/models.md to.
 
 For each model: `inspect` finds it in graph mode with the block stack and the special tokens expected; a
 route applies in graph and in boundary mode and `verify` passes in both; a routed train step's FLOPs (torch's
@@ -8,7 +8,7 @@ less, for each routed block, its FLOPs on all tokens minus on the kept count (ea
 captured inputs, cut as the plan cuts them); gradients reach every parameter they reached before; DAR applies
 and trains.
 
-    python tests/test_model_support.py      # rewrite the README's table from a fresh run
+    python tests/test_model_support.py      # rewrite docs/models.md's table from a fresh run
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from routekit.plan import Plan  # noqa: E402
 from routekit.routing import gather_tokens, route_side  # noqa: E402
 from routekit.state import fresh  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TABLE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 START, END = "<!-- model-support: built by tests/test_model_support.py -->", "<!-- model-support end -->"
 ROWS: dict[str, dict] = {}
 
@@ -93,7 +93,7 @@ def planned_flops(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> in
 
 
 def check(name: str) -> dict:
-    """Route, verify, count and give DAR to one model of the zoo; the README row of what held."""
+    """Route, verify, count and give DAR to one model of the zoo; the docs/models.md row of what held."""
     entry = ZOO[name]
     torch.manual_seed(0)
     model, args, kwargs = entry.build()
@@ -174,7 +174,7 @@ def table(rows: list[dict]) -> str:
 
 
 def readme_rows() -> dict[str, str]:
-    text = README.read_text()
+    text = TABLE_PAGE.read_text()
     body = text[text.index(START) + len(START):text.index(END)]
     return {m.group(1): line for line in body.splitlines() if (m := re.match(r"\| (.+?) \| `", line))}
 
@@ -216,15 +216,15 @@ def test_the_model_in_bf16_trains_with_its_route_and_dar(name: str) -> None:
 
 
 def test_the_readme_table_is_what_this_run_measured() -> None:
-    """Each model this run could build has the README row it measured (rows of packages absent here are not
+    """Each model this run could build has the docs/models.md row it measured (rows of packages absent here are not
     compared); regenerate with `python tests/test_model_support.py`."""
     if not ROWS:
         pytest.skip("no model of the zoo ran in this process")
     written = readme_rows()
     for name, row in ROWS.items():
         line = table([row]).splitlines()[-1]
-        assert written.get(name) == line, f"README's row for {name} is stale; run python tests/test_model_support.py"
-    assert set(written) == set(ZOO), "the README's table must list every model of the zoo"
+        assert written.get(name) == line, f"docs/models.md's row for {name} is stale; run python tests/test_model_support.py"
+    assert set(written) == set(ZOO), "docs/models.md's table must list every model of the zoo"
 
 
 if __name__ == "__main__":
@@ -235,9 +235,9 @@ if __name__ == "__main__":
             rows.append(check(name))
         except Missing as err:
             sys.exit(f"cannot build {name}: {err}; run this where every package of the zoo imports")
-    text = README.read_text()
+    text = TABLE_PAGE.read_text()
     head, tail = text[:text.index(START) + len(START)], text[text.index(END):]
-    README.write_text(f"{head}\n{table(rows)}\n{tail}")
+    TABLE_PAGE.write_text(f"{head}\n{table(rows)}\n{tail}")
     print(table(rows))
 
 

@@ -56,7 +56,7 @@ def _aggregation():
     try:
         from routekit.kernels import aggregation
     except ImportError as exc:
-        raise ImportError("kernel='triton' needs the triton package: pip install 'routekit[gpu]'") from exc
+        raise ImportError("kernel='triton' needs the triton package: pip install triton") from exc
     return aggregation
 
 
