@@ -77,7 +77,8 @@ class Stack:
 class Truth:
     """A zoo model as its code reads. `grid`: the image's token grid at these sizes (None: a sequence model);
     `route`: (start, end) over the chain of `stacks`; `options`: rk.apply's (stack=); `spatial`: the values each
-    size of the image (or sequence) takes in the collision property, small enough to run on a CPU."""
+    size of the image (or sequence) takes in the collision property, small enough to run on a CPU; `fixed`: sizes
+    the model is built for, which a later call keeps (a position table made for one image size)."""
 
     build: Callable
     stacks: tuple[Stack, ...]
@@ -89,6 +90,7 @@ class Truth:
     heads: int = 2
     head_dim: int = 16
     width: int = 32
+    fixed: tuple[str, ...] = ()
 
     def sizes(self, **given: int) -> Sizes:
         """The builder's sizes: its defaults, updated with `given`."""
@@ -133,8 +135,8 @@ def _n(grid: Callable[[Sizes], tuple[int, ...]], extra: Callable[[Sizes], int] =
 _dit_grid = lambda s: (s.size // 2, s.size // 2)  # noqa: E731
 _px2 = _image2d(2)
 _tok = _image2d(1)
-_IMAGE = {"height": (4, 8, 12), "width": (4, 8, 12)}  # latent pixels, patches of 2
-_PACKED = {"height": (2, 4, 6), "width": (2, 4, 6)}  # tokens
+_IMAGE = {"height": (4, 8, 16), "width": (4, 8, 16)}  # latent pixels, patches of 2
+_PACKED = {"height": (2, 4, 8), "width": (2, 4, 8)}  # tokens
 _VIDEO = {"frames": (1, 2, 3), "height": (4, 8), "width": (4, 8)}
 
 FLUX_DOUBLE = Stack("transformer_blocks", "hidden_states", _n(_tok), out=1,
@@ -242,7 +244,7 @@ TRUTHS |= {
         T + "gemma3/modeling_gemma3.py:539"),
     "transformers ViT": Truth(zoo.transformers_vit, (Stack(
         "layers", "hidden_states", _n(_vit_grid, lambda s: 1), special=lambda s: (0,),
-        read=T + "vit/modeling_vit.py:147 cat((cls_tokens, embeddings))"),), _vit_grid, _VISION),
+        read=T + "vit/modeling_vit.py:147 cat((cls_tokens, embeddings))"),), _vit_grid, _VISION, fixed=("size",)),
     "transformers Dinov2 (registers)": Truth(zoo.transformers_dinov2_registers, (Stack(
         "encoder.layer", "hidden_states", _n(_vit_grid, lambda s: 5), special=lambda s: tuple(range(5)),
         read=T + "dinov2_with_registers/modeling_dinov2_with_registers.py:149 class, 4 registers, patches"),),
@@ -254,16 +256,17 @@ TRUTHS |= {
         read=T + "dinov3_vit/modeling_dinov3_vit.py:89 class, 4 registers, patches"),), _vit_grid, _VISION),
     "transformers BEiT": Truth(zoo.transformers_beit, (Stack(
         "layers", "hidden_states", _n(_vit_grid, lambda s: 1), special=lambda s: (0,),
-        read=T + "beit/modeling_beit.py:169 cat((cls_tokens, embeddings))"),), _vit_grid, _VISION),
+        read=T + "beit/modeling_beit.py:169 cat((cls_tokens, embeddings))"),), _vit_grid, _VISION, fixed=("size",)),
     "timm ViT": Truth(zoo.timm_vit, (Stack(
         "blocks", "x", lambda s: (s.size // 16) ** 2 + 1, special=lambda s: (0,),
         read="timm/models/vision_transformer.py:1117 cat(to_cat + [x])"),), lambda s: (s.size // 16,) * 2,
-        {"size": (32, 48, 64)}, heads=6, head_dim=64, width=384),
+        {"size": (32, 48, 64)}, heads=6, head_dim=64, width=384, fixed=("size",)),
     "timm EVA (rotary over patches)": Truth(zoo.timm_eva, (Stack(
         "blocks", "x", _n(_vit_grid, lambda s: 3), special=lambda s: (0, 1, 2),
         per_token=(PerToken("rope", (), (0,), "image", batched=False,
                             read="timm/models/eva.py:275 applied to q[:, :, npt:], the patches"),),
-        read="timm/models/eva.py:1013 class and 2 registers, then the patches"),), _vit_grid, _VISION),
+        read="timm/models/eva.py:1013 class and 2 registers, then the patches"),), _vit_grid, _VISION,
+        fixed=("size",)),
     "U-ViT (out-blocks)": Truth(zoo.uvit, (Stack(
         "out_blocks", "x", lambda s: 18, special=lambda s: (0, 1),
         per_token=(PerToken("skip", read="tests/zoo.py UViT.forward: skips.pop(), the in-block's stream"),),

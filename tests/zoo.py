@@ -240,7 +240,7 @@ def diffusers_sana(batch: int = 2, text: int = 5, height: int = 8, width: int = 
 
 def diffusers_omnigen(batch: int = 2, text: int = 5, height: int = 8, width: int = 8):
     """OmniGen fills its mask with `torch.finfo(dtype).min` and casts its time token `type_as` the image. Its
-    own collator makes the mask and positions, every other prompt left-padded by two (`text` at least 3)."""
+    own collator makes the mask and positions, every other prompt left-padded by two."""
     diffusers = package("diffusers")
     from diffusers.pipelines.omnigen.processor_omnigen import OmniGenCollator
     model = diffusers.OmniGenTransformer2DModel(
