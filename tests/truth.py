@@ -91,6 +91,7 @@ class Truth:
     head_dim: int = 16
     width: int = 32
     fixed: tuple[str, ...] = ()
+    temb: int | None = None  # the width of a (B, width) time embedding the blocks take, where not `width`
 
     def sizes(self, **given: int) -> Sizes:
         """The builder's sizes: its defaults, updated with `given`."""
@@ -136,6 +137,7 @@ _dit_grid = lambda s: (s.size // 2, s.size // 2)  # noqa: E731
 _px2 = _image2d(2)
 _tok = _image2d(1)
 _IMAGE = {"height": (4, 8, 16), "width": (4, 8, 16)}  # latent pixels, patches of 2
+_WIDE = {"height": (4, 8, 16, 24), "width": (4, 8, 16, 32)}  # up to 12×16 patches, as many as 6·D
 _PACKED = {"height": (2, 4, 8), "width": (2, 4, 8)}  # tokens
 _VIDEO = {"frames": (1, 2, 3), "height": (4, 8), "width": (4, 8)}
 
@@ -158,7 +160,7 @@ TRUTHS: dict[str, Truth] = {
     "diffusers DiT": Truth(zoo.diffusers_dit, (Stack("transformer_blocks", "hidden_states", _n(_dit_grid)),),
                            _dit_grid, {"size": (4, 8, 12)}),
     "diffusers PixArt": Truth(zoo.diffusers_pixart, (Stack("transformer_blocks", "hidden_states", _n(_px2)),),
-                              _px2, _IMAGE),
+                              _px2, _WIDE, temb=6 * 32),  # diffusers/models/attention.py:991 (B, 6·D)
     "diffusers SD3": Truth(zoo.diffusers_sd3, (Stack(
         "transformer_blocks", "hidden_states", _n(_px2), out=1,
         read=D + "transformer_sd3.py:316 encoder_hidden_states, hidden_states = block(...)"),), _px2, _IMAGE),
@@ -194,7 +196,8 @@ TRUTHS: dict[str, Truth] = {
         _video(2), _VIDEO, route=(2, -2)),
     "diffusers Sana": Truth(zoo.diffusers_sana, (Stack(
         "transformer_blocks", "hidden_states", _n(_px2), grid=(("height", 0), ("width", 1)),
-        read=D + "sana_transformer.py:286 unflatten(1, (height, width))"),), _px2, _IMAGE, selector="row"),
+        read=D + "sana_transformer.py:286 unflatten(1, (height, width))"),), _px2, _WIDE, selector="row",
+        temb=6 * 32),  # sana_transformer.py:262 timestep.reshape(batch_size, 6, -1)
     "diffusers Chroma (across both stacks)": Truth(zoo.diffusers_chroma, (CHROMA_DOUBLE, CHROMA_SINGLE), _tok,
                                                    _PACKED, route=(2, -2)),
     "diffusers Chroma (single-stream stack)": Truth(zoo.diffusers_chroma, (CHROMA_SINGLE,), _tok, _PACKED,
@@ -242,6 +245,24 @@ TRUTHS |= {
     "transformers Gemma3": _lm(zoo.transformers_gemma3, "layers", _table(
         "position_embeddings", (1,), batched=True, read=T + "gemma3/modeling_gemma3.py:540"),
         T + "gemma3/modeling_gemma3.py:539"),
+    "transformers Gemma2 (eager attention)": _lm(zoo.transformers_gemma2, "layers", _table(
+        "position_embeddings", (1,), batched=True, read=T + "gemma2/modeling_gemma2.py:438"),
+        T + "gemma2/modeling_gemma2.py:443"),
+    "transformers GPT-NeoX": _lm(zoo.transformers_gpt_neox, "layers", _table(
+        "position_embeddings", (1,), batched=True, read=T + "gpt_neox/modeling_gpt_neox.py:345"),
+        T + "gpt_neox/modeling_gpt_neox.py:349"),
+    "transformers Mamba": Truth(zoo.transformers_mamba, (Stack(
+        "layers", "hidden_states", lambda s: s.tokens,
+        per_token=(PerToken("attention_mask", read=T + "mamba/modeling_mamba.py:820 (B, N) where padded"),)),),
+        None, _SEQUENCE),
+    "transformers FalconMamba (LM head)": Truth(zoo.transformers_falcon_mamba, (Stack(
+        "backbone.layers", "hidden_states", lambda s: s.tokens,
+        per_token=(PerToken("attention_mask", read=T + "falcon_mamba/modeling_falcon_mamba.py:805"),)),),
+        None, _SEQUENCE),
+    "transformers CLIP vision": Truth(zoo.transformers_clip_vision, (Stack(
+        "encoder.layers", "hidden_states", lambda s: (s.size // 2) ** 2 + 1, special=lambda s: (0,),
+        read=T + "clip/modeling_clip.py:213 cat([class_embeds, patch_embeds])"),), lambda s: (s.size // 2,) * 2,
+        {"size": (4, 6, 8)}, fixed=("size",)),
     "transformers ViT": Truth(zoo.transformers_vit, (Stack(
         "layers", "hidden_states", _n(_vit_grid, lambda s: 1), special=lambda s: (0,),
         read=T + "vit/modeling_vit.py:147 cat((cls_tokens, embeddings))"),), _vit_grid, _VISION, fixed=("size",)),
@@ -282,12 +303,7 @@ LEFT_OUT = {
     "diffusers Mochi": "not asked for yet",
     "diffusers Lumina2": "boundary mode: each sample's caption sits where its mask says, no one layout per stack",
     "diffusers Krea2 (padded text)": "not asked for yet",
-    "transformers Gemma2 (eager attention)": "not asked for yet",
     "transformers Qwen3-MoE (router logits)": "boundary mode",
-    "transformers FalconMamba (LM head)": "not asked for yet",
-    "transformers GPT-NeoX": "not asked for yet",
     "transformers RWKV": "boundary mode",
-    "transformers CLIP vision": "not asked for yet",
-    "transformers Mamba": "not asked for yet",
 }
 assert set(TRUTHS) | set(LEFT_OUT) == set(zoo.ZOO) and not set(TRUTHS) & set(LEFT_OUT)

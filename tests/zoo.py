@@ -331,14 +331,14 @@ def transformers_llama(batch: int = 2, tokens: int = 12):
     return t.LlamaModel(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
-def transformers_gemma2():
+def transformers_gemma2(batch: int = 2, tokens: int = 12):
     """Gemma2 as configured by default: eager attention, whose mask transformers fills with
     `torch.finfo(dtype).min`, and a sliding window on every other layer."""
     t = package("transformers")
     config = t.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                             num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                             sliding_window=4)
-    return t.Gemma2Model(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.Gemma2Model(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
 def transformers_qwen3_moe():
@@ -352,11 +352,11 @@ def transformers_qwen3_moe():
     return t.Qwen3MoeForCausalLM(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
 
 
-def transformers_falcon_mamba():
+def transformers_falcon_mamba(batch: int = 2, tokens: int = 12):
     """An LM whose head casts the logits to fp32: in bf16 its output is wider than the sums behind it."""
     t = package("transformers")
     config = t.FalconMambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=6, expand=2)
-    return t.FalconMambaForCausalLM(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.FalconMambaForCausalLM(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
 def transformers_gpt2(batch: int = 2, tokens: int = 12):
@@ -365,11 +365,11 @@ def transformers_gpt2(batch: int = 2, tokens: int = 12):
     return t.GPT2Model(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
-def transformers_gpt_neox():
+def transformers_gpt_neox(batch: int = 2, tokens: int = 12):
     t = package("transformers")
     config = t.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
                              intermediate_size=64, max_position_embeddings=64)
-    return t.GPTNeoXModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.GPTNeoXModel(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
 def transformers_gemma3(batch: int = 2, tokens: int = 12):
@@ -395,11 +395,12 @@ def transformers_vit(batch: int = 2, size: int = 16):
     return t.ViTModel(config, add_pooling_layer=False), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def transformers_clip_vision():
+def transformers_clip_vision(batch: int = 2, size: int = 8):
+    """`size`: the image's side (patches of 2; its position table is made for that size)."""
     t = package("transformers")
     config = t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
-                                num_channels=3, image_size=8, patch_size=2, projection_dim=32)
-    return t.CLIPVisionModel(config), (torch.randn(2, 3, 8, 8, generator=_g()),), {}
+                                num_channels=3, image_size=size, patch_size=2, projection_dim=32)
+    return t.CLIPVisionModel(config), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
 def transformers_dinov2_registers(batch: int = 2, size: int = 16):
@@ -434,10 +435,10 @@ def transformers_beit(bias_per_layer: bool = False, batch: int = 2, size: int = 
     return t.BeitModel(config), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def transformers_mamba():
+def transformers_mamba(batch: int = 2, tokens: int = 12):
     t = package("transformers")
     config = t.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=6, expand=2)
-    return t.MambaModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.MambaModel(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
 def timm_vit(batch: int = 2, size: int = 64):
