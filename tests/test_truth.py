@@ -73,6 +73,27 @@ def decisions(routed: nn.Module, args: tuple, kwargs: dict) -> Decisions:
         shared=placed.shared)
 
 
+def difference(got: Decisions, want: Decisions) -> str:
+    """Where routekit's decisions depart from the declarations, in a line or a few: per-token inputs it cuts that
+    the code passes whole, ones it passes whole that the code reads per token (blocks alike merged)."""
+    lines = [f"{field}: routekit {getattr(got, field)}, declared {getattr(want, field)}"
+             for field in ("stacks", "special", "shared") if getattr(got, field) != getattr(want, field)]
+    for field, what in (("per_token", "cut"), ("grid", "shrunk")):
+        changes: dict[tuple, list[str]] = {}
+        for block in sorted(set(getattr(got, field)) | set(getattr(want, field))):
+            g, w = getattr(got, field).get(block, frozenset()), getattr(want, field).get(block, frozenset())
+            key = (tuple(sorted(g - w, key=repr)), tuple(sorted(w - g, key=repr)))
+            if any(key):
+                changes.setdefault(key, []).append(block)
+        for (extra, missing), blocks in changes.items():
+            where = blocks[0] if len(blocks) == 1 else f"{blocks[0]} … {blocks[-1]}"
+            if extra:
+                lines.append(f"{where}: routekit {what} {list(extra)}, which the code does not read per token")
+            if missing:
+                lines.append(f"{where}: routekit left whole {list(missing)}, which the code reads per token")
+    return "routekit's decisions are not the declared ones: " + "; ".join(lines)
+
+
 # ---- the declarations' side -------------------------------------------------------------------------------------
 
 
@@ -355,7 +376,7 @@ def route(name: str, example: dict, call: dict | None = None, *, hand: bool = Tr
     kept = keep.nonzero()[:, 1].reshape(batch, -1)
     got = decisions(routed, args, kwargs)
     want = declared(twin, truth, s, passed(twin, truth, args, kwargs))
-    assert got == want, f"routekit decided {got}, the declarations say {want}"
+    assert got == want, difference(got, want)
     if hand:
         torch.manual_seed(1)
         expected = by_hand(twin, truth, s, kept, args, kwargs)
