@@ -119,8 +119,8 @@ def declared(model: nn.Module, truth: Truth, s: Sizes, present: dict[str, set]) 
         per_token[name] = frozenset((p.argument, p.path, p.axes) for p in stack.per_token
                                     if (p.argument, p.path) in present[name])
         grid[name] = frozenset((argument, (), axis) for argument, axis in stack.grid)
-    return Decisions(tuple(st.name for st in truth.stacks),
-                     tuple(tuple(sorted(st.special(s))) for st in truth.stacks), per_token, grid,
+    return Decisions(tuple(stack.name for stack in truth.stacks),
+                     tuple(tuple(sorted(stack.special(s))) for stack in truth.stacks), per_token, grid,
                      shared(model, truth))
 
 

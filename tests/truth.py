@@ -209,7 +209,8 @@ TRUTHS: dict[str, Truth] = {
         {"height": (4, 8), "width": (4, 8)}, options={"stack": "single_transformer_blocks"}),
     "diffusers StableAudio": Truth(zoo.diffusers_stable_audio, (Stack(
         "transformer_blocks", "hidden_states", lambda s: 1 + s.length, special=lambda s: (0,),
-        per_token=_table("rotary_embedding", (0,), read="the zoo's table over 1 + length rows, as its pipeline's"),
+        per_token=_table("rotary_embedding", (0,), read="diffusers/pipelines/stable_audio/pipeline_stable_audio.py:677"
+                         " over latents.shape[2] + 1 rows, as the zoo's"),
         read=D + "stable_audio_transformer.py:341 cat([global_hidden_states, hidden_states])"),),
         lambda s: (s.length,), {"length": (4, 8, 16)}),
     "diffusers OmniGen": Truth(zoo.diffusers_omnigen, (Stack(
