@@ -483,6 +483,25 @@ def test_sizes_that_collide_change_neither_the_decisions_nor_the_route(name: str
     route(name, data.draw(st.sampled_from(targets(TRUTHS[name], kind)), label="sizes"))
 
 
+# The collisions reported against routekit, exactly as reported: (model, the example's sizes, a later call's).
+REPORTED = [
+    ("diffusers Wan", {"text": 48, "frames": 3}, None),  # a caption of 48 tokens over 3×4×4 image tokens
+    ("diffusers PixArt", {"text": 16}, None),  # 16 caption tokens over 4×4 image tokens
+    ("diffusers Wan", {}, {"text": 32}),  # applied with 5 caption tokens, then a batch whose caption is N long
+    ("diffusers Flux", {}, {"text": 16}),  # a later batch whose caption is as long as the image's tokens
+    ("diffusers PixArt", {"height": 24, "width": 32}, None),  # 12×16 tokens, as many as its (B, 6·D) timestep's width
+    ("transformers Gemma2 (eager attention)", {"tokens": 32}, None),  # a causal LM: sequence as long as its width
+    ("diffusers DiT", {"batch": 16}, None),  # the example's batch as large as its 16 tokens
+]
+
+
+@pytest.mark.parametrize(("name", "example", "call"), REPORTED,
+                         ids=[f"{n} {e}" + (f" then {c}" if c else "") for n, e, c in REPORTED])
+def test_the_reported_collisions_route_as_declared(name: str, example: dict, call: dict | None) -> None:
+    """The collisions reported against routekit, at the sizes reported (the properties above draw their own)."""
+    route(name, example, call)
+
+
 def later(truth: Truth, kind: str) -> list[dict]:
     """The sizes of a later call that make `kind` hold, the sizes the model is built for kept."""
     defaults = truth.sizes()
