@@ -298,13 +298,14 @@ TRUTHS |= {
 
 # Zoo entries the declarations leave out, and why.
 LEFT_OUT = {
-    "diffusers Flux2 (across both stacks)": "not asked for yet: Flux2's single blocks take the text joined in front",
-    "diffusers HiDream (double-stream stack)": "not asked for yet",
-    "diffusers CogView4": "not asked for yet",
-    "diffusers Mochi": "not asked for yet",
+    "diffusers Flux2 (across both stacks)": "not declared yet (its builder takes no sizes): single blocks with the "
+                                            "text joined in front, batched 4-axis ids",
+    "diffusers HiDream (double-stream stack)": "not declared yet (its builder takes no sizes)",
+    "diffusers CogView4": "not declared yet (its builder takes no sizes)",
+    "diffusers Mochi": "not declared yet (its builder takes no sizes)",
+    "diffusers Krea2 (padded text)": "not declared yet (its builder takes no sizes)",
     "diffusers Lumina2": "boundary mode: each sample's caption sits where its mask says, no one layout per stack",
-    "diffusers Krea2 (padded text)": "not asked for yet",
-    "transformers Qwen3-MoE (router logits)": "boundary mode",
-    "transformers RWKV": "boundary mode",
+    "transformers Qwen3-MoE (router logits)": "boundary mode: the decisions adapter reads graph-mode programs",
+    "transformers RWKV": "boundary mode: the decisions adapter reads graph-mode programs",
 }
 assert set(TRUTHS) | set(LEFT_OUT) == set(zoo.ZOO) and not set(TRUTHS) & set(LEFT_OUT)
