@@ -29,31 +29,46 @@ def _g(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def diffusers_dit():
+def _steps(batch: int, *steps: float, dtype=None) -> torch.Tensor:
+    """One timestep (or label) per sample: the zoo's values, cycled over the batch."""
+    return torch.tensor([steps[i % len(steps)] for i in range(batch)], dtype=dtype)
+
+
+def _padded(batch: int, text: int) -> torch.Tensor:
+    """A caption mask: every other sample's last two tokens padded ([[1]*5, [1, 1, 1, 0, 0]] at the zoo's sizes)."""
+    mask = torch.ones(batch, text, dtype=torch.long)
+    mask[1::2, max(text - 2, 1):] = 0
+    return mask
+
+
+def diffusers_dit(batch: int = 2, size: int = 8):
+    """`size`: the latent's side (DiT unpatchifies a square, side read off the token count)."""
     model = package("diffusers").DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, num_layers=6, sample_size=8, patch_size=2,
         num_embeds_ada_norm=10, norm_num_groups=1)
-    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), {"timestep": torch.tensor([3, 7]),
-                                                                "class_labels": torch.tensor([1, 4])}
+    return model, (torch.randn(batch, 4, size, size, generator=_g()),), {
+        "timestep": _steps(batch, 3, 7, dtype=torch.long), "class_labels": _steps(batch, 1, 4, dtype=torch.long)}
 
 
-def diffusers_pixart():
+def diffusers_pixart(batch: int = 2, text: int = 5, height: int = 8, width: int = 8):
     model = package("diffusers").PixArtTransformer2DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=6, sample_size=8,
         patch_size=2, cross_attention_dim=32, caption_channels=24, norm_num_groups=1)
-    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)), "timestep": torch.tensor([3, 7]),
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "timestep": _steps(batch, 3, 7, dtype=torch.long),
               "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}}
-    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+    return model, (torch.randn(batch, 4, height, width, generator=_g()),), kwargs
 
 
-def diffusers_sd3():
+def diffusers_sd3(batch: int = 2, text: int = 5, height: int = 8, width: int = 8):
+    """`height`, `width`: the latent's, up to 16 (its position table covers 8×8 patches)."""
     model = package("diffusers").SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, num_layers=6, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
         pos_embed_max_size=8)
-    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
-              "pooled_projections": torch.randn(2, 16, generator=_g(2)), "timestep": torch.tensor([3.0, 7.0])}
-    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "pooled_projections": torch.randn(batch, 16, generator=_g(2)), "timestep": _steps(batch, 3.0, 7.0)}
+    return model, (torch.randn(batch, 4, height, width, generator=_g()),), kwargs
 
 
 def flux_inputs(batch: int, height: int, width: int, text: int, channels: int = 16, joint: int = 24, pooled: int = 16,
@@ -71,11 +86,12 @@ def flux_inputs(batch: int, height: int, width: int, text: int, channels: int = 
     return (torch.randn(batch, height * width, channels, generator=g).to(device),), kwargs
 
 
-def diffusers_flux():
+def diffusers_flux(batch: int = 2, text: int = 5, height: int = 4, width: int = 4):
+    """`height`, `width`: the packed latent's, in tokens."""
     model = package("diffusers").FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=6, num_single_layers=6, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
-    args, kwargs = flux_inputs(2, 4, 4, 5)
+    args, kwargs = flux_inputs(batch, height, width, text)
     return model, args, kwargs
 
 
@@ -93,14 +109,15 @@ def diffusers_flux2():
     return model, (torch.randn(batch, height * width, 16, generator=_g()),), kwargs
 
 
-def diffusers_qwenimage():
+def diffusers_qwenimage(batch: int = 2, text: int = 5, height: int = 4, width: int = 4):
+    """`height`, `width`: the packed latent's, in tokens (patches of 2×2×4)."""
     model = package("diffusers").QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=6, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=24, axes_dims_rope=(4, 6, 6))
-    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
-              "encoder_hidden_states_mask": torch.ones(2, 5, dtype=torch.long),
-              "timestep": torch.tensor([0.3, 0.7]), "img_shapes": [[(1, 4, 4)]] * 2}  # packed 4×4 patches of 2×2×4
-    return model, (torch.randn(2, 16, 16, generator=_g()),), kwargs
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "encoder_hidden_states_mask": torch.ones(batch, text, dtype=torch.long),
+              "timestep": _steps(batch, 0.3, 0.7), "img_shapes": [[(1, height, width)]] * batch}
+    return model, (torch.randn(batch, height * width, 16, generator=_g()),), kwargs
 
 
 def diffusers_zimage():
@@ -115,34 +132,36 @@ def diffusers_zimage():
     return model, (images, torch.tensor([0.3, 0.7]), captions), {}
 
 
-def diffusers_wan():
+def diffusers_wan(batch: int = 2, text: int = 5, frames: int = 2, height: int = 8, width: int = 8):
+    """`frames`, `height`, `width`: the latent video's (patches of 1×2×2)."""
     model = package("diffusers").WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
         text_dim=24, freq_dim=16, ffn_dim=64, num_layers=6, rope_max_seq_len=32)
-    kwargs = {"timestep": torch.tensor([3, 7]), "encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1))}
-    return model, (torch.randn(2, 4, 2, 8, 8, generator=_g()),), kwargs
+    kwargs = {"timestep": _steps(batch, 3, 7, dtype=torch.long),
+              "encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1))}
+    return model, (torch.randn(batch, 4, frames, height, width, generator=_g()),), kwargs
 
 
-def diffusers_ltx_video():
+def diffusers_ltx_video(batch: int = 2, text: int = 5, frames: int = 2, height: int = 4, width: int = 4):
     """As its image-to-video pipeline calls it: latents packed (B, F·H·W, C), one timestep per token, 0 on the
     conditioning frame's tokens (a per-token side input every routed block must get cut)."""
     model = package("diffusers").LTXVideoTransformer3DModel(
         in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=16,
         cross_attention_dim=32, num_layers=6, caption_channels=24)
-    frames, height, width = 2, 4, 4
-    latents = torch.randn(2, 4, frames, height, width, generator=_g()).permute(0, 2, 3, 4, 1).flatten(1, 3)
-    conditioning = torch.zeros(2, frames * height * width)
+    latents = torch.randn(batch, 4, frames, height, width, generator=_g()).permute(0, 2, 3, 4, 1).flatten(1, 3)
+    conditioning = torch.zeros(batch, frames * height * width)
     conditioning[:, :height * width] = 1.0  # the first latent frame is the image
-    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
-              "timestep": torch.tensor([300.0, 700.0])[:, None] * (1 - conditioning),
-              "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "timestep": _steps(batch, 300.0, 700.0)[:, None] * (1 - conditioning),
+              "encoder_attention_mask": _padded(batch, text),
               "num_frames": frames, "height": height, "width": width, "rope_interpolation_scale": (8 / 25, 32, 32)}
     return model, (latents,), kwargs
 
 
-def diffusers_cogvideox():
+def diffusers_cogvideox(batch: int = 2, text: int = 5, frames: int = 2, height: int = 8, width: int = 8):
     """Text joined to the video in the patch embedding and split off before the blocks, which join the two again
-    inside attention and the feed-forward; 3D rotary table as its pipeline builds it."""
+    inside attention and the feed-forward; 3D rotary table as its pipeline builds it. `frames`, `height`, `width`:
+    the latent video's (patches of 2×2)."""
     diffusers = package("diffusers")
     from diffusers.models.embeddings import get_3d_rotary_pos_embed
 
@@ -150,23 +169,26 @@ def diffusers_cogvideox():
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
         text_embed_dim=24, num_layers=6, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
         max_text_seq_length=5, use_rotary_positional_embeddings=True)
-    rope = get_3d_rotary_pos_embed(embed_dim=16, crops_coords=((0, 0), (4, 4)), grid_size=(4, 4), temporal_size=2)
-    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)), "timestep": torch.tensor([300, 700]),
-              "image_rotary_emb": rope}
-    return model, (torch.randn(2, 2, 4, 8, 8, generator=_g()),), kwargs  # (B, F, C, H, W): 2×4×4 tokens
+    grid = (height // 2, width // 2)
+    rope = get_3d_rotary_pos_embed(embed_dim=16, crops_coords=((0, 0), grid), grid_size=grid, temporal_size=frames)
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "timestep": _steps(batch, 300, 700, dtype=torch.long), "image_rotary_emb": rope}
+    return model, (torch.randn(batch, frames, 4, height, width, generator=_g()),), kwargs  # (B, F, C, H, W)
 
 
-def diffusers_hunyuan_video():
+def diffusers_hunyuan_video(batch: int = 2, text: int = 5, frames: int = 2, height: int = 8, width: int = 8):
     """Its blocks take a boolean mask over the video tokens joined with the text's, (B, 1, 1, N + L), made by
-    `torch.ones(batch, N + L)` in the owner forward: a route cuts the mask's video part."""
+    `torch.ones(batch, N + L)` in the owner forward: a route cuts the mask's video part. `frames`, `height`,
+    `width`: the latent video's (patches of 1×2×2)."""
     model = package("diffusers").HunyuanVideoTransformer3DModel(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=6,
         num_single_layers=6, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
         guidance_embeds=True, text_embed_dim=24, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6))
-    kwargs = {"timestep": torch.tensor([300.0, 700.0]), "encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
-              "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
-              "pooled_projections": torch.randn(2, 16, generator=_g(2)), "guidance": torch.tensor([6000.0, 6000.0])}
-    return model, (torch.randn(2, 4, 2, 8, 8, generator=_g()),), kwargs  # 2 frames of 4×4 patches
+    kwargs = {"timestep": _steps(batch, 300.0, 700.0),
+              "encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "encoder_attention_mask": _padded(batch, text),
+              "pooled_projections": torch.randn(batch, 16, generator=_g(2)), "guidance": _steps(batch, 6000.0)}
+    return model, (torch.randn(batch, 4, frames, height, width, generator=_g()),), kwargs
 
 
 def diffusers_hidream():
@@ -206,30 +228,33 @@ def diffusers_mochi():
     return model, (torch.randn(2, 4, 2, 8, 8, generator=_g()),), kwargs
 
 
-def diffusers_sana():
+def diffusers_sana(batch: int = 2, text: int = 5, height: int = 8, width: int = 8):
     model = package("diffusers").SanaTransformer2DModel(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=6,
         num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=24,
         sample_size=8, patch_size=2)
-    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)), "timestep": torch.tensor([3, 7])}
-    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "timestep": _steps(batch, 3, 7, dtype=torch.long)}
+    return model, (torch.randn(batch, 4, height, width, generator=_g()),), kwargs
 
 
-def diffusers_omnigen():
+def diffusers_omnigen(batch: int = 2, text: int = 5, height: int = 8, width: int = 8):
     """OmniGen fills its mask with `torch.finfo(dtype).min` and casts its time token `type_as` the image. Its
-    own collator makes the mask and positions, the second prompt left-padded."""
+    own collator makes the mask and positions, every other prompt left-padded by two."""
     diffusers = package("diffusers")
     from diffusers.pipelines.omnigen.processor_omnigen import OmniGenCollator
     model = diffusers.OmniGenTransformer2DModel(
         in_channels=4, patch_size=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
         intermediate_size=64, num_layers=6, pad_token_id=0, vocab_size=64, pos_embed_max_size=16, time_step_dim=32,
         rope_scaling={"short_factor": [1.0] * 8, "long_factor": [1.0] * 8})
-    text = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    mask = _padded(batch, text).flip(1)
     collator = OmniGenCollator(pad_token_id=0, hidden_size=32)
-    kwargs = {"timestep": torch.tensor([0.3, 0.7]), "input_ids": torch.randint(1, 64, (2, 5), generator=_g(1)) * text,
-              "input_img_latents": [], "input_image_sizes": {}, "attention_mask": collator.create_mask(text, [16, 16])[0],
-              "position_ids": collator.create_position(text, [16, 16])}
-    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+    image = [(height // 2) * (width // 2)] * batch
+    kwargs = {"timestep": _steps(batch, 0.3, 0.7),
+              "input_ids": torch.randint(1, 64, (batch, text), generator=_g(1)) * mask, "input_img_latents": [],
+              "input_image_sizes": {}, "attention_mask": collator.create_mask(mask, image)[0],
+              "position_ids": collator.create_position(mask, image)}
+    return model, (torch.randn(batch, 4, height, width, generator=_g()),), kwargs
 
 
 def diffusers_lumina2():
@@ -242,22 +267,25 @@ def diffusers_lumina2():
     return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
 
 
-def diffusers_chroma():
+def diffusers_chroma(batch: int = 2, text: int = 5, height: int = 4, width: int = 4):
+    """`height`, `width`: the packed latent's, in tokens."""
     model = package("diffusers").ChromaTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=4, num_single_layers=6, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=24, axes_dims_rope=(4, 6, 6), approximator_num_channels=8, approximator_hidden_dim=32,
         approximator_layers=1)
-    args, kwargs = flux_inputs(2, 4, 4, 5)
+    args, kwargs = flux_inputs(batch, height, width, text)
     del kwargs["pooled_projections"]
     return model, args, kwargs
 
 
-def diffusers_auraflow():
+def diffusers_auraflow(batch: int = 2, text: int = 5, height: int = 8, width: int = 8):
+    """`height`, `width`: the latent's, up to 16 (its position table covers 8×8 patches)."""
     model = package("diffusers").AuraFlowTransformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2, num_single_dit_layers=6, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=32, out_channels=4, pos_embed_max_size=64)
-    kwargs = {"encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)), "timestep": torch.tensor([3.0, 7.0])}
-    return model, (torch.randn(2, 4, 8, 8, generator=_g()),), kwargs
+    kwargs = {"encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "timestep": _steps(batch, 3.0, 7.0)}
+    return model, (torch.randn(batch, 4, height, width, generator=_g()),), kwargs
 
 
 def diffusers_krea2():
@@ -280,7 +308,8 @@ def diffusers_krea2():
     return model, (torch.randn(2, 16, 16, generator=_g()),), kwargs
 
 
-def diffusers_stable_audio():
+def diffusers_stable_audio(batch: int = 2, text: int = 5, length: int = 16):
+    """`length`: the latent audio's, in tokens."""
     diffusers = package("diffusers")
     model = diffusers.StableAudioDiTModel(
         sample_size=16, in_channels=4, num_layers=6, attention_head_dim=16, num_attention_heads=2,
@@ -289,27 +318,27 @@ def diffusers_stable_audio():
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
     # as its pipeline calls it: the rotary table covers the global (duration) token the model prepends, then audio
-    rotary = get_1d_rotary_pos_embed(8, 16 + 1, use_real=True, repeat_interleave_real=False)
-    kwargs = {"timestep": torch.tensor([3.0, 7.0]), "encoder_hidden_states": torch.randn(2, 5, 24, generator=_g(1)),
-              "global_hidden_states": torch.randn(2, 1, 24, generator=_g(2)), "rotary_embedding": rotary}
-    return model, (torch.randn(2, 4, 16, generator=_g()),), kwargs
+    rotary = get_1d_rotary_pos_embed(8, length + 1, use_real=True, repeat_interleave_real=False)
+    kwargs = {"timestep": _steps(batch, 3.0, 7.0), "encoder_hidden_states": torch.randn(batch, text, 24, generator=_g(1)),
+              "global_hidden_states": torch.randn(batch, 1, 24, generator=_g(2)), "rotary_embedding": rotary}
+    return model, (torch.randn(batch, 4, length, generator=_g()),), kwargs
 
 
-def transformers_llama():
+def transformers_llama(batch: int = 2, tokens: int = 12):
     t = package("transformers")
     config = t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    return t.LlamaModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.LlamaModel(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
-def transformers_gemma2():
+def transformers_gemma2(batch: int = 2, tokens: int = 12):
     """Gemma2 as configured by default: eager attention, whose mask transformers fills with
     `torch.finfo(dtype).min`, and a sliding window on every other layer."""
     t = package("transformers")
     config = t.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                             num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                             sliding_window=4)
-    return t.Gemma2Model(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.Gemma2Model(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
 def transformers_qwen3_moe():
@@ -323,32 +352,32 @@ def transformers_qwen3_moe():
     return t.Qwen3MoeForCausalLM(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
 
 
-def transformers_falcon_mamba():
+def transformers_falcon_mamba(batch: int = 2, tokens: int = 12):
     """An LM whose head casts the logits to fp32: in bf16 its output is wider than the sums behind it."""
     t = package("transformers")
     config = t.FalconMambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=6, expand=2)
-    return t.FalconMambaForCausalLM(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.FalconMambaForCausalLM(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
-def transformers_gpt2():
+def transformers_gpt2(batch: int = 2, tokens: int = 12):
     t = package("transformers")
     config = t.GPT2Config(vocab_size=64, n_embd=32, n_layer=6, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
-    return t.GPT2Model(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.GPT2Model(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
-def transformers_gpt_neox():
+def transformers_gpt_neox(batch: int = 2, tokens: int = 12):
     t = package("transformers")
     config = t.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
                              intermediate_size=64, max_position_embeddings=64)
-    return t.GPTNeoXModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.GPTNeoXModel(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
-def transformers_gemma3():
+def transformers_gemma3(batch: int = 2, tokens: int = 12):
     t = package("transformers")
     config = t.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                                 sliding_window=8)
-    return t.Gemma3TextModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.Gemma3TextModel(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
 def transformers_rwkv():
@@ -358,28 +387,31 @@ def transformers_rwkv():
     return t.RwkvModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
 
 
-def transformers_vit():
+def transformers_vit(batch: int = 2, size: int = 16):
+    """`size`: the image's side (patches of 4; its position table is made for that size)."""
     t = package("transformers")
     config = t.ViTConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2, intermediate_size=64,
-                         image_size=16, patch_size=4)
-    return t.ViTModel(config, add_pooling_layer=False), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+                         image_size=size, patch_size=4)
+    return t.ViTModel(config, add_pooling_layer=False), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def transformers_clip_vision():
+def transformers_clip_vision(batch: int = 2, size: int = 8):
+    """`size`: the image's side (patches of 2; its position table is made for that size)."""
     t = package("transformers")
     config = t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
-                                num_channels=3, image_size=8, patch_size=2, projection_dim=32)
-    return t.CLIPVisionModel(config), (torch.randn(2, 3, 8, 8, generator=_g()),), {}
+                                num_channels=3, image_size=size, patch_size=2, projection_dim=32)
+    return t.CLIPVisionModel(config), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def transformers_dinov2_registers():
+def transformers_dinov2_registers(batch: int = 2, size: int = 16):
+    """`size`: the image's side (patches of 4)."""
     t = package("transformers")
     config = t.Dinov2WithRegistersConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
                                          intermediate_size=64, image_size=16, patch_size=4, num_register_tokens=4)
-    return t.Dinov2WithRegistersModel(config), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+    return t.Dinov2WithRegistersModel(config), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def transformers_dinov3(augment: bool = True):
+def transformers_dinov3(augment: bool = True, batch: int = 2, size: int = 16):
     """DINOv3's rotary table covers the patches alone; its blocks line it up with the stream's last tokens by
     length. Two heads and a batch of two: a per-sample table broadcast against the heads runs, mixing samples.
     `augment`: the position jitter, shift and rescale it draws in training (off: the table is a function of
@@ -390,38 +422,39 @@ def transformers_dinov3(augment: bool = True):
     extra = {} if augment else {"pos_embed_shift": None, "pos_embed_jitter": None, "pos_embed_rescale": None}
     config = t.DINOv3ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                                image_size=16, patch_size=4, num_register_tokens=4, **extra)
-    return t.DINOv3ViTModel(config), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+    return t.DINOv3ViTModel(config), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def transformers_beit(bias_per_layer: bool = False):
+def transformers_beit(bias_per_layer: bool = False, batch: int = 2, size: int = 16):
     """BEiT as configured by default (no relative position bias), or with a relative position bias of each
     layer's own, an (N, N) table over the stream's tokens that a route cannot cut."""
     t = package("transformers")
     extra = {"use_relative_position_bias": True} if bias_per_layer else {}
     config = t.BeitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
-                          image_size=16, patch_size=4, vocab_size=64, **extra)
-    return t.BeitModel(config), (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+                          image_size=size, patch_size=4, vocab_size=64, **extra)
+    return t.BeitModel(config), (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def transformers_mamba():
+def transformers_mamba(batch: int = 2, tokens: int = 12):
     t = package("transformers")
     config = t.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=6, expand=2)
-    return t.MambaModel(config), (torch.randint(0, 64, (2, 12), generator=_g()),), {}
+    return t.MambaModel(config), (torch.randint(0, 64, (batch, tokens), generator=_g()),), {}
 
 
-def timm_vit():
+def timm_vit(batch: int = 2, size: int = 64):
+    """`size`: the image's side (patches of 16: 1 + 4×4 tokens at 64)."""
     timm = package("timm")
-    model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=64, depth=6)  # 1 + 4×4 tokens
-    return model, (torch.randn(2, 3, 64, 64, generator=_g()),), {}
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=size, depth=6)
+    return model, (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
-def timm_eva():
+def timm_eva(batch: int = 2, size: int = 16):
     """EVA with a rotary table over the patches alone, which its attention applies after a fixed count of
-    prefix tokens (class and 2 registers)."""
+    prefix tokens (class and 2 registers). `size`: the image's side (patches of 4)."""
     timm = package("timm")
-    model = timm.models.eva.Eva(img_size=16, patch_size=4, embed_dim=32, depth=6, num_heads=2, mlp_ratio=2.0,
+    model = timm.models.eva.Eva(img_size=size, patch_size=4, embed_dim=32, depth=6, num_heads=2, mlp_ratio=2.0,
                                 use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=2, num_classes=0)
-    return model, (torch.randn(2, 3, 16, 16, generator=_g()),), {}
+    return model, (torch.randn(batch, 3, size, size, generator=_g()),), {}
 
 
 class UViT(nn.Module):
@@ -465,8 +498,9 @@ class UViTOut(nn.Module):
         return self.block(self.skip(torch.cat([x, skip], dim=-1)))
 
 
-def uvit():
-    return UViT(), (torch.randn(2, 4, 8, 8, generator=_g()), torch.rand(2, generator=_g(1)), torch.tensor([1, 4])), {}
+def uvit(batch: int = 2):
+    return UViT(), (torch.randn(batch, 4, 8, 8, generator=_g()), torch.rand(batch, generator=_g(1)),
+                    _steps(batch, 1, 4, dtype=torch.long)), {}
 
 
 @dataclass(frozen=True)
