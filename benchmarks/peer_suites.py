@@ -89,7 +89,12 @@ STANDIN_FILES = {
 # computes in train() mode (blocks see a subset of tokens, drawn at random each call): a test that compares a
 # routed model's training-mode outputs against the plain model's, or two training calls against each other, sees
 # them differ. Anything else that passes plain and fails routed is a defect.
-EXPECTED: tuple[tuple[str, str], ...] = ()
+EXPECTED: tuple[tuple[str, str], ...] = (
+    (r"LoRA::test_lora_fuse_nan$",
+     "runs a freshly built model, so in train() mode, and expects every output NaN after LoRA weights of inf are fused "
+     "into the blocks' attention; the tokens a route sets aside skip the routed blocks (here all of them), so their "
+     "outputs stay finite. Routes change training outputs by design; in eval() the routed model's outputs are all NaN"),
+)
 
 
 def expected_reason(test: str) -> str | None:
@@ -226,8 +231,10 @@ def outcomes(junit: Path) -> dict[str, dict]:
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
             found[test] = {"outcome": "failed", "error": first_line(bad)}
-        elif case.find("skipped") is not None:
-            found[test] = {"outcome": "skipped", "error": (case.find("skipped").get("message") or "")[:300]}
+        elif case.find("skipped") is not None:  # an xfail mark turns a failure into "xfailed", counted as skipped
+            skipped = case.find("skipped")
+            outcome = "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
+            found[test] = {"outcome": outcome, "error": f"{outcome}: {(skipped.get('message') or '')[:300]}"}
         else:
             found[test] = {"outcome": "passed"}
     return found
@@ -248,7 +255,7 @@ def first_line(element: ET.Element) -> str:
 
 def compare(plain: dict, routed: dict) -> dict:
     """Counts of both runs, the tests that pass plain and not routed, and what happened to the models."""
-    count = lambda r: dict(Counter(t["outcome"] for t in r["tests"].values()))
+    count = lambda r: dict(Counter(t["outcome"].replace("xfailed", "skipped") for t in r["tests"].values()))
     routed_tests = {e["test"].split("::", 1)[1] for e in routed["events"] if e["event"] == "routed" and e["test"]}
     lost = []
     for test, was in sorted(plain["tests"].items()):
