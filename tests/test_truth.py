@@ -31,6 +31,7 @@ from truth import TRUTHS, Sizes, Stack, Truth  # noqa: E402
 from zoo import Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
+from routekit.model import routing_of  # noqa: E402
 
 # ---- routekit's decisions: the one adapter to its internals -------------------------------------------------------
 
@@ -55,7 +56,7 @@ def decisions(routed: nn.Module, args: tuple, kwargs: dict) -> Decisions:
     from routekit.model import report_of
 
     plan = report_of(routed)
-    executor = routed._routekit_executor
+    executor = routing_of(routed).executor
     if hasattr(executor, "program"):  # graph mode: one program per call signature (and shapes)
         was = routed.training
         routed.train()
