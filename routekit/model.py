@@ -216,10 +216,7 @@ def assemble(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tupl
     boundary mode otherwise."""
     dar = None
     if plan.dar is not None:
-        dar = DarState(plan.dar.config, plan.dar.points, plan.report.stream.shape[2])
-        param = next(model.parameters(), None)
-        if param is not None:
-            dar.to(param.device)
+        dar = DarState(plan.dar.config, plan.dar.points, plan.report.stream.shape[2], like=model)
     routed = _routed_class(type(model)).__new__(_routed_class(type(model)))
     routed.__dict__.update({k: v for k, v in model.__dict__.items() if k in _OWN}, _routekit_model=model)
     routed.__dict__["_modules"] = type(model._modules)(model._modules)  # its own table: routekit's state joins it
