@@ -194,15 +194,19 @@ def cold_compile_caches() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="routekit-compile-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = str(root / "inductor"), str(root / "triton")
-    async_compile.shutdown_compile_workers()
-    async_compile.CompiledTritonKernels.cache_clear()
-    codecache.PyCodeCache.cache_clear()
+    # torch's private names: each called where this torch has it (they moved between releases)
+    for owner, name in ((async_compile, "shutdown_compile_workers"),
+                        (getattr(async_compile, "CompiledTritonKernels", None), "cache_clear"),
+                        (codecache.PyCodeCache, "cache_clear"), (codecache.CppCodeCache, "cache_clear"),
+                        (codecache.CppPythonBindingsCodeCache, "cache_clear")):  # the last two: a CPU's kernels
+        if callable(getattr(owner, name, None)):
+            getattr(owner, name)()
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return
     for kernel in [o for o in gc.get_objects() if isinstance(o, JITFunction)]:  # routekit's and the models' own
-        kernel.device_caches.clear()
+        getattr(kernel, "device_caches", {}).clear()
 
 
 def timed(timing: dict, stats: dict, cuda: bool) -> dict:

@@ -42,15 +42,11 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
         if not sources:
             raise DarInputError("sources is empty: DAR needs at least one source")
         first = sources[0]
-        for i, src in enumerate(sources):
-            if not isinstance(src, Tensor) or src.dim() != 3:
-                got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
-                raise DarInputError(f"source {i} must be a 3-D (B, N, D) tensor, got {got}")
-            if src.shape != first.shape or src.dtype != first.dtype or src.device != first.device:
-                raise DarInputError(
-                    f"source {i} is {tuple(src.shape)} {src.dtype} on {src.device}, but source 0 is "
-                    f"{tuple(first.shape)} {first.dtype} on {first.device}: all sources must match"
-                )
+        # one pass without enumerate or any(): torch.compile traces this at every aggregation of a model
+        for src in sources:
+            if not isinstance(src, Tensor) or src.dim() != 3 or src.shape != first.shape or src.dtype != first.dtype \
+                    or src.device != first.device:
+                _refuse_source(sources)
         shape, device = (len(sources), *first.shape), first.device
     s, b, n, d = shape
     if s == 0 or d == 0:
@@ -61,17 +57,28 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
             f"query must end in D={d} and broadcast to (B, N, D)=({b}, {n}, {d}), e.g. ({d},), "
             f"({b}, 1, {d}) or ({b}, {n}, {d}); got {got}"
         )
-    try:
-        broadcast = torch.broadcast_shapes(query.shape, (b, n, d))
-    except RuntimeError:
-        broadcast = None
-    if broadcast != (b, n, d):
+    lead = query.shape[:-1]
+    if (len(lead) == 2 and lead[0] not in (1, b)) or (lead and lead[-1] not in (1, n)):
         raise DarInputError(
             f"query of shape {tuple(query.shape)} does not broadcast to (B, N, D)=({b}, {n}, {d})"
         )
     if query.device != device:
         raise DarInputError(f"query is on {query.device} but the sources are on {device}")
     return s, b, n, d
+
+
+def _refuse_source(sources: list) -> None:
+    """Raise for the first source that is not a (B, N, D) tensor like source 0."""
+    first = sources[0]
+    for i, src in enumerate(sources):
+        if not isinstance(src, Tensor) or src.dim() != 3:
+            got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+            raise DarInputError(f"source {i} must be a 3-D (B, N, D) tensor, got {got}")
+        if src.shape != first.shape or src.dtype != first.dtype or src.device != first.device:
+            raise DarInputError(
+                f"source {i} is {tuple(src.shape)} {src.dtype} on {src.device}, but source 0 is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}: all sources must match"
+            )
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
