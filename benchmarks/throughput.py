@@ -205,7 +205,8 @@ def cold_compile_caches() -> None:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return
-    for kernel in [o for o in gc.get_objects() if isinstance(o, JITFunction)]:  # routekit's and the models' own
+    # routekit's kernels and the models' own; type(), for a dead weak proxy among the objects refuses isinstance
+    for kernel in [o for o in gc.get_objects() if issubclass(type(o), JITFunction)]:
         getattr(kernel, "device_caches", {}).clear()
 
 
