@@ -89,6 +89,17 @@ def _kernel_module() -> types.ModuleType:
     return kernels
 
 
+def _scan_forward(x, dt, A, B, C, chunk):
+    """mamba-ssm's SSD forward: (y,)."""
+    return (_kernel_module()._mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk)[0],)
+
+
+def _scan_backward(dout, x, dt, A, B, C, out, chunk):
+    """mamba-ssm's SSD backward: the gradients of x, dt, A, B and C."""
+    grads = _kernel_module()._mamba_chunk_scan_combined_bwd(dout, x, dt, A, B, C, out, chunk)
+    return tuple(g.contiguous() for g in grads[:5])
+
+
 # mamba-ssm's entry point is an autograd.Function around autotuned Triton launches, all of which Dynamo
 # must trace to compile a model, and a compiled DiM broke into pieces at the scan that CUDA graphs cannot
 # hold, its step bound by the Python that launches some forty kernels a block. As a custom op with its
@@ -97,7 +108,7 @@ def _kernel_module() -> types.ModuleType:
 @torch.library.custom_op("backbones::mamba_ssd", mutates_args=())
 def _mamba_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                chunk: int) -> torch.Tensor:
-    return _kernel_module()._mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk)[0]
+    return _scan_forward(x, dt, A, B, C, chunk)[0]
 
 
 @_mamba_ssd.register_fake
@@ -109,8 +120,7 @@ def _(x, dt, A, B, C, chunk):
 def _mamba_ssd_backward(dout: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                         B: torch.Tensor, C: torch.Tensor, out: torch.Tensor,
                         chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _kernel_module()._mamba_chunk_scan_combined_bwd(dout, x, dt, A, B, C, out, chunk)
-    return tuple(g.contiguous() for g in grads[:5])
+    return _scan_backward(dout, x, dt, A, B, C, out, chunk)
 
 
 @_mamba_ssd_backward.register_fake
@@ -129,6 +139,75 @@ def _mamba_ssd_grads(ctx, dout):
 
 
 _mamba_ssd.register_autograd(_mamba_ssd_grads, setup_context=_save_for_backward)
+
+
+# Eager, the scan runs through a plain autograd.Function over the same two functions: the custom op's dispatch
+# and its generated backward were host work an eager step waited on (~0.7 ms a block at batch 64 on an H200).
+# And mamba-ssm launches some twenty autotuned Triton kernels a block from Python (its backward ~2.3 ms of host
+# time a block there, more than a routed block's kernels take), so on CUDA each direction is replayed from a CUDA
+# graph captured once per input signature (`_Replay`): one launch where there were twenty.
+class _Replay:
+    """`fn` of CUDA tensors of one signature, replayed from a CUDA graph: the inputs are copied into the graph's
+    own and its outputs cloned out (~0.2 ms of copies a block at DiM-B/2's batch 64, against ~3 ms of launches).
+    Captured with autocast off: mamba-ssm's host code calls no op autocast changes."""
+
+    def __init__(self, fn: Callable, inputs: list[torch.Tensor], chunk: int):
+        self.inputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in inputs]
+        device = inputs[0].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.autocast("cuda", enabled=False):
+            fn(*self.inputs, chunk)  # autotunes and compiles the kernels, outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), torch.autocast("cuda", enabled=False):
+            self.outputs = fn(*self.inputs, chunk)
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for mine, given in zip(self.inputs, inputs):
+            mine.copy_(given)
+        self.graph.replay()
+        return tuple(out.clone() for out in self.outputs)
+
+
+REPLAYS_KEPT = 16  # captured signatures kept per direction (a routed DiM meets two token counts, eval a third)
+_replays: dict[tuple, _Replay | None] = {}
+
+
+def _replayed(fn: Callable, inputs: list[torch.Tensor], chunk: int) -> tuple[torch.Tensor, ...]:
+    """`fn(*inputs, chunk)`, from its CUDA graph where the inputs are CUDA tensors and no capture is under way
+    (a model captured whole runs the kernels into that capture); directly where a capture failed (warned once)."""
+    if not inputs[0].is_cuda or torch.cuda.is_current_stream_capturing():
+        return fn(*inputs, chunk)
+    key = (fn, chunk, inputs[0].device, *((t.shape, t.dtype) for t in inputs))
+    replay = _replays.pop(key, False)  # popped and put back: the dict's order is least recently used first
+    if replay is False:
+        if len(_replays) >= 2 * REPLAYS_KEPT:
+            del _replays[next(iter(_replays))]
+        try:
+            replay = _Replay(fn, inputs, chunk)
+        except RuntimeError as err:
+            warnings.warn(f"the SSD scan's {fn.__name__} runs without a CUDA graph: capturing it failed ({err})",
+                          stacklevel=3)
+            replay = None
+    _replays[key] = replay
+    return fn(*inputs, chunk) if replay is None else replay(*inputs)
+
+
+class _EagerScan(torch.autograd.Function):
+    """`backbones::mamba_ssd` and its backward without the custom-op dispatch, for eager mode (under
+    torch.compile the custom op is used, one opaque node that Inductor and CUDA graphs take whole)."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, chunk):
+        (out,) = _replayed(_scan_forward, [x, dt, A, B, C], chunk)
+        ctx.save_for_backward(x, dt, A, B, C, out)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (*_replayed(_scan_backward, [dout.contiguous(), *ctx.saved_tensors], ctx.chunk), None)
 
 
 def mamba_kernel() -> Callable:
@@ -160,8 +239,11 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     if SSD_IMPL is None and x.is_cuda and name == "chunked":
         warnings.warn(INSTALL_HINT.format(error=_kernel_error()), stacklevel=2)
     if name == "kernel":
-        return torch.ops.backbones.mamba_ssd(x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(),
-                                             C.contiguous(), chunk)
+        args = (x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(), chunk)
+        if torch.compiler.is_compiling():
+            return torch.ops.backbones.mamba_ssd(*args)
+        _kernel_module()
+        return _EagerScan.apply(*args)
     if name == "chunked":
         return ssd_chunked(x, dt, A, B, C, chunk)
     if name == "reference":

@@ -3,8 +3,9 @@
 One train step = forward + backward + AdamW under bf16 autocast. For each backbone, size, batch and
 mode it reports the median and 90th-percentile step time, speed-up over vanilla, peak memory,
 and the speed-up FLOPs alone would give (torch.utils.flop_counter on one step). The hand-written
-route (DiT only) is written here, independently of routekit, as the bar routekit must meet. The
-DAR variants (chunks of 4) replace the residual adds, alone or with the default route.
+route (random tokens for DiT, whole rows for the scan backbones) is written here, independently of
+routekit, as the bar routekit must meet. The DAR variants (chunks of 4) replace the residual adds, alone
+or with the default route.
 
     python benchmarks/throughput.py --backbone dit --sizes XL/2 --batches 256 --modes compile
     python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants vanilla dar_static_c4
@@ -31,7 +32,9 @@ stay, each with the commit it was measured at, so a study too long for one run f
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -62,29 +65,38 @@ from benchmarks.common import (  # noqa: E402
 )
 
 
-class HandRoutedDiT(nn.Module):
-    """DiT's forward re-written by hand with one TREAD route: the reference routekit must match."""
+class HandRouted(nn.Module):
+    """The model's forward re-written by hand with one TREAD route: the reference routekit must match. DiT keeps an
+    independent random subset of tokens per sample; the scan backbones (DiM, Diffusion-RWKV), whose blocks see
+    their tokens as rows of the grid, keep whole rows per sample, as routekit's `row` selector does."""
 
-    def __init__(self, dit: nn.Module, start: int, end: int, rate: float):
+    def __init__(self, model: nn.Module, start: int, end: int, rate: float, rows: bool = False):
         super().__init__()
-        self.dit, self.start, self.end, self.rate = dit, start, end, rate
+        self.model, self.start, self.end, self.rate, self.rows = model, start, end, rate, rows
 
     def forward(self, x, t, y):
-        m = self.dit
+        m = self.model
         x = m.x_embedder(x) + m.pos_embed
         c = m.t_embedder(t) + m.y_embedder(y)
         batch, tokens, dim = x.shape
-        keep = tokens - int(tokens * self.rate)
         for i, block in enumerate(m.blocks):
             if i == self.start:
-                order = torch.rand(batch, tokens, device=x.device).argsort(dim=1)[:, :keep].sort(dim=1).values
-                index = order.unsqueeze(-1).expand(batch, keep, dim)
+                index = self.kept(batch, tokens, x.device).unsqueeze(-1).expand(batch, -1, dim)
                 skipped = x
                 x = torch.gather(x, 1, index)
             x = block(x, c)
             if i == self.end:
                 x = skipped.to(x.dtype).scatter(1, index, x)
         return m.unpatchify(m.final_layer(x, c))
+
+    def kept(self, batch: int, tokens: int, device) -> torch.Tensor:
+        """(batch, kept) sorted token positions: random tokens, or the tokens of random whole rows."""
+        height, width = self.model.grid if self.rows else (tokens, 1)
+        keep = height - int(height * self.rate)
+        lines = torch.rand(batch, height, device=device).argsort(dim=1)[:, :keep].sort(dim=1).values
+        if not self.rows:
+            return lines
+        return (lines[:, :, None] * width + torch.arange(width, device=device)).flatten(1)
 
 
 # DAR rows: (query, with the default TREAD route?, regional compilation?), all with chunk size 4
@@ -111,7 +123,7 @@ def build(backbone: str, size: str, variant: str, device: str, tiny: bool = Fals
     if variant == "vanilla":
         return model
     if variant == "manual":
-        return HandRoutedDiT(model, route.start, route.end, route.rate)
+        return HandRouted(model, route.start, route.end, route.rate, rows=route.selector == "row")
     example = module.example_inputs(model, example_batch, device=device)
     if variant == "routekit":
         return rk.apply(model, routes=[route], example_inputs=example)
@@ -122,7 +134,7 @@ def build(backbone: str, size: str, variant: str, device: str, tiny: bool = Fals
 
 def inputs_for(backbone: str, model: nn.Module, batch: int, device: str):
     module = importlib.import_module(f"backbones.{backbone}")
-    inner = model.dit if isinstance(model, HandRoutedDiT) else model
+    inner = model.model if isinstance(model, HandRouted) else model
     return module.example_inputs(inner, batch, device=device, generator=torch.Generator(device).manual_seed(0))
 
 
@@ -155,6 +167,8 @@ def prepare(model: nn.Module, backbone: str, batch: int, mode: str, device: str)
     def step():
         train_step(runner, opt, x, t, y, cuda)
 
+    if mode != "eager":
+        cold_compile_caches()
     before, graphs_before = compile_seconds(), graph_counts()
     start = time.perf_counter()  # the first step holds the compilation: timed apart, never in the median
     step()
@@ -166,6 +180,34 @@ def prepare(model: nn.Module, backbone: str, batch: int, mode: str, device: str)
         stats["first_step_phases_s"] = first_step_phases(before, first)
         stats.update(graph_counts(graphs_before))
     return step, stats
+
+
+def cold_compile_caches() -> None:
+    """Make the next compilation a first one, as on a machine that never compiled these models: fresh Inductor and
+    Triton cache folders, Inductor's compile workers restarted (each reads the Triton folder when it starts), and
+    the compiled kernels this process holds forgotten. Without it a variant's first step found the kernels an
+    earlier variant compiled ready (routekit's route and the hand-written one compile the same blocks' kernels),
+    so whichever ran later looked faster to compile."""
+    import tempfile
+
+    from torch._inductor import async_compile, codecache
+
+    root = Path(tempfile.mkdtemp(prefix="routekit-compile-"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = str(root / "inductor"), str(root / "triton")
+    # torch's private names: each called where this torch has it (they moved between releases)
+    for owner, name in ((async_compile, "shutdown_compile_workers"),
+                        (getattr(async_compile, "CompiledTritonKernels", None), "cache_clear"),
+                        (codecache.PyCodeCache, "cache_clear"), (codecache.CppCodeCache, "cache_clear"),
+                        (codecache.CppPythonBindingsCodeCache, "cache_clear")):  # the last two: a CPU's kernels
+        if callable(getattr(owner, name, None)):
+            getattr(owner, name)()
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    # routekit's kernels and the models' own; type(), for a dead weak proxy among the objects refuses isinstance
+    for kernel in [o for o in gc.get_objects() if issubclass(type(o), JITFunction)]:
+        getattr(kernel, "device_caches", {}).clear()
 
 
 def timed(timing: dict, stats: dict, cuda: bool) -> dict:
@@ -189,17 +231,29 @@ def measure(model: nn.Module, backbone: str, batch: int, mode: str, steps: int, 
 
 
 def measure_interleaved(models: dict[str, nn.Module], backbone: str, batch: int, mode: str, steps: int, warmup: int,
-                        device: str, gpu_busy: bool = False) -> dict[str, dict]:
+                        device: str, gpu_busy: bool = False, built: dict[str, int] | None = None) -> dict[str, dict]:
     """`measure` for several variants at once, their timed steps taken in turn (round r starts at variant r), so
     that a host whose speed drifts during the call (another tenant, clocks) slows every variant alike: a step that
     waits on the host moved 20-35% between calls, and variants timed one after another each met another host.
-    All models stay on the device, so a variant's peak memory is not its own: not reported."""
+
+    All models stay on the device, so a variant's peak memory is counted as its own (`built`: the bytes building
+    it allocated): those, plus what its first step left allocated (gradients, the optimiser's state), plus the
+    most its warm-up steps allocated above what every model held then (at least one warm-up step)."""
     cuda = device == "cuda"
-    prepared = {}
+    prepared, peaks = {}, {}
     for variant, model in models.items():
+        held = torch.cuda.memory_allocated() if cuda else 0
         step, first = prepare(model, backbone, batch, mode, device)
-        for _ in range(warmup):
+        if cuda:
+            torch.cuda.synchronize()
+            kept = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(max(warmup, 1) if cuda else warmup):
             step()
+        if cuda and built is not None:
+            torch.cuda.synchronize()
+            own = built[variant] + kept - held  # its parameters, gradients and optimiser state
+            peaks[variant] = (own + torch.cuda.max_memory_allocated() - kept) / 2**30
         prepared[variant] = step, first
     if cuda:
         torch.cuda.synchronize()  # the first timed step's host time must not include warm-up work still queued
@@ -212,7 +266,8 @@ def measure_interleaved(models: dict[str, nn.Module], backbone: str, batch: int,
     for variant, (step, first) in prepared.items():
         times, host = zip(*samples[variant])
         timing = step_stats(list(times), list(host))
-        results[variant] = {**timed(timing, first, cuda), "peak_gib": float("nan"), "interleaved": True}
+        results[variant] = {**timed(timing, first, cuda), "peak_gib": peaks.get(variant, float("nan")),
+                            "interleaved": True}
         if gpu_busy and cuda:
             results[variant]["gpu_busy_ms"], results[variant]["top_kernels"] = gpu_busy_ms(step)
     return results
@@ -300,11 +355,9 @@ def step_flops(model: nn.Module, backbone: str, device: str, batch: int = 4) -> 
 
 
 def variants_of(backbone: str, asked: list[str] | None) -> list[str]:
-    """The variants one backbone runs: those asked for (the hand-written route exists for DiT only), or by default
-    vanilla, routekit and, for DiT, the hand-written route."""
-    if asked is None:
-        return ["vanilla", "routekit", "manual"] if backbone == "dit" else ["vanilla", "routekit"]
-    return [v for v in asked if v != "manual" or backbone == "dit"]
+    """The variants one backbone runs: those asked for, or by default vanilla, routekit and the hand-written
+    route."""
+    return list(asked) if asked is not None else ["vanilla", "routekit", "manual"]
 
 
 def run(args, device: str, save=lambda rows: None, rows: list[dict] | None = None) -> list[dict]:
@@ -361,11 +414,15 @@ def _one_by_one(args, backbone: str, size: str, batch: int, mode: str, variants:
 def _interleaved(args, backbone: str, size: str, batch: int, mode: str, variants: list[str], device: str):
     """Every variant built, then measured together (`measure_interleaved`): yields (variant, stats)."""
     torch._dynamo.reset()
-    models = {}
+    models, built = {}, {}
+    cuda = device == "cuda"
     try:
         for variant in variants:
+            before = torch.cuda.memory_allocated() if cuda else 0
             models[variant] = build(backbone, size, variant, device, args.quick, compile_blocks=mode == "blocks")
-        out = measure_interleaved(models, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy)
+            built[variant] = (torch.cuda.memory_allocated() if cuda else 0) - before
+        out = measure_interleaved(models, backbone, batch, mode, args.steps, args.warmup, device, args.gpu_busy,
+                                  built)
     except torch.OutOfMemoryError:  # all on the device at once: the group is out of memory together
         out = {variant: dict(OUT_OF_MEMORY) for variant in variants}
     models.clear()
@@ -404,8 +461,9 @@ def table(rows: list[dict]) -> str:
                        f"{r['peak_gib']:.2f} |" + tail)
     together = sorted({f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']}" for r in rows if r.get("interleaved")})
     if together:
-        out += ["", "Timed interleaved (`--interleave`: the variants' steps taken in turn, every model on the device, so "
-                "no variant's peak memory is its own and none is reported): " + ", ".join(together) + "."]
+        out += ["", "Timed interleaved (`--interleave`: the variants' steps taken in turn, every model on the device; a "
+                "variant's peak memory is what it holds plus the most its warm-up steps allocated above what all held): "
+                + ", ".join(together) + "."]
     firsts = [f"{r['backbone']} {r['size']} b{r['batch']} {r['mode']} {r['variant']}: {r['first_step_s']:.1f} s ("
               + ", ".join(f"{k} {v:.1f}" for k, v in r["first_step_phases_s"].items()) + ")"
               + (f"; {r['graphs']} graphs, {r['graph_breaks']} graph breaks" if "graphs" in r else "")
@@ -468,7 +526,7 @@ def main() -> None:
                    "block compiled on its own); graphs (whole "
                    "model, mode='reduce-overhead': CUDA graphs)")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
-                   help="default: vanilla, routekit and (DiT) manual, the hand-written route")
+                   help="default: vanilla, routekit and manual, the hand-written route")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--name", default=None, help="results file stem (default throughput_<backbones>)")
@@ -476,7 +534,7 @@ def main() -> None:
     p.add_argument("--gpu-busy", action="store_true", help="also profile the GPU's kernel time per step")
     p.add_argument("--interleave", action="store_true",
                    help="build every variant of a configuration at once and take their timed steps in turn, so a "
-                   "drifting host slows all alike (for host-bound small batches); peak memory is then not reported")
+                   "drifting host slows all alike; each variant's peak memory is counted apart from the others' models")
     p.add_argument("--add", action="store_true", help="keep the rows of the results file for the configurations "
                    "(backbone, size, batch, mode, variant) this call does not measure, each with its commit")
     p.add_argument("--quick", action="store_true",

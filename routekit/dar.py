@@ -40,22 +40,46 @@ class DarState(nn.Module):
     static / static_t: `query` (points, dim), the w_l (static_t adds the model's e(t) to it). dynamic:
     `dynamic` (points, dim, dim), the W_l of q_l = W_l v. Every parameter is read by every step, so DDP
     needs no find_unused_parameters.
+
+    The parameters are made on the device and in the dtype of `like`'s parameters (`placement`): a model cast
+    to bf16 or fp64 before `apply` gets DAR's parameters in that dtype, as it would by a cast after `apply`, and
+    its optimiser sees one dtype. Whatever their dtype, the logits and the softmax are computed in fp32 (fp64
+    for fp64 sources) by every kernel.
     """
 
-    def __init__(self, config: DAR, points: int, dim: int):
+    def __init__(self, config: DAR, points: int, dim: int, like: nn.Module | None = None):
         super().__init__()
         self.config, self.points, self.dim = config, points, dim
+        device, dtype = placement(like)
         # zero-initialised: every aggregation starts as the uniform average of its history
         if config.query == "dynamic":
-            self.dynamic = nn.Parameter(torch.zeros(points, dim, dim))
+            self.dynamic = nn.Parameter(torch.zeros(points, dim, dim, device=device, dtype=dtype))
         else:
-            self.query = nn.Parameter(torch.zeros(points, dim))
+            self.query = nn.Parameter(torch.zeros(points, dim, device=device, dtype=dtype))
         if config.preserve:  # each aggregation's share against the residual add it replaces: none at step 0
-            self.gate = nn.Parameter(torch.zeros(points))
+            self.gate = nn.Parameter(torch.zeros(points, device=device, dtype=dtype))
 
     def extra_repr(self) -> str:
         c = self.config
         return f"query={c.query!r}, chunk={c.chunk}, points={self.points}, dim={self.dim}, kernel={c.kernel!r}"
+
+
+def placement(model: nn.Module | None) -> tuple[torch.device | None, torch.dtype | None]:
+    """The device of `model`'s first parameter and the floating dtype most of its parameter elements have
+    (a bf16 model that keeps a few norms in fp32 is a bf16 model); (None, None) for none, the defaults."""
+    params = list(model.parameters()) if model is not None else []
+    counts: dict[torch.dtype, int] = {}
+    for p in params:
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    dtype = max(counts, key=counts.__getitem__) if counts else None
+    return (params[0].device if params else None), dtype
+
+
+def dynamic_query(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A dynamic query q_l = W_l v, in the dtype of the output `v` it reads (a bf16 sublayer of an fp32 model, an
+    fp32-gated one of a bf16 model): as a Linear of the block would compute it (autocast, where on, casts both)."""
+    return F.linear(v, weight.to(v.dtype))
 
 
 def blend(add: torch.Tensor, mix: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -65,11 +89,13 @@ def blend(add: torch.Tensor, mix: torch.Tensor, gate: torch.Tensor) -> torch.Ten
 
 
 def sum_sources(sources: list[torch.Tensor]) -> torch.Tensor:
-    """A chunk summary: the sum of the chunk's sublayer outputs, added in fp32, kept in the newest one's dtype
-    (the mix that first reads the summary comes out in the newest sublayer's dtype, as every mix does)."""
+    """A chunk summary: the sum of the chunk's sublayer outputs, added in fp32 (fp64 for fp64 ones), kept in the
+    newest one's dtype (the mix that first reads the summary comes out in the newest sublayer's dtype, as every
+    mix does)."""
     if len(sources) == 1:
         return sources[0]
-    return functools.reduce(operator.add, [s.float() for s in sources]).to(sources[-1].dtype)
+    wide = functools.reduce(torch.promote_types, [s.dtype for s in sources], torch.float32)
+    return functools.reduce(operator.add, [s.to(wide) for s in sources]).to(sources[-1].dtype)
 
 
 def cast_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -181,10 +181,7 @@ def install(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tuple
     given, boundary mode otherwise."""
     dar = None
     if plan.dar is not None:
-        dar = DarState(plan.dar.config, plan.dar.points, plan.report.stream.shape[2])
-        param = next(model.parameters(), None)
-        if param is not None:
-            dar.to(param.device)
+        dar = DarState(plan.dar.config, plan.dar.points, plan.report.stream.shape[2], like=model)
     state = RoutekitState(plan, dar)
     for select in state.routes:
         select.generator = generator

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
@@ -33,7 +32,7 @@ from . import dar
 from .calls import bind_arguments, call_inputs
 from .errors import ConfigError
 from .findings import BlockInfo, Gather
-from .graphs import between, descends, slot_value
+from .graphs import between, descends, is_shape_read, reads_kind, slot_value
 from .guards import Assumptions
 from .plan import Plan, RoutePlan
 from .regions import share_bodies
@@ -252,6 +251,8 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     by_name = {n.name: n for n in graph.nodes}
     temb = by_name[plan.dar.timestep] if plan.dar.timestep else None
     first = by_name[report.blocks[0].node]
+    if temb is not None:
+        _compute_before(graph, temb, first, v0)
     with graph.inserting_before(first):
         dynamic = config.query == "dynamic"
         query = graph.get_attr(f"{STATE}.dar.{'dynamic' if dynamic else 'query'}")
@@ -283,7 +284,7 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
         history.append(v)
         q = graph.call_function(operator.getitem, (query, point))  # w_l, or W_l for dynamic queries
         if dynamic:
-            q = graph.call_function(F.linear, (v, q))
+            q = graph.call_function(dar.dynamic_query, (v, q))
         elif config.query == "static_t":
             q = graph.call_function(operator.add, (q, temb))
         if point in two_phase:  # a chunk begins: its shared sources, once for all its queries
@@ -352,6 +353,45 @@ def place_dar(result: Rewritten, plan: Plan, model: nn.Module, v0: fx.Node, rout
     fold_norms(graph, model)
     if config.regions:
         share_bodies(graph, model, bodies)
+
+
+def _compute_before(graph: fx.Graph, temb: fx.Node, first: fx.Node, stream: fx.Node) -> None:
+    """Make `temb` (static_t's e(t), which every aggregation reads, the first inside the first block) before
+    `first`, the first block's call, in place: an owner may compute its embedding after the blocks (diffusers'
+    DiT calls block 0's embedder after the stack, for the output layer's conditioning); the nodes that make it
+    move before the first block. A dtype or device read of the blocks' output among them (diffusers' DiT casts
+    the time features to `hidden_states.dtype`) reads `stream`, the stream entering the first block, instead: a
+    residual stack gives what it takes. Refused, saying why, where e(t) is made from the blocks' values or
+    shapes, or by an in-place op the move could reorder."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late, reads, stack = set(), set(), [temb]
+    while stack:
+        node = stack.pop()
+        if node in late or node in reads or order[node] < order[first]:
+            continue
+        if is_shape_read(node) and reads_kind(node) and isinstance(node.args[0], fx.Node) and descends(node.args[0], first):
+            reads.add(node)
+            continue
+        if node is first:
+            raise ConfigError(
+                f"DAR(query='static_t') reads the timestep embedding in every block from the first on, and the one "
+                f"chosen ({temb.name}) is computed from the blocks' output; name a module the model calls on the "
+                "timestep alone with DAR(timestep='t_embedder')")
+        if node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__"):
+            raise ConfigError(
+                f"DAR(query='static_t') reads the timestep embedding from the first block on; the model computes "
+                f"{temb.name} after it, with an in-place {node.target} that moving it before the first block could "
+                "reorder; name a module the model calls on the timestep before the blocks with DAR(timestep=...)")
+        late.add(node)
+        stack.extend(node.all_input_nodes)
+    for read in reads:
+        with graph.inserting_before(first):
+            again = graph.node_copy(read, lambda n, read=read: stream if n is read.args[0] else n)
+        for user in list(read.users):
+            if user in late:
+                user.replace_input_with(read, again)
+    for node in sorted(late, key=order.__getitem__):
+        first.prepend(node)
 
 
 def _body(info: BlockInfo, route: RoutePlan | None) -> tuple[Trace, tuple[str, ...]]:

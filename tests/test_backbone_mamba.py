@@ -232,3 +232,25 @@ def test_sizes_build_with_their_parameter_counts(size, millions):
 def test_unknown_size_lists_the_valid_ones():
     with pytest.raises(ValueError, match="S/2, B/2"):
         mamba.build("L/2")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or mamba._load_kernel()[0] is None,
+                    reason="needs CUDA and mamba-ssm's Triton SSD kernel")
+def test_the_eager_scan_replayed_from_cuda_graphs_computes_what_the_custom_op_does():
+    """Eager, the scan and its backward replay CUDA graphs captured per input signature: the same kernels on the
+    same values, so the same output bits as the custom op, at each token count a route gives a block (the
+    gradients up to the order of mamba-ssm's atomic adds)."""
+    for tokens in (256, 128, 256):
+        x, dt, A, B, C = (a.detach().cuda() for a in ssd_args(4, tokens, 1, 12, 64, 64, seed=tokens, dt_scale=0.1))
+        x, B, C = (a.to(torch.bfloat16) for a in (x, B, C))
+        weight = torch.randn(x.shape, device="cuda")
+        results = []
+        for scan in (lambda *a: mamba.mamba_kernel()(*a, 64), lambda *a: mamba._EagerScan.apply(*a, 64)):
+            args = [a.clone().requires_grad_() for a in (x, dt, A, B, C)]
+            out = scan(*args)
+            results.append([out, *torch.autograd.grad((out.float() * weight).sum(), args)])
+        (out, *grads), (want_out, *want_grads) = results
+        assert torch.equal(out, want_out)
+        for got, want in zip(grads, want_grads):
+            assert (got.float() - want.float()).abs().max() <= 1e-4 * want.float().abs().max()
+    assert any(replay is not None for replay in mamba._replays.values())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import D, Mlp, Tokens, TupleBlock, built, tokens, train_out
@@ -1058,3 +1059,143 @@ def test_the_norm_folded_into_a_merge_is_the_layer_norm_of_the_merge_where_the_k
         s, q, eps, prefix=prefix, norm_eps=norm_eps))
     got = rk_dar.layer_norm_of_merge(sources, query, mix, lse, 1e-5, 1e-6, "torch")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# --- 9: every dtype a model trains in, and e(t) where the model computes it ------------------------------------
+
+def _diffusers_dit(batch: int = 2):
+    """diffusers' DiTTransformer2DModel from a tiny config, called with float timesteps (as samplers do)."""
+    try:
+        model, (x,), kwargs = zoo.diffusers_dit()
+    except zoo.Missing as err:
+        pytest.skip(str(err))
+    kwargs = {"timestep": torch.tensor([3.0, 7.0])[:batch], "class_labels": kwargs["class_labels"][:batch],
+              "return_dict": False}
+    return model, (x[:batch],), kwargs
+
+
+def _backbone(name: str, batch: int = 2):
+    """(model, args, kwargs) of a repository backbone or of diffusers' DiT, small, with random weights."""
+    if name == "diffusers_dit":
+        return _diffusers_dit(batch)
+    module = {"dit": dit, "mamba": mamba, "rwkv": rwkv}[name]
+    extra = dict(heads=2) if module is dit else dict(d_state=8, headdim=16) if module is mamba else {}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = module.build("S/2", depth=3, hidden=32, input_size=8, num_classes=10, **extra)
+        with torch.no_grad():  # off adaLN-Zero's init, so every sublayer's output counts
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape))
+    return model, module.example_inputs(model, batch, generator=torch.Generator().manual_seed(1)), {}
+
+
+def _cast(value, dtype: torch.dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def _call(routed: nn.Module, args, kwargs, train: bool) -> torch.Tensor:
+    routed.train(train)
+    torch.manual_seed(7)  # the same label dropout in every call that draws one
+    out = routed(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("query", ["static", "static_t", "dynamic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", ["dit", "mamba", "rwkv", "diffusers_dit"])
+def test_dar_on_a_model_cast_before_apply_runs_in_its_dtype_and_computes_what_fp32_does(name, dtype, query):
+    """A model cast to bf16 or fp64 before `apply` (as users cast a model for training) gets DAR's parameters in its
+    dtype and trains in it, every query kind; the math agrees with the same model in fp32 to the dtype's precision
+    (the logits and softmax run in fp32, fp64 for an fp64 model)."""
+    model, args, kwargs = _backbone(name)
+    reference = rk.apply(copy.deepcopy(model), residual=rk.DAR(query=query, chunk=2), example_inputs=args,
+                         example_kwargs=kwargs)
+    cast_args, cast_kwargs = [_cast(a, dtype) for a in args], {k: _cast(v, dtype) for k, v in kwargs.items()}
+    routed = rk.apply(model.to(dtype), residual=rk.DAR(query=query, chunk=2), example_inputs=cast_args,
+                      example_kwargs=cast_kwargs)
+    assert {p.dtype for p in routed.routekit.dar.parameters()} == {dtype}
+    randomise_queries(routed, 0, scale=0.5)
+    with torch.no_grad():
+        for mine, theirs in zip(routed.routekit.dar.parameters(), reference.routekit.dar.parameters()):
+            mine.mul_(0.5)  # dynamic queries: W_l v is larger than w_l
+            theirs.copy_(mine)
+    tolerance = 1e-5 if dtype == torch.float64 else 5e-2
+    for train in (True, False):
+        got = _call(routed, cast_args, cast_kwargs, train)
+        assert got.dtype == dtype
+        with torch.no_grad():
+            want = _call(reference, args, kwargs, train)
+        assert (got.detach().double() - want.double()).norm() <= tolerance * want.double().norm()
+    got.float().square().mean().backward()
+    grads = [p.grad for p in routed.routekit.dar.parameters()]
+    assert all(g is not None and g.dtype == dtype and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+
+
+def _static_t_is_static_plus(model: nn.Module, args, kwargs, embedding: torch.Tensor) -> None:
+    """At batch 1 the static_t query w_l + e(t) is a static one: DAR(static_t) with queries w equals DAR(static)
+    with queries w + e(t) when `embedding` is the model's e(t), in training and in eval."""
+    timed = rk.apply(model, residual=rk.DAR(query="static_t", chunk=2), example_inputs=args, example_kwargs=kwargs)
+    plain = rk.apply(model, residual=rk.DAR(query="static", chunk=2), example_inputs=args, example_kwargs=kwargs)
+    randomise_queries(timed, 0, scale=0.5)
+    with torch.no_grad():
+        plain.routekit.dar.query.copy_(timed.routekit.dar.query + embedding)
+        for train in (True, False):
+            torch.testing.assert_close(_call(timed, args, kwargs, train), _call(plain, args, kwargs, train),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_static_t_on_diffusers_dit_reads_the_embedding_it_computes_after_the_stack():
+    """diffusers' DiT embeds the timestep inside each block, and at its own level only after the stack (block 0's
+    embedder, for the output layer's conditioning, cast to the blocks' output dtype): DAR computes that e(t)
+    before the first block, reading the dtype off the stream entering it."""
+    model, args, kwargs = _diffusers_dit(batch=1)
+    emb = model.transformer_blocks[0].norm1.emb
+    with torch.no_grad():
+        embedding = emb.timestep_embedder(emb.time_proj(kwargs["timestep"]))[0]
+    assert embedding.abs().max() > 0.1
+    _static_t_is_static_plus(model, args, kwargs, embedding)
+
+
+class LateTime(Net):
+    """Computes a second timestep embedding after its blocks, for its output layer; `in_place` scales it in place."""
+
+    def __init__(self, spec: Spec, in_place: bool = False):
+        super().__init__(spec)
+        self.t3, self.in_place = nn.Linear(1, spec.hidden), in_place
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h, c = self.stream(x), self.cond(t)
+        for block in self.blocks:
+            h = block(h, c)
+        e = self.t3(t.unsqueeze(-1))
+        if self.in_place:
+            e = e.mul_(2.0)
+        return self.output(h * (1 + e.unsqueeze(1)))
+
+
+class PooledHead(Net):
+    """Conditions its output layer on a (batch, channels) embedding of the blocks' pooled output."""
+
+    def __init__(self, spec: Spec):
+        super().__init__(spec)
+        self.pool = nn.Linear(spec.hidden, spec.hidden)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h, c = self.stream(x), self.cond(t)
+        for block in self.blocks:
+            h = block(h, c)
+        return self.output(h + self.pool(h.mean(1)).unsqueeze(1))
+
+
+def test_static_t_takes_an_embedding_made_after_the_stack_or_refuses_naming_why():
+    spec = Spec(kinds=(("attn", "ffn"),) * 3, ada=(True,) * 3, hidden=8, tokens=4, batch=1, seed=0)
+    example = inputs(spec)
+    model = build(spec, LateTime)  # e(t) found: the last (batch, channels) value made from t alone
+    with torch.no_grad():
+        embedding = model.t3(example[1].unsqueeze(-1))[0]
+    _static_t_is_static_plus(model, example, {}, embedding)
+    with pytest.raises(rk.ConfigError, match="in-place mul_"):
+        dar(build(spec, lambda s: LateTime(s, in_place=True)), example, query="static_t")
+    with pytest.raises(rk.ConfigError, match="computed from the blocks' output"):
+        dar(build(spec, PooledHead), example, query="static_t", timestep="pool")

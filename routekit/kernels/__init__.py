@@ -34,6 +34,13 @@ class UnknownKernelError(ConfigError):
     """Raised when ``kernel`` names no implementation."""
 
 
+def _width(sources: Sources) -> int:
+    """D of the sources, 0 for none (which every implementation's check then refuses)."""
+    if isinstance(sources, Tensor):
+        return sources.shape[-1] if sources.dim() else 0
+    return sources[0].shape[-1] if len(sources) and isinstance(sources[0], Tensor) and sources[0].dim() else 0
+
+
 def _use_triton(sources: Sources, query: Tensor, d: int, kernel: str) -> bool:
     """Whether ``kernel`` means the Triton kernel for these inputs ("auto": where it can run)."""
     if kernel not in KERNELS:
@@ -78,8 +85,7 @@ def aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, kernel: str = 
     the same ``kernel``: the aggregation continues it (a two-phase chunk's merge), and its result
     covers the weighted sum's sources too.
     """
-    d = check_dar_inputs(sources, query)[3]
-    if _use_triton(sources, query, d, kernel):
+    if _use_triton(sources, query, _width(sources), kernel):  # each implementation checks its inputs
         return _aggregation().aggregate_triton(sources, query, eps, out_dtype=out_dtype, prefix=prefix)
     return naive.aggregate(sources, query, eps, out_dtype=out_dtype, prefix=prefix)
 
@@ -89,8 +95,8 @@ def merge_with_stats(sources: Sources, query: Tensor, eps: float, kernel: str, *
     """``aggregate(sources, query, eps, kernel, prefix=prefix)`` and its rows' LayerNorm statistics
     (mean, 1/sqrt(var + norm_eps)) as (B, N, 2) fp32, where the merge kernel computes them from the rows
     it holds (Triton, under torch.compile); None elsewhere, where a LayerNorm of the result costs the same."""
-    d = check_dar_inputs(sources, query)[3]
-    if not _use_triton(sources, query, d, kernel):
+    if not _use_triton(sources, query, _width(sources), kernel):
+        check_dar_inputs(sources, query)
         return None
     return _aggregation().merge_with_stats_triton(sources, query, eps, prefix, norm_eps)
 

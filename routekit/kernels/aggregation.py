@@ -113,7 +113,7 @@ def _online_mix(table_ptr, like_ptr, S, q, m, denom, acc, offs, mask, D, eps, sc
     return m, denom, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compilation for any number of sources
 def _dar_fwd_kernel(
     table_ptr, like_ptr, q_ptr, out_ptr, o32_ptr, lse_ptr, mix_ptr, state_ptr,
     S, R, N, D, stride_qb, stride_qn, stride_qd, eps, scale,
@@ -139,7 +139,7 @@ def _dar_fwd_kernel(
     tl.store(lse_ptr + rows, m + tl.log(denom), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compilation for any number of sources
 def _dar_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, lse_ptr, dq_ptr, state_ptr, y_ptr,
     S, R, N, D, stride_qb, stride_qn, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, SPLITS, ITERS,
@@ -451,7 +451,7 @@ def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_
     ``weighted_sums.weighted_sum_triton`` (its sources join this mix).
     """
     sources, out_dtype, rows = _checked(sources, query, out_dtype)
-    launch = launch or aggregate_launch(sources[0].shape[-1], rows)  # an AggregateLaunch is valid by construction
+    launch = _launch_list(sources[0].shape[-1], rows, launch)
     mix, state = _checked_prefix(prefix, sources[0])
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources)
                                               or (mix is not None and (mix.requires_grad or state.requires_grad)))
@@ -459,8 +459,29 @@ def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_
     # sources' precision (an output in the sources' dtype carries a rounding of their own size)
     keep_o32 = needs_grad and out_dtype.itemsize < sources[0].dtype.itemsize
     if torch.compiler.is_compiling():
-        return aggregate_op(sources, query, eps, out_dtype, keep_o32, launch.as_list(), mix, state)[0]
-    return _EagerMix.apply(query, eps, out_dtype, keep_o32, launch.as_list(), mix, state, *sources)
+        return aggregate_op(sources, query, eps, out_dtype, keep_o32, launch, mix, state)[0]
+    return _EagerMix.apply(query, eps, out_dtype, keep_o32, launch, mix, state, *sources)
+
+
+_DEFAULT_LAUNCHES: dict[tuple[int, int], list[int]] = {}
+
+
+@torch.compiler.assume_constant_result
+def _default_launch(d: int, rows: int) -> list[int]:
+    """``aggregate_launch(d, rows)`` as the op takes it, made once per shape: a constant to torch.compile, which
+    would otherwise trace the rule (and build its dataclasses) at every aggregation of a model."""
+    if (d, rows) not in _DEFAULT_LAUNCHES:
+        _DEFAULT_LAUNCHES[d, rows] = aggregate_launch(d, rows).as_list()
+    return _DEFAULT_LAUNCHES[d, rows]
+
+
+def _launch_list(d: int, rows: int, launch: AggregateLaunch | None) -> list[int]:
+    """The launch an aggregation runs (``launch``, else the default for its shape) as the op takes it."""
+    if launch is not None:
+        return launch.as_list()  # an AggregateLaunch is valid by construction
+    if isinstance(rows, int):  # a symbolic row count (a compiled model's dynamic batch) cannot be a constant
+        return _default_launch(d, rows)
+    return aggregate_launch(d, rows).as_list()
 
 
 def _compiling() -> bool:
@@ -482,6 +503,6 @@ def merge_with_stats_triton(sources: Sources, query: Tensor, eps: float, prefix:
     mix, state = _checked_prefix(prefix, sources[0])
     if not _merges(state, torch.broadcast_to(query, sources[0].shape), len(sources)):
         return None
-    launch = launch or aggregate_launch(sources[0].shape[-1], rows)
-    out, _, _, stats = aggregate_op(sources, query, eps, out_dtype, False, launch.as_list(), mix, state, norm_eps)
+    launch = _launch_list(sources[0].shape[-1], rows, launch)
+    out, _, _, stats = aggregate_op(sources, query, eps, out_dtype, False, launch, mix, state, norm_eps)
     return out, stats

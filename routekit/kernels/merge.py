@@ -83,7 +83,7 @@ def _source_sums(q, g, v, FUSED_REDUCE: tl.constexpr):
     return tl.sum(v * v, 1), tl.sum(q[None, :] * v, 1), tl.sum(g[None, :] * v, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compilation for any number of sources
 def _merge_bwd_kernel(
     table_ptr, grad_table_ptr, like_ptr, q_ptr, g_ptr, o_ptr, gdo_ptr, lse_ptr, plse_ptr, y_ptr, dq_ptr,
     S, N, D, stride_qb, stride_qd, stride_gb, stride_gn, stride_gd, eps, scale, SPLITS, ITERS,
@@ -162,7 +162,7 @@ def _merge_bwd_kernel(
     tl.store(dq_ptr + pid.to(tl.int64) * D + tail, dq_t, mask=tail < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compilation for any number of sources
 def _merge_fwd_kernel(
     table_ptr, like_ptr, q_ptr, mix_ptr, plse_ptr, out_ptr, lse_ptr, stats_ptr,
     S, N, D, stride_qb, stride_qd, eps, scale, norm_eps, SPLITS, ITERS,

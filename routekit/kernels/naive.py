@@ -42,15 +42,11 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
         if not sources:
             raise DarInputError("sources is empty: DAR needs at least one source")
         first = sources[0]
-        for i, src in enumerate(sources):
-            if not isinstance(src, Tensor) or src.dim() != 3:
-                got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
-                raise DarInputError(f"source {i} must be a 3-D (B, N, D) tensor, got {got}")
-            if src.shape != first.shape or src.dtype != first.dtype or src.device != first.device:
-                raise DarInputError(
-                    f"source {i} is {tuple(src.shape)} {src.dtype} on {src.device}, but source 0 is "
-                    f"{tuple(first.shape)} {first.dtype} on {first.device}: all sources must match"
-                )
+        # one pass without enumerate or any(): torch.compile traces this at every aggregation of a model
+        for src in sources:
+            if not isinstance(src, Tensor) or src.dim() != 3 or src.shape != first.shape or src.dtype != first.dtype \
+                    or src.device != first.device:
+                _refuse_source(sources)
         shape, device = (len(sources), *first.shape), first.device
     s, b, n, d = shape
     if s == 0 or d == 0:
@@ -61,11 +57,8 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
             f"query must end in D={d} and broadcast to (B, N, D)=({b}, {n}, {d}), e.g. ({d},), "
             f"({b}, 1, {d}) or ({b}, {n}, {d}); got {got}"
         )
-    try:
-        broadcast = torch.broadcast_shapes(query.shape, (b, n, d))
-    except RuntimeError:
-        broadcast = None
-    if broadcast != (b, n, d):
+    lead = query.shape[:-1]
+    if (len(lead) == 2 and lead[0] not in (1, b)) or (lead and lead[-1] not in (1, n)):
         raise DarInputError(
             f"query of shape {tuple(query.shape)} does not broadcast to (B, N, D)=({b}, {n}, {d})"
         )
@@ -74,14 +67,33 @@ def check_dar_inputs(sources: Sources, query: Tensor) -> tuple[int, int, int, in
     return s, b, n, d
 
 
+def _refuse_source(sources: list) -> None:
+    """Raise for the first source that is not a (B, N, D) tensor like source 0."""
+    first = sources[0]
+    for i, src in enumerate(sources):
+        if not isinstance(src, Tensor) or src.dim() != 3:
+            got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+            raise DarInputError(f"source {i} must be a 3-D (B, N, D) tensor, got {got}")
+        if src.shape != first.shape or src.dtype != first.dtype or src.device != first.device:
+            raise DarInputError(
+                f"source {i} is {tuple(src.shape)} {src.dtype} on {src.device}, but source 0 is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}: all sources must match"
+            )
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the math runs in: fp32, or fp64 for fp64 sources (whose model is kept in fp64 on purpose)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _keys(values: Tensor, eps: float) -> Tensor:
     """RMSNorm(v) over the last dim, without a weight."""
     return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _logits(values: Tensor, query: Tensor, eps: float) -> Tensor:
-    """q . RMSNorm(v) / sqrt(D) over the last dim: values (..., S, B, N, D) in fp32."""
-    return (_keys(values, eps) * query.float()).sum(-1) / math.sqrt(values.shape[-1])
+    """q . RMSNorm(v) / sqrt(D) over the last dim: values (..., S, B, N, D) in fp32 (or fp64)."""
+    return (_keys(values, eps) * query.to(values.dtype)).sum(-1) / math.sqrt(values.shape[-1])
 
 
 def _stacked(sources: Sources) -> Tensor:
@@ -93,21 +105,22 @@ def aggregate(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_dtype: 
     """Softmax-over-sources mix of ``sources`` keyed by their RMS-normalised values.
 
     ``sources`` is a stacked (S, B, N, D) tensor or a sequence of S (B, N, D) tensors and ``query``
-    broadcasts to (B, N, D). Math is fp32; the result has ``out_dtype``, by default the sources' dtype.
+    broadcasts to (B, N, D). Math is fp32 (fp64 for fp64 sources); the result has ``out_dtype``, by default
+    the sources' dtype.
     ``prefix``: one (mix, lse) pair of ``weighted_sum``, which joins the softmax as one more source of
     value ``mix`` and logit ``lse``: the result is then the mix over its sources and these together.
     """
     check_dar_inputs(sources, query)
     stacked = _stacked(sources)
-    values = stacked.float()
+    values = stacked.to(_wide(stacked.dtype))
     logits = _logits(values, query, eps)
     if prefix is not None:
         mix, lse = prefix
         if lse.shape != mix.shape[:-1]:
             raise DarInputError(f"prefix lse of shape {tuple(lse.shape)} must be (B, N) = {tuple(mix.shape[:-1])}; a "
                                 "Triton weighted sum's (B, N, 2) state merges only with kernel='triton'")
-        values = torch.cat([mix.float()[None], values])
-        logits = torch.cat([lse.float()[None], logits])
+        values = torch.cat([mix.to(values.dtype)[None], values])
+        logits = torch.cat([lse.to(values.dtype)[None], logits])
     weights = torch.softmax(logits, dim=0)
     return (weights.unsqueeze(-1) * values).sum(0).to(out_dtype or stacked.dtype)
 
@@ -117,7 +130,7 @@ def merge_with_stats(sources: Sources, query: Tensor, eps: float, *, prefix: tup
     """``aggregate(sources, query, eps, prefix=prefix)`` (in the sources' dtype) and its rows' LayerNorm
     statistics as (B, N, 2) fp32: the mean and 1/sqrt(var + norm_eps) of each row as returned (rounded)."""
     mix = aggregate(sources, query, eps, prefix=prefix)
-    var, mean = torch.var_mean(mix.float(), -1, correction=0)
+    var, mean = torch.var_mean(mix.to(_wide(mix.dtype)), -1, correction=0)
     return mix, torch.stack([mean, torch.rsqrt(var + norm_eps)], -1)
 
 
@@ -135,9 +148,10 @@ def weighted_sum(sources: Sources, logits: Tensor) -> tuple[list[Tensor], Tensor
     prefix=(mixes[k], lse[k]))``, which then equals the aggregation over all the sources at once."""
     stacked = _stacked(sources)
     check_logits(stacked.shape[0], *stacked.shape[1:3], logits)
-    weights = torch.softmax(logits.float(), dim=0)
-    mixes = torch.einsum("sbnk,sbnd->kbnd", weights, stacked.float()).to(stacked.dtype)
-    return list(mixes.unbind(0)), torch.logsumexp(logits.float(), dim=0).permute(2, 0, 1)
+    wide = _wide(stacked.dtype)
+    weights = torch.softmax(logits.to(wide), dim=0)
+    mixes = torch.einsum("sbnk,sbnd->kbnd", weights, stacked.to(wide)).to(stacked.dtype)
+    return list(mixes.unbind(0)), torch.logsumexp(logits.to(wide), dim=0).permute(2, 0, 1)
 
 
 def source_logits(v: Tensor, queries: Tensor, temb: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -26,6 +26,11 @@ from routekit.kernels.launch import DEFAULTS, WeightedSumLaunch, cdiv, lane_spli
 from routekit.kernels.naive import DarInputError, check_logits
 from routekit.kernels.tables import contiguous, pointer_table
 
+MIN_BLOCK_S = 16
+"""The forward holds a row's (sources, mixes) logits as a tile of at least this many sources, so that every chunk of
+a model up to 16 shared sources (DiT-XL/2 with chunks of 4 has 1-14) runs one compiled kernel, not one per power of
+two: each compilation is a second or more of a first compiled step, the tile's padding a few masked registers."""
+
 
 def _slices(d: int, split: int) -> tuple[int, int, int]:
     """(slice width, head lanes, tail lanes) for rows of d lanes cut into ``split`` slices."""
@@ -50,7 +55,7 @@ def _source_row(table_ptr, s, like_ptr, offs_h, ok_h, offs_t, ok_t):
     return tl.load(src + offs_h, mask=ok_h, other=0.0), tl.load(src + offs_t, mask=ok_t, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compilation for any number of sources
 def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, state_ptr, S, K, R, D, W,
                      BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
                      SPLIT: tl.constexpr):
@@ -88,7 +93,7 @@ def _wsum_fwd_kernel(table_ptr, like_ptr, logit_ptr, mix_table_ptr, state_ptr, S
     tl.store(state_ptr + (ks * R + row) * 2, m + tl.log(denom), mask=k_ok & first)  # the state's lse slot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compilation for any number of sources
 def _wsum_bwd_kernel(table_ptr, grad_table_ptr, like_ptr, logit_ptr, lse_ptr, dmix_table_ptr, y_ptr, dl_ptr,
                      S, K, R, D, W, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
                      SPLIT: tl.constexpr):
@@ -135,7 +140,8 @@ def weighted_sum_op(sources: list[Tensor], logits: Tensor, launch: list[int]) ->
         width, head, tail = _slices(d, split)
         _wsum_fwd_kernel[(b * n * split,)](
             pointer_table(sources)[0], like, logits.contiguous(), pointer_table(mixes)[0], state, s, k, b * n, d,
-            width, BLOCK_K=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(s), HEAD=head, TAIL=tail,
+            width, BLOCK_K=triton.next_power_of_2(k), BLOCK_S=max(MIN_BLOCK_S, triton.next_power_of_2(s)),
+            HEAD=head, TAIL=tail,
             SPLIT=split, num_warps=launch[0],
         )  # fmt: skip
     return mixes, state
