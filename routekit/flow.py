@@ -28,6 +28,7 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .graphs import Slot
 from .routing import is_opaque, keys
@@ -50,10 +51,14 @@ class Tied:
     relation: Relation = "same"
 
 
+UNREAD = Tied((), False, "same")  # an input the block's code does not read on this call: its data flow says nothing
+
+
 def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) -> dict[tuple, Tied] | None:
     """{(slot, path): Tied} for every tensor among the block's inputs (but the stream) whose axes the block ties
-    to the stream's token axis; tensors it does not tie are absent. None where the block does not run on fake
-    tensors with symbolic sizes, or its stream's sizes are not symbols (a token count of 1)."""
+    to the stream's token axis, and `UNREAD` for those it never reads (position ids an attention kernel of
+    another backend would read); tensors it reads and does not tie are absent. None where the block does not run
+    on fake tensors with symbolic sizes, or its stream's sizes are not symbols (a token count of 1)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -61,6 +66,7 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
         env = ShapeEnv(duck_shape=False)
         mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
         sizes: dict[tuple, list[Any]] = {}
+        made_by_path: dict[tuple, torch.Tensor] = {}
 
         def fake(slot, path, leaf):
             if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
@@ -68,6 +74,7 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
             context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * leaf.dim())
             made = mode.from_tensor(leaf, symbolic_context=context)
             sizes[(slot, keys(path))] = [s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in made.shape]
+            made_by_path[(slot, keys(path))] = made
             return made
 
         def faked(slot, value):
@@ -80,16 +87,17 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
         if stream is None or len(stream) != 3 or not isinstance(stream[1], sympy.Expr):
             return None
         try:
-            with mode, torch.no_grad(), _eval(module), _unchanged(module):
+            leaves = {id(t): key for key, t in made_by_path.items()}
+            with mode, torch.no_grad(), _eval(module), _unchanged(module), _Reads(leaves) as reads:
                 module(*fake_args, **fake_kwargs)
         except Exception:
             return None
     resolve = lambda e: env.replace(e) if isinstance(e, sympy.Basic) else sympy.Integer(e)  # noqa: E731
     batch, tokens = resolve(stream[0]), resolve(stream[1])
     guards = [resolve(g.expr) for g in env.guards]
-    found = {}
+    found = {key: UNREAD for key in sizes if key not in reads.seen and key != (stream_slot, ())}
     for key, shape in sizes.items():
-        if key == (stream_slot, ()):
+        if key == (stream_slot, ()) or key in found:
             continue
         axes, relations = [], []
         for axis, size in enumerate(shape):
@@ -119,11 +127,21 @@ def _relation(size: sympy.Expr, tokens: sympy.Expr, guards: list[sympy.Expr]) ->
         if rest.is_number:
             return "joint" if rest > 0 else "part"
         return "joint" if not (rest.free_symbols & theirs) else "part"
-    # related without being equal: a guard of these two sizes alone (a split or slice of the stream by it)
-    if any(g.free_symbols and g.free_symbols <= mine | theirs and g.free_symbols & mine and g.free_symbols & theirs
-           for g in guards):
+    # related without being equal: an order of these two sizes alone, linear in both (a split or slice of the stream
+    # by the other's length); a reshape's divisibility guard (a product, a modulo) relates sizes it never lines up
+    if any(_orders(g, mine, theirs) for g in guards):
         return "part"
     return None
+
+
+def _orders(guard: sympy.Basic, mine: set, theirs: set) -> bool:
+    if not isinstance(guard, (sympy.StrictLessThan, sympy.LessThan, sympy.StrictGreaterThan, sympy.GreaterThan)):
+        return False
+    found = guard.free_symbols
+    if not (found and found <= mine | theirs and found & mine and found & theirs):
+        return False
+    difference = guard.lhs - guard.rhs
+    return difference.is_polynomial(*found) and sympy.Poly(difference, *found).total_degree() == 1
 
 
 @contextlib.contextmanager
@@ -158,6 +176,20 @@ def _unchanged(module: nn.Module):
                     table.update(attributes[name])
                 else:
                     vars(m)[name] = attributes[name]
+
+
+class _Reads(TorchFunctionMode):
+    """Which of the block's input tensors (`leaves`: {id: (slot, path)}) any torch function reads."""
+
+    def __init__(self, leaves: dict[int, tuple]):
+        super().__init__()
+        self.leaves, self.seen = leaves, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for value in pytree.tree_leaves((args, kwargs or {})):
+            if id(value) in self.leaves:
+                self.seen.add(self.leaves[id(value)])
+        return func(*args, **(kwargs or {}))
 
 
 class _eval:

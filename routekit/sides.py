@@ -23,7 +23,7 @@ from torch import nn
 
 from .errors import RoutekitError
 from .findings import BlockInfo, Gather, SideInput
-from .flow import Tied
+from .flow import UNREAD, Tied
 from .graphs import CATS, Slot, meta_of, to_networkx
 from .probe import block_runs, trace_block
 from .routing import is_opaque, keys
@@ -46,11 +46,12 @@ def side_input(slot: Slot, arg: Any, names: dict, batch: int, tokens: int, chann
         if any(_token_axes(m, batch, tokens, channels, sequences) for m in inside) and not isinstance(leaf, TensorMeta):
             sealed.append(keys(path))
         if isinstance(leaf, TensorMeta):
-            if tied is not None:
-                found = tied.get(keys(path))
-                found = (found.axes, found.batched, found.relation == "joint") if found is not None else None
-            else:
+            found = tied.get(keys(path)) if tied is not None else UNREAD
+            if found is UNREAD:  # no data flow to read (the block does not run on fake tensors, or never reads it
+                # on this call): its shape proposes, and probes of the block decide (`resolved`)
                 found = _token_axes(leaf, batch, tokens, channels, sequences)
+            elif found is not None:
+                found = (found.axes, found.batched, found.relation == "joint")
             if found is not None:
                 axes, batched, is_joint = found
                 (joint if is_joint else gathers).append(Gather(keys(path), axes, batched))
