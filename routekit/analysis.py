@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Literal
 
 import networkx as nx
 import torch.fx as fx
@@ -26,6 +26,7 @@ from torch import nn
 from .calls import parameter_names
 from .errors import AnalysisError, RoutekitError
 from .findings import BlockInfo, GraphReport, Stack
+from .flow import OUTPUT, UNREAD
 from .graphs import Slot, between, meta_of, reads_kind, slot_value, slots, to_networkx
 from .guards import hooked
 from .probe import block_flow, token_offset, trace_block
@@ -85,6 +86,46 @@ def _steady(run: list[fx.Node], link: tuple | None):
             piece.append(node)
     if piece:
         yield piece, link if len(piece) > 1 else None
+
+
+def _single_blocks(calls: dict[str, list[fx.Node]], chains: dict, model: nn.Module) -> dict:
+    """Containers called once whose block hands its stream to the next container's first block, as chains of one
+    (diffusers' tiny Flux: one double-stream block, then one single-stream block): {container: ([call], link)}.
+
+    One call shows no link of its own; the next container's first block shows which output it reads and in which
+    slot. The block's own stream slot is its parameter of that slot's name (the blocks of a chain of stacks name
+    their stream alike), else the one input shaped like that output; a last block of one hands on, of its
+    outputs, the one shaped like its stream input (the earlier block's index where several are)."""
+    if not calls:
+        return {}
+    graph_order = {n: i for i, n in enumerate(next(iter(calls.values()))[0].graph.nodes)}
+    firsts = sorted(((parent, nodes[0]) for parent, nodes in calls.items() if parent in chains or len(nodes) == 1
+                     and not plain_layer(model.get_submodule(nodes[0].target))), key=lambda item: graph_order[item[1]])
+    found: dict = {}
+    for (a, node), (b, nxt) in zip(firsts, firsts[1:]):
+        link = _link(node, nxt)
+        if link is None or a in chains:
+            continue
+        out = node.meta.get("rk")
+        out = out[link[1]] if link[1] is not None and isinstance(out, (tuple, list)) else out
+        names = parameter_names(model.get_submodule(node.target))
+        wanted = parameter_names(model.get_submodule(nxt.target)).get(link[0], link[0])
+        own = [s for s, _ in slots(node) if (names.get(s, s) if isinstance(s, int) else s) == wanted] or [
+            s for s, a in slots(node) if isinstance(a, fx.Node) and a.meta.get("rk") == out]
+        if len(own) != 1:
+            continue
+        found[a] = ([node], (own[0], link[1]))
+        if b not in chains and b not in found:
+            into = slot_value(nxt, link[0]).meta.get("rk")
+            outs = nxt.meta.get("rk")
+            index = None
+            if isinstance(outs, (tuple, list)):
+                shaped = [i for i, o in enumerate(outs) if o == into]
+                index = link[1] if link[1] in shaped else shaped[0] if len(shaped) == 1 else None
+                if index is None:
+                    continue
+            found[b] = ([nxt], (link[0], index))
+    return found
 
 
 def _unchained(nodes: list[fx.Node]) -> str:
@@ -159,6 +200,7 @@ def _stack(tr: Trace, model: nn.Module, stack: str | None) -> tuple[str, dict]:
             layers[parent] = f"{parent}'s members include torch's own {type(layer).__name__}: layers, not blocks"
         elif len(best[0]) >= 2:
             chains[parent] = best
+    chains.update(_single_blocks(calls, chains, model))
     if stack is not None:
         if not isinstance(stack, str) or stack not in chains:
             named = isinstance(stack, str)
@@ -285,9 +327,10 @@ def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int |
         classified = [side_input(s, a, parameter_names(module), batch, tokens, channels, sequences,
                                  None if tied is None else {p: t for (s2, p), t in tied.items() if s2 == s})
                       for s, a in arguments]
+        outputs = None if tied is None else tuple(p for (s2, p), t in tied.items() if s2 == OUTPUT and t is not UNREAD)
         info = BlockInfo(first + i, node.target, type(module).__name__, node.name, out.name,
                          tuple(c[0] for c in classified), checkpointed="checkpoint" in node.meta, stack=stack,
-                         compiled=is_compiled(module), flow=tied is not None)
+                         compiled=is_compiled(module), flow=tied is not None, per_token_outputs=outputs)
         blocks.append(joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     return blocks
 
@@ -347,7 +390,13 @@ def _next_stream_in(chains: dict, names: list[str], k: int) -> tuple[fx.Node, fx
     return slot_value(nodes[0], slot), nodes[0]
 
 
-def _carries_tokens(meta: Any, tokens: int) -> bool:
+def _per_token_output(block: BlockInfo, item: fx.Node, tokens: int) -> bool:
+    """Whether a block's output `item` (a getitem of its call) holds the stream's tokens: as the block's data flow
+    ties its axes (a joint block's text output holds the text's, however many), else where its second axis is as
+    long as the stream."""
+    if block.per_token_outputs is not None and item.op == "call_function" and item.target is operator.getitem:
+        return (item.args[1],) in block.per_token_outputs
+    meta = item.meta.get("rk")
     return isinstance(meta, TensorMeta) and len(meta.shape) >= 2 and meta.shape[1] == tokens
 
 
@@ -375,7 +424,7 @@ def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: 
         else:
             escapes = ()
         aux = tuple(f"{a.name} → {u.name}" for a in node.users if a is not out and out is not node
-                    and _carries_tokens(a.meta["rk"], tokens) for u in a.users)
+                    and _per_token_output(block, a, tokens) for u in a.users)
         result.append(replace(block, escapes=escapes, aux_escapes=aux))
     return result
 

@@ -195,6 +195,7 @@ class BlockInfo:
     compiled: bool = False  # it runs under torch.compile on its own (its token axes are marked static in a route)
     residual_free: bool = False  # `body` shows no residual connection and hides none (DAR has nothing to replace)
     flow: bool = False  # its side inputs' token axes were read off its data flow (flow.py), not probed
+    per_token_outputs: tuple[tuple, ...] | None = None  # paths of its outputs that hold the stream's tokens (flow)
 
 
 @dataclass(frozen=True)

@@ -52,13 +52,16 @@ class Tied:
 
 
 UNREAD = Tied((), False, "same")  # an input the block's code does not read on this call: its data flow says nothing
+OUTPUT = "<output>"  # the slot under which `token_axes` gives the block's own outputs (path: within its return)
 
 
 def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) -> dict[tuple, Tied] | None:
     """{(slot, path): Tied} for every tensor among the block's inputs (but the stream) whose axes the block ties
     to the stream's token axis, and `UNREAD` for those it never reads (position ids an attention kernel of
-    another backend would read); tensors it reads and does not tie are absent. None where the block does not run
-    on fake tensors with symbolic sizes, or its stream's sizes are not symbols (a token count of 1)."""
+    another backend would read); tensors it reads and does not tie are absent. The block's outputs are there
+    too, under the slot `OUTPUT` (a joint block's text output is not the stream's tokens, however many it holds).
+    None where the block does not run on fake tensors with symbolic sizes, or its stream's sizes are not symbols
+    (a token count of 1)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -89,13 +92,16 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
         try:
             leaves = {id(t): key for key, t in made_by_path.items()}
             with mode, torch.no_grad(), _eval(module), _unchanged(module), _Reads(leaves) as reads:
-                module(*fake_args, **fake_kwargs)
+                out = module(*fake_args, **fake_kwargs)
         except Exception:
             return None
+        for path, leaf in pytree.tree_flatten_with_path(out, is_leaf=is_opaque)[0]:  # what it hands out, too
+            if isinstance(leaf, torch.Tensor):
+                sizes[(OUTPUT, keys(path))] = [s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in leaf.shape]
     resolve = lambda e: env.replace(e) if isinstance(e, sympy.Basic) else sympy.Integer(e)  # noqa: E731
     batch, tokens = resolve(stream[0]), resolve(stream[1])
     guards = [resolve(g.expr) for g in env.guards]
-    found = {key: UNREAD for key in sizes if key not in reads.seen and key != (stream_slot, ())}
+    found = {key: UNREAD for key in sizes if key not in reads.seen and key != (stream_slot, ()) and key[0] != OUTPUT}
     for key, shape in sizes.items():
         if key == (stream_slot, ()) or key in found:
             continue

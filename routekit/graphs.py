@@ -82,8 +82,9 @@ def reads_kind(node: fx.Node) -> bool:
     """`x.device`, `x.dtype`, `x.dim()`...: a shape read (`is_shape_read`) that neither a tensor's values nor its
     token count change, so it may read a routed block's output (HiDream takes `hidden_states.device` after each
     block)."""
-    read = node.args[1] if node.op == "call_function" else node.target
-    return is_shape_read(node) and read not in _SIZE_READS
+    if not is_shape_read(node):
+        return False
+    return (node.args[1] if node.op == "call_function" else node.target) not in _SIZE_READS
 
 
 def slots(node: fx.Node):

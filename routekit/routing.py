@@ -235,7 +235,7 @@ class RouteSelect(nn.Module):
             if self.shared:
                 raise SelectorError("a force-keep mask picks tokens per sample, but this route shares one selection "
                                     "by the batch (a block reads a table without a batch axis): it cannot honour it")
-            index = with_forced(index, self.force, self.route.selector, self.generator, tokens)
+            index = with_forced(index, self.force, self.route.selector, self.generator, tokens, keep)
         self.last_index, self.last_tokens = index, tokens
         return index
 
@@ -269,11 +269,13 @@ def select_tokens(selector: str, batch: int, tokens: int, rate: float, keep: tup
     return torch.cat([fixed, positions], dim=1).sort(dim=1).values
 
 
-def with_forced(index: torch.Tensor, force: torch.Tensor, selector: str, generator, tokens: int) -> torch.Tensor:
-    """`index` changed so that every sample keeps its `force`d tokens (bool (batch, tokens)): a forced token
-    replaces one the selector picked, and where a sample has more forced tokens than the route keeps, every
-    sample keeps that many (one count per batch, so the routed blocks see one shape). The count is read on
-    the host: a route with a force mask waits for it."""
+def with_forced(index: torch.Tensor, force: torch.Tensor, selector: str, generator, tokens: int,
+                keep: tuple[int, ...] = ()) -> torch.Tensor:
+    """`index` changed so that every sample keeps its `force`d tokens (bool (batch, tokens)) as well as the
+    positions every selection keeps (`keep`: special tokens first of all): a forced token replaces one the
+    selector picked, never a kept one, and where a sample has more than the route keeps, every sample keeps
+    that many (one count per batch, so the routed blocks see one shape). The count is read on the host: a
+    route with a force mask waits for it."""
     batch, kept = index.shape
     if force.dim() != 2 or tuple(force.shape) != (batch, tokens) or force.dtype != torch.bool:
         raise SelectorError(f"a force-keep mask is a bool (batch, tokens) tensor over the stream the route starts "
@@ -282,6 +284,9 @@ def with_forced(index: torch.Tensor, force: torch.Tensor, selector: str, generat
         raise SelectorError(f"selector {selector!r} keeps whole lines of the grid; a force-keep mask picks single "
                             "tokens, so use it with a selector that does too (random, importance)")
     force = force.to(index.device)
+    if keep:
+        force = force.clone()
+        force[:, list(keep)] = True
     chosen = torch.zeros(force.shape, device=index.device).scatter_(1, index, 1.0)
     scores = 4.0 * force + 2.0 * chosen + uniform(*force.shape, generator=generator, device=index.device)
     count = max(kept, int(force.sum(1).max()))
