@@ -1,14 +1,14 @@
 """`routekit.finetune`'s train step at FLUX.1's widths: a route against `--routes none`, timed in turn.
 
-The finetune command's own pieces (its flow-matching loss, peft LoRA on the attention projections, its routes),
-on diffusers' FluxTransformer2DModel built from FLUX.1-dev's config with random weights (nothing is downloaded:
-the speed of a step does not depend on the weights' values): 19 double- and 38 single-stream blocks, 24 heads of
-128, the frozen weights in bf16, LoRA rank 16 in fp32, bf16 autocast, gradient checkpointing (as FLUX LoRA runs
-train), AdamW. Batch 1 at 1024×1024 (4096 image tokens) with 512 text tokens. The routed and the unrouted model
-share their weights and take their steps in turn (a step of one, then of the other, the order swapped every
-round), so that whatever else the GPU does falls on both alike; each step is timed from its first kernel to its
-last. "FLOP limit" is the unrouted step's FLOPs over the routed one's (torch's FLOP counter, forward, recompute
-and backward).
+The finetune command's own pieces (its flow-matching loss, peft LoRA on the attention projections, its routes), on
+diffusers' FluxTransformer2DModel built from FLUX.1-dev's config with random weights (nothing is downloaded: the
+speed of a step does not depend on the weights' values): 19 double- and 38 single-stream blocks, 24 heads of 128,
+the frozen weights in bf16, LoRA rank 16 in fp32, bf16 autocast, gradient checkpointing (as FLUX LoRA runs train),
+AdamW. Batch 1 at 1024×1024 (4096 image tokens) with 512 text tokens. The routed model and its original forward
+(the same model with its routes suspended: one set of weights) take their steps in turn (a step of one, then of
+the other, the order swapped every round), so that whatever else the GPU does falls on both alike; each step is
+timed from its first kernel to its last. "FLOP limit" is the unrouted step's FLOPs over the routed one's (torch's
+FLOP counter, forward, recompute and backward).
 
     python -m benchmarks.finetune                              # on a GPU: FLUX.1's widths and depth
     python -m benchmarks.finetune --routes 2:-2 --steps 20     # the route SimpleTuner documents for FLUX (default)
@@ -21,6 +21,7 @@ Writes benchmarks/results/finetune_flux.{json,md,png} (or --out DIR) with the ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
 from routekit import finetune  # noqa: E402
 from routekit.cli import _routes  # noqa: E402
 from routekit.flops import flop_counter_mode  # noqa: E402
+from routekit.model import original_forward  # noqa: E402
 
 FLUX1 = {"num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24,
          "joint_attention_dim": 4096, "pooled_projection_dim": 768, "in_channels": 64, "axes_dims_rope": (16, 56, 56),
@@ -108,14 +110,16 @@ def main(argv: list[str] | None = None) -> None:
     family = finetune.FAMILIES["FluxTransformer2DModel"]
     objective = finetune.Objective()
     data = batch(config, args.batch, side, text, device, dtype)
-    variants = {"--routes none": model,
-                f"--routes {args.routes}": finetune.route(model, _routes(args.routes), family, objective, data)}
+    routed = finetune.route(model, _routes(args.routes), family, objective, data)  # the model itself, routed in place
+    # both variants are the one model: `--routes none` runs its original forward (the routes suspended)
+    variants = {"--routes none": lambda: original_forward(routed),
+                f"--routes {args.routes}": contextlib.nullcontext}
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, weight_decay=1e-2, fused=cuda)
 
-    def step(net, number: int) -> torch.Tensor:
+    def step(variant, number: int) -> torch.Tensor:
         generator = finetune.step_generator(0, number, 0)
-        with torch.autocast(device, torch.bfloat16, enabled=cuda):
-            loss = objective.loss(net, family, data, generator)
+        with torch.autocast(device, torch.bfloat16, enabled=cuda), variant():
+            loss = objective.loss(routed, family, data, generator)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
@@ -124,15 +128,15 @@ def main(argv: list[str] | None = None) -> None:
 
     flops, times, host = {}, {name: [] for name in variants}, {name: [] for name in variants}
     with attention_backends(device):
-        for name, net in variants.items():
-            net.train()
+        routed.train()
+        for name, variant in variants.items():
             with flop_counter_mode() as counter:
-                step(net, 0)
+                step(variant, 0)
             flops[name] = counter.get_total_flops()
         for number in range(args.warmup + args.steps):
             order = list(variants.items()) if number % 2 == 0 else list(variants.items())[::-1]
-            for name, net in order:
-                took, returned = time_step(lambda net=net, number=number: step(net, number), cuda)
+            for name, variant in order:
+                took, returned = time_step(lambda variant=variant, number=number: step(variant, number), cuda)
                 if number >= args.warmup:
                     times[name].append(took)
                     host[name].append(returned)

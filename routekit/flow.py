@@ -130,9 +130,11 @@ def _relation(size: sympy.Expr, tokens: sympy.Expr, guards: list[sympy.Expr]) ->
         rest = sympy.simplify(size - tokens)
         if rest == 0:
             return "same"
+        if rest.free_symbols & theirs:
+            return None  # a multiple or product of the token count (tokens and channels flattened): not its tokens
         if rest.is_number:
             return "joint" if rest > 0 else "part"
-        return "joint" if not (rest.free_symbols & theirs) else "part"
+        return "part" if rest.is_negative else "joint"  # another sequence's tokens beside the stream's, or fewer
     # related without being equal: an order of these two sizes alone, linear in both (a split or slice of the stream
     # by the other's length); a reshape's divisibility guard (a product, a modulo) relates sizes it never lines up
     if any(_orders(g, mine, theirs) for g in guards):
@@ -192,10 +194,13 @@ class _Reads(TorchFunctionMode):
         self.leaves, self.seen = leaves, set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        for value in pytree.tree_leaves((args, kwargs or {})):
-            if id(value) in self.leaves:
-                self.seen.add(self.leaves[id(value)])
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):  # the tensors a torch function takes: arguments, or in a list of them
+            for leaf in value if isinstance(value, (list, tuple)) else (value,):
+                key = self.leaves.get(id(leaf))
+                if key is not None:
+                    self.seen.add(key)
+        return func(*args, **kwargs)
 
 
 class _eval:

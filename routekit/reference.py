@@ -59,16 +59,32 @@ class _Masks:
 
 
 class _MaskedAttention(TorchFunctionMode):
-    """`scaled_dot_product_attention` inside a route with the routed tokens' keys ignored."""
+    """`scaled_dot_product_attention` inside a route with the routed tokens' keys ignored: as torch's own function
+    (`torch.nn.functional.scaled_dot_product_attention` for the while, which torch's multi-head attention, diffusers'
+    and transformers' attention call by that name), and as a torch function a caller holds a reference to."""
 
     def __init__(self, masks: _Masks):
         super().__init__()
         self.masks = masks
+        self.sdpa = F.scaled_dot_product_attention
+
+    def __enter__(self):
+        F.scaled_dot_product_attention = self.attend
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self.sdpa
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or not self.masks.active:
-            return func(*args, **kwargs)
+        if func is self.sdpa:
+            return self.attend(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def attend(self, *args, **kwargs):
+        if not self.masks.active:
+            return self.sdpa(*args, **kwargs)
         call = _SDPA.bind(*args, **kwargs)
         call.apply_defaults()
         query, key, value = call.arguments["query"], call.arguments["key"], call.arguments["value"]
@@ -81,8 +97,7 @@ class _MaskedAttention(TorchFunctionMode):
             ignored = ignored.reshape(-1, *ignored.shape[-1:]) if ignored.dim() > 1 else ignored[None]
             ignored = ignored.view(key.shape[0], -1, key.shape[-2]).any(1) if key.dim() > 2 else ignored
             self.masks.calls.append(ignored)
-        with torch.overrides._enable_torch_function():
-            return _attention(query, key, value, ignored, **rest)
+        return _attention(query, key, value, ignored, **rest)
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

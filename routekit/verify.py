@@ -325,7 +325,9 @@ def _reference(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> str:
     """The routed forward (eval mode: no dropout draws to tell apart) against the masked-attention reference
     (reference.py) with the same selection; TrainingChanged where they differ."""
     routing = routing_of(routed)
-    with training_mode(routed, False), torch.no_grad():
+    # gradients on: torch's fused inference paths (nn.TransformerEncoderLayer's, taken in eval without them) do not
+    # call scaled_dot_product_attention, whose keys the reference masks
+    with training_mode(routed, False), torch.enable_grad():
         torch.manual_seed(seed)
         call = fresh((args, kwargs))
         if isinstance(routing.executor, Programs):

@@ -25,7 +25,7 @@ import routekit.rewrite
 import routekit.routing
 from backbones import dit
 from routekit.errors import InferenceChanged
-from routekit.model import Routing
+from routekit.model import Routing, report_of
 from routekit.routing import gather_tokens
 from routekit.verify import _compare
 
@@ -474,3 +474,54 @@ def test_a_block_input_the_example_call_did_not_pass_is_refused_by_name_and_one_
     checked = rk.verify(model, routed, (image,))  # the mask the example passed, left out
     assert checked.train == "rate 0 bit-identical" and "kept" in checked.checks
     assert "kept" in rk.verify(model, routed, (image, mask)).checks
+
+
+# --- a reference that does not share routekit's reading of the model -----------------------------------------
+
+
+def _caption_as_long_as_the_image(name: str):
+    """PixArt (a 4×4 grid) and Wan (2 frames of 4×4) with captions as long as the image's tokens."""
+    zoo = pytest.importorskip("zoo")
+    pytest.importorskip("diffusers")
+    return zoo.diffusers_pixart(text=16) if name == "pixart" else zoo.diffusers_wan(text=32)
+
+
+def _planted_caption_cut(monkeypatch) -> None:
+    """routekit's reading of the blocks' data flow made to say what a reading by lengths said: the caption, as long
+    as the image, is per-token (cut at the kept positions, so cross-attention reads whichever caption tokens share
+    an index with a kept image token)."""
+    import routekit.probe
+    from routekit.flow import Tied
+
+    read = routekit.probe.token_axes
+
+    def planted(module, args, kwargs, slot):
+        found = read(module, args, kwargs, slot)
+        if found is not None and "encoder_hidden_states" in kwargs:
+            found[("encoder_hidden_states", ())] = Tied((1,), True)
+        return found
+
+    monkeypatch.setattr(routekit.probe, "token_axes", planted)
+
+
+@pytest.mark.parametrize("name", ["pixart", "wan"])
+def test_a_caption_cut_at_the_kept_positions_fails_verify_by_the_masked_reference(name, monkeypatch):
+    """The kept-token check cuts a block's inputs as the plan does, so it agrees with a wrong plan; the masked
+    reference reads nothing of the plan, and differs."""
+    model, args, kwargs = _caption_as_long_as_the_image(name)
+    _planted_caption_cut(monkeypatch)
+    routed = rk.apply(model, rk.Route(start=1, end=4), example_inputs=args, example_kwargs=kwargs)
+    assert any(s.argument == "encoder_hidden_states" and s.tokens
+               for s in report_of(routed).report.blocks[1].side_inputs)
+    with pytest.raises(rk.TrainingChanged, match="masked out of attention"):
+        rk.verify(routed, routed, args, kwargs)
+
+
+@pytest.mark.parametrize("name", ["pixart", "wan"])
+def test_the_same_models_as_they_are_verify_with_the_masked_reference(name):
+    model, args, kwargs = _caption_as_long_as_the_image(name)
+    routed = rk.apply(model, rk.Route(start=1, end=4), example_inputs=args, example_kwargs=kwargs)
+    assert not any(s.argument == "encoder_hidden_states" and s.tokens
+                   for s in report_of(routed).report.blocks[1].side_inputs)
+    checked = rk.verify(routed, routed, args, kwargs)
+    assert checked.checks == ("eval", "train", "kept", "reference") and "attention calls" in checked.reference
