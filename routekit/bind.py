@@ -30,6 +30,7 @@ from .findings import BlockInfo, GraphReport, SideInput, Stack, layout_positions
 from .graphs import meta_of, slot_value, slots
 from .guards import hooked
 from .record import grid_of_call
+from .residuals import find_residual_adds
 from .routing import is_opaque, kept_tokens, keys, resolve_keep
 from .selectors import selector as selector_spec
 from .state import eager
@@ -208,17 +209,22 @@ def _bound_side(block: BlockInfo, decided: SideInput | None, slot, arg: Any, met
                                tokens=tuple(g for g in decided.tokens if g.path in present))
 
 
-def _retraced(block: BlockInfo, stack: Stack, model: nn.Module) -> BlockInfo:
-    """A block whose own trace (DAR inlines it) was specialised to the example's shapes, traced again at this
-    call's, with its residual adds found by their names in the decided trace."""
-    tr, _, _ = traced_alone(model, block, stack.stream_slot, stack.stream, stack.stream_out_index, stack.tokens)
-    names = {n.name for n in tr.graph.nodes}
-    if not all(add in names for add in block.adds):
+def _retraced(block: BlockInfo, stack: Stack, model: nn.Module, tokens: int | None = None, shrink=(),
+              shared: bool = True) -> BlockInfo:
+    """A block DAR inlines, traced again as this call hands it its inputs (at `tokens`, a route's kept count, or
+    all the stream's): its trace was specialised to the example's shapes, or what it read of the block changed.
+    Its residual adds are located in the new trace; as many as decided, or the call is refused (DAR's
+    aggregation points were decided on the example call)."""
+    count = stack.tokens if tokens is None else tokens
+    tr, start, out = traced_alone(model, block, stack.stream_slot, stack.stream, stack.stream_out_index, count,
+                                  shrink, shared)
+    adds = tuple(n.name for n in find_residual_adds(tr.graph, start, out))
+    if len(adds) != len(block.adds):
         raise ConfigError(
-            f"{block.qualname}'s own code runs otherwise on this call's {stack.tokens} tokens (its trace at the example "
-            "call's shapes was specialised to them, and its residual adds are not found again): DAR was decided on the "
-            "example call; call the model at the example call's shapes")
-    return dataclasses.replace(block, body=tr)
+            f"{block.qualname}'s own code runs otherwise on {count} tokens: {len(adds)} residual adds where the example "
+            f"call's trace had {len(block.adds)} (DAR's aggregation points were decided on the example call); call the "
+            "model at the example call's shapes")
+    return dataclasses.replace(block, body=tr, adds=adds)
 
 
 def bound_plan(plan: Any, report: GraphReport, model: nn.Module) -> Any:
@@ -236,23 +242,12 @@ def bound_plan(plan: Any, report: GraphReport, model: nn.Module) -> Any:
                 "example's, or route with a selector that reads no grid (selector='random')")
         keep = resolve_keep(stack.special if route.route.keep is None else route.route.keep, stack.tokens)
         kept = kept_tokens(route.route.selector, route.route.rate, keep, stack.tokens, grid)
-        bodies = tuple(_retraced_at(report.blocks[b.index], report, kept, route, model) for b in route.bodies)
+        unchanged = kept == route.kept and same(stack.stream, plan.report.stack_of(route.start).stream)
+        bodies = route.bodies if unchanged else tuple(
+            _retraced(report.blocks[b.index], report.stack_of(b.index), model,
+                      report.joined_counts(route.start, route.end, kept)[b.stack - report.blocks[route.start].stack],
+                      route.shrink, route.shared) for b in route.bodies)
         placed.append(dataclasses.replace(route, keep=keep, kept=kept, bodies=bodies,
                                           kept_in=report.joined_counts(route.start, route.end, kept),
                                           fixed_in=report.joined_counts(route.start, route.end, len(keep))))
     return dataclasses.replace(plan, report=report, placed=tuple(placed), grid=grid)
-
-
-def _retraced_at(block: BlockInfo, report: GraphReport, kept: int, route: Any, model: nn.Module) -> BlockInfo:
-    """A block DAR inlines into a route, traced at the route's kept count for this call (its trace was
-    specialised to its shapes), its residual adds found by name."""
-    stack = report.stack_of(block.index)
-    count = report.joined_counts(route.start, route.end, kept)[block.stack - report.blocks[route.start].stack]
-    tr, _, _ = traced_alone(model, block, stack.stream_slot, stack.stream, stack.stream_out_index, count,
-                            route.shrink, route.shared)
-    names = {n.name for n in tr.graph.nodes}
-    if not all(add in names for add in block.adds):
-        raise ConfigError(f"{block.qualname}'s own code runs otherwise on {count} tokens than on the example call's "
-                          "kept tokens (its residual adds are not found again): call the model at the example call's shapes")
-    return dataclasses.replace(block, body=tr)
-

@@ -130,9 +130,8 @@ def resolved(model: nn.Module, block: BlockInfo, stream_slot: Slot, stream: Tens
         unchanged = replace(side, tokens=())
         without = replace(block, side_inputs=tuple(sides[:i] + [unchanged] + sides[i + 1:]))
         key = (block.cls, "whole", side.slot, repr(side.meta))
-        if key not in decided:
-            decided[key] = fewer < 1 or block_runs(model, without, stream_slot, stream, fewer) \
-                or not block_runs(model, block, stream_slot, stream, fewer)
+        if key not in decided:  # where the block fails either way (it needs whole grid rows), the shape proposed
+            decided[key] = fewer >= 1 and block_runs(model, without, stream_slot, stream, fewer)
         if decided[key]:
             sides[i] = unchanged
     open_ = [(i, j) for i, side in enumerate(sides) for j, g in enumerate(side.tokens)

@@ -32,7 +32,7 @@ from zoo import ZOO, Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
 from benchmarks.common import flop_counter_mode  # noqa: E402
-from routekit.model import report_of  # noqa: E402
+from routekit.model import original_forward, report_of  # noqa: E402
 from routekit.plan import Plan  # noqa: E402
 from routekit.routing import gather_tokens, route_side  # noqa: E402
 from routekit.state import fresh  # noqa: E402
@@ -68,7 +68,7 @@ def planned_flops(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> in
     for b in report.blocks[placed.start:placed.end + 1]:  # a copy of each call: the run goes on to fill a cache
         hook = (lambda name: lambda m, a, kw: calls.setdefault(name, fresh((a, kw))) and None)(b.qualname)  # noqa: B023
         handles.append(model.get_submodule(b.qualname).register_forward_pre_hook(hook, with_kwargs=True))
-    with torch.no_grad():
+    with torch.no_grad(), original_forward(model):  # each block's inputs as the original forward hands them
         model(*args, **kwargs)
     for h in handles:
         h.remove()
@@ -89,7 +89,8 @@ def planned_flops(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> in
             with flop_counter_mode() as counter:
                 loss_of(model.get_submodule(b.qualname)(*call_args, **call_kwargs)).backward()
             saved += counter.get_total_flops() * sign
-    return step_flops(model, args, kwargs) - saved
+    with original_forward(model):
+        return step_flops(model, args, kwargs) - saved
 
 
 def check(name: str) -> dict:
@@ -120,6 +121,7 @@ def check(name: str) -> dict:
         # counted without a generation cache: a block run alone on a captured cache would attend over the keys
         # the rest of the run put there (the cache's copies count no FLOPs either way)
         kwargs = {**kwargs, "use_cache": False}
+    rk.strip(model)  # the routes off: the original step
     model.train()
     original = step_flops(model, args, kwargs)
     before = reached(model)
@@ -336,9 +338,8 @@ def test_a_model_whose_grid_no_patch_embedding_shows_gets_it_measured_and_routes
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
 def test_a_grid_selector_follows_another_square_size_of_hidream_and_refuses_a_padded_one_by_the_example(mode):
     """HiDream patchifies a square image into its grid's tokens, and pads one that is not square into a longer
-    sequence that no grid makes. Another square size routes that size's rows; a padded call is refused, and in
-    graph mode the refusal names the grid the example inputs made (it said no patch embedding was found and asked
-    for grid=, which cannot help)."""
+    sequence that no grid makes. Another square size routes that size's rows; a padded call is refused, saying
+    why (it said no patch embedding was found and asked for grid=, which cannot help)."""
     try:
         model, args, kwargs = zoo.diffusers_hidream()
     except Missing as err:
@@ -350,7 +351,10 @@ def test_a_grid_selector_follows_another_square_size_of_hidream_and_refuses_a_pa
     routed(torch.randn(2, 4, 16, 16), **kwargs)  # an 8×8 grid
     routed_around = rk.last_route_mask(routed).reshape(2, 8, 8)
     assert (routed_around.all(2) | ~routed_around.any(2)).all() and routed_around.all(2).sum(1).tolist() == [4, 4]
-    with pytest.raises(rk.ConfigError, match="example inputs. stream came from a 4×4 grid"):
+    # padded, HiDream hands its blocks a mask of the padding the square example never passed: graph mode refuses
+    # that input by name; boundary mode sees the stream come from no grid it found
+    refusal = "as 'hidden_states_masks' on this call" if mode == "graph" else "example inputs. stream came from a 4×4 grid"
+    with pytest.raises(rk.ConfigError, match=refusal):
         routed(torch.randn(2, 4, 4, 16), **kwargs)
 
 
@@ -358,9 +362,10 @@ def test_a_grid_selector_follows_another_square_size_of_hidream_and_refuses_a_pa
 def test_special_tokens_are_kept_at_another_caption_length_or_the_call_is_refused(mode):
     """AuraFlow's single-stream blocks take its 8 registers and its caption in front of the image. A routed model
     kept the positions it resolved on the example (8 + 5 tokens) at every call: with a 7-token caption it routed
-    caption tokens as image tokens, in both modes. Graph mode plans a stream of another length again and keeps
-    the whole caption; boundary mode, which found the caption on the example call and cannot again, refuses the
-    call by name. At another image size with the example's caption, both keep the registers and the caption."""
+    caption tokens as image tokens, in both modes. Graph mode decided at apply that the registers and then as many
+    tokens as the call's caption are special, and keeps the whole caption of any length; boundary mode, which
+    found the caption on the example call and cannot count it again, refuses the call by name. At another image
+    size with the example's caption, both keep the registers and the caption."""
     try:
         model, args, kwargs = zoo.diffusers_auraflow()
     except Missing as err:
@@ -379,11 +384,10 @@ def test_special_tokens_are_kept_at_another_caption_length_or_the_call_is_refuse
     for _ in range(3):
         routed(*args, **longer)
         assert not rk.last_route_mask(routed)[:, :15].any() and rk.last_route_mask(routed)[:, 15:].sum(1).tolist() == [8, 8]
-    # 8 registers and an 8-token caption are as many tokens as the image's: the MMDiT blocks' text and image outputs
-    # were both read as made from the image (whose tokens a joint block hands on, the graph does not show), and
-    # every caption token was routed; that is now unknown, and the route asks for keep=
-    with pytest.raises(rk.ConfigError, match="could not read off the graph which of the stream's tokens"):
-        routed(*args, **{**kwargs, "encoder_hidden_states": torch.randn(2, 8, 24)})
+    # 8 registers and an 8-token caption are as many tokens as the image's: what is special was decided at apply
+    # (registers, then as many tokens as the caption the call passes), so no coincidence of lengths can change it
+    routed(*args, **{**kwargs, "encoder_hidden_states": torch.randn(2, 8, 24)})
+    assert not rk.last_route_mask(routed)[:, :16].any() and rk.last_route_mask(routed)[:, 16:].sum(1).tolist() == [8, 8]
 
 
 def test_captions_of_different_lengths_per_sample_are_kept_or_the_route_asks_for_keep():
