@@ -176,7 +176,7 @@ def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, 
         decided_side = by_name.get(names.get(slot, slot) if isinstance(slot, int) else slot)
         sides.append(_bound_side(block, decided_side, slot, arg, meta_of(arg)))
     bound = dataclasses.replace(block, node=node.name, stream_out=out.name, side_inputs=tuple(sides))
-    if block.body is None:
+    if block.body is None or not block.adds:  # DAR calls it whole (one source, or none): its own trace is not inlined
         return bound
     shaped = block.body.specialised and not same((stack.stream, [(s.slot, s.meta) for s in sides]),
                                                  (decided.stream, [(s.slot, s.meta) for s in block.side_inputs]))
