@@ -56,7 +56,7 @@ from benchmarks.common import (  # noqa: E402
     step_flops,
     write,
 )
-from routekit.model import report_of  # noqa: E402
+from routekit.model import report_of, routing_of  # noqa: E402
 
 FULL = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 128, "num_attention_heads": 24,
         "joint_attention_dim": 4096, "pooled_projection_dim": 768, "in_channels": 64, "axes_dims_rope": (16, 56, 56)}
@@ -162,7 +162,7 @@ def variant(name: str, config: dict, example: tuple[tuple, dict], device: str) -
 def host_ms(model: nn.Module, args: tuple, kwargs: dict, calls: int = 200) -> float:
     """routekit's own Python work per training call: finding the call's program (binding the arguments, checking
     what the program assumed about the model); the program itself is the model's work."""
-    executor = model._routekit_executor
+    executor = routing_of(model).executor
     model.train()
     executor.program(model, args, kwargs)
     start = time.perf_counter()

@@ -147,9 +147,9 @@ def main() -> None:
             f"where they differ, {lengths[0]} where they are of one length (the stream holds the longest, then the "
             f"image); routekit: route 2 → {config['num_layers'] - 4} at rate "
             f"{RATE}, keep=list(range({caption})), random selection. Median and p90 of each variant's step times.\n\n")
-    model = build(config, device)
     example = inputs(config, 2, latent, caption, lengths, device)
-    variants = {"vanilla": model, "routekit": routed(model, example, caption)}
+    # two models of the same weights: apply routes the model it is given itself
+    variants = {"vanilla": build(config, device), "routekit": routed(build(config, device), example, caption)}
     mode = report_of(variants["routekit"]).report.mode
     with attention_backends(device):
         cases = [(b, c) for b in args.batches for c in (("one length", "different") if b > 1 else ("one length",))]

@@ -50,7 +50,7 @@ from recipes.data import BatchOrder, load_dataset
 from recipes.metrics import Evaluator
 from recipes.objectives import make_objective
 from recipes.sampling import sample
-from routekit.model import RoutedModel, report_of
+from routekit.model import report_of, routing_of
 
 SAMPLE_CHUNK = 250  # images per sampling call: bounds memory when guidance doubles the batch
 
@@ -158,7 +158,7 @@ def fsdp_shard(acc, model: nn.Module) -> nn.Module:
     already sharded as it is. Other models are wrapped by accelerate itself, by its auto-wrap policy: routes
     keep the blocks' forward calls, so its per-block units work, and so does its activation checkpointing,
     which DAR (no block forward runs) cannot have."""
-    if not (isinstance(model, RoutedModel) and report_of(model).dar is not None):
+    if not (routing_of(model) is not None and report_of(model).dar is not None):
         return model
     plugin = acc.state.fsdp_plugin
     if plugin.activation_checkpointing:
