@@ -5,7 +5,7 @@
     routed.eval()   # the original forward, bit for bit
 
 The package exports what a user calls; the rest lives in its own module: the plan a routed model carries
-(`routekit.model.report_of`, `routekit.plan.Plan`), the analysis (`routekit.findings.GraphReport`), the
+(`routekit.model.report_of`, `routekit.decision.Plan`), the analysis (`routekit.findings.GraphReport`), the
 selector registry (`routekit.selectors`: `selector_names`, `uniform` for selectors of your own) and FSDP2's
 unit list (`routekit.sharding.fsdp_units`).
 """

@@ -16,10 +16,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .decision import Plan
 from .errors import ConfigError
 from .findings import BlockInfo, Gather, SideInput
 from .graphs import Slot
-from .plan import Plan, suggestion
+from .plan import suggestion
 from .record import grid_of_call
 from .routing import gather_tokens, joined_index, joined_stream, resolve_keep, route_side, scatter_tokens, static_tokens
 from .values import TensorMeta

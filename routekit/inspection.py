@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from .config import DAR, Route, coerce_routes
+from .decision import Plan
 from .errors import ConfigError
 from .model import Mode, example_call, observe, routing_of, unwrap_compiled
-from .plan import Plan, make_plan
+from .plan import make_plan
 from .probe import Probe
 from .state import eager
 

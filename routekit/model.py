@@ -24,11 +24,12 @@ from .analysis import analyse
 from .calls import signature_of
 from .config import DAR, Route, coerce_routes
 from .dar import DarState
+from .decision import Plan
 from .errors import ConfigError, InputError, NonFiniteError, TraceError
 from .findings import GraphReport
 from .guards import assigned_attributes
 from .hooks import Hooks
-from .plan import Plan, make_plan
+from .plan import make_plan
 from .probe import Probe
 from .programs import Programs, build_program
 from .record import record

@@ -19,10 +19,10 @@ from torch import nn
 
 from .bind import bind
 from .calls import bind_arguments, call_inputs, call_spec
+from .decision import Plan
 from .errors import ConfigError
 from .graphs import compile_graph
 from .guards import Assumptions
-from .plan import Plan
 from .regions import CALLED
 from .rewrite import constants_to_inputs, rewrite
 from .sharding import check_sharding

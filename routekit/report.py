@@ -1,4 +1,4 @@
-"""Printing and drawing a plan (`routekit.plan.Plan`): a table for the terminal, a PNG for docs.
+"""Printing and drawing a plan (`routekit.decision.Plan`): a table for the terminal, a PNG for docs.
 
 Rendering sits below the plan it renders (the plan's `__str__` and `draw` call it), so it reads the
 plan's fields without importing its module.

@@ -30,11 +30,11 @@ from torch import nn
 
 from . import dar
 from .calls import bind_arguments, call_inputs
+from .decision import Plan, RoutePlan
 from .errors import ConfigError
 from .findings import BlockInfo, Gather
 from .graphs import between, descends, is_shape_read, reads_kind, slot_value
 from .guards import Assumptions
-from .plan import Plan, RoutePlan
 from .regions import share_bodies
 from .residuals import uncast
 from .routing import gather_tokens, joined_index, joined_stream, route_side, scatter_tokens, static_tokens

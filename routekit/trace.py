@@ -22,14 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import enum
 import functools
 import inspect
 import math
-import operator
-import os
-import traceback
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,14 +36,19 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .calls import CallSpec, Input, as_called, bind_arguments, call_inputs, call_spec, is_constant
+from .concrete import (
+    _ConcreteProxy,
+    _DataDependent,
+    _Untraceable,
+    _value_of,
+    user_location,
+)
 from .errors import TraceError
 from .fxcompat import not_fx_tracing
 from .guards import Assumptions, Recorder, hooked
+from .objects import attribute_path, per_run_copy, plainly_copied, private_copy, snapshot_of
 from .state import as_found, preserved_state
 from .values import TensorMeta, describe, pickled_fields, read_only
-
-_ROUTEKIT_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 @dataclass(frozen=True)
@@ -86,164 +86,6 @@ def container_members(model: nn.Module) -> set[str]:
         if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             members.update(f"{name}.{child}" if name else child for child, _ in module.named_children())
     return members
-
-
-def user_location(tb=None) -> str:
-    """`file:line in function: code` of the innermost frame outside torch and routekit."""
-    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith((_TORCH_DIR, _ROUTEKIT_DIR)) and "<" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
-    return "<unknown location>"
-
-
-class _Untraceable(Exception):
-    """Raised inside a submodule that failed to trace, carrying its name to the retry loop."""
-
-    def __init__(self, qualname: str, cause: BaseException):
-        super().__init__(qualname)
-        self.qualname, self.cause = qualname, cause
-
-
-class _DataDependent(Exception):
-    pass
-
-
-class _ConcreteMixin:
-    """Proxy behaviour for Python code that looks at a value: use the example value, record the specialisation.
-
-    Conversions of a tensor's *data* are refused (data-dependent control flow); conversions of shapes and
-    numbers are specialised to the example inputs and listed in `Trace.specialised`. Attribute reads, hashing
-    and item assignment behave as they would on the value, so the traced forward takes the branches the
-    real one takes (an attribute that is None is None, `hasattr` answers for the value, a set of equal
-    lengths has one member).
-    """
-
-    def _convert(self, why: str, convert):
-        value = self.node.meta["value"]
-        if isinstance(value, torch.Tensor):
-            raise _DataDependent(f"{why} of a tensor's data at {user_location()}")
-        read = _read_off_data(self.node, self.tracer.data_leaves)
-        if read is not None:  # a number taken out of a tensor first: a graph would hold the example's
-            raise _DataDependent(f"{why} of a number read off a tensor's data ({read}) at {user_location()}")
-        result = convert(value)
-        self.tracer.specialised.append(f"{why} = {result!r} at {user_location()}")
-        self.tracer.recorder.converted(self.node)
-        return result
-
-    def __bool__(self):
-        return self._convert("bool()", bool)
-
-    def __int__(self):
-        return self._convert("int()", int)
-
-    def __index__(self):
-        return self._convert("index", operator.index)
-
-    def __float__(self):
-        return self._convert("float()", float)
-
-    def __len__(self):
-        value = self.node.meta["value"]
-        if isinstance(value, torch.Tensor):  # a tensor's length is its first dimension: a shape
-            self.tracer.specialised.append(f"len() = {len(value)} at {user_location()}")
-            self.tracer.recorder.batch_generic = False
-        return len(value)  # the arity of a tuple or torch.Size is structure, not a specialisation
-
-    def __iter__(self):
-        value = self.node.meta["value"]
-        if isinstance(value, dict):  # a dict iterates over its keys: structure, not values
-            return iter(list(value))
-        if not isinstance(value, (tuple, list, torch.Size, torch.Tensor)):  # dict.items(), a generator: a list first
-            return iter(self.tracer.create_proxy("call_function", list, (self,), {}))
-        return iter([self[i] for i in range(len(self))])
-
-    def __getattr__(self, k: str):
-        if k in ("node", "tracer", "root", "attr", "_node"):  # fx's own fields, not yet set
-            raise AttributeError(k)
-        value = getattr(_value_of(self), k)  # AttributeError as for the value: hasattr() answers for it
-        if value is None:  # the code's `is None` tests must see it: a specialisation to the example's state
-            self.tracer.specialised.append(f".{k} is None at {user_location()}")
-            return None
-        return _ConcreteAttribute(self, k)
-
-    def __setitem__(self, key, value):
-        """`mask[i, :n] = True` on a tensor the forward made: recorded (and run) as an in-place setitem."""
-        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
-
-    def __hash__(self):
-        """A number or string hashes as its value (eager `set(lengths)` dedupes equal ones); a tensor or
-        any other value by identity, as in eager."""
-        value = _value_of(self)
-        return hash(value) if isinstance(value, (int, float, str)) else object.__hash__(self)
-
-    def __eq__(self, other):
-        if self.tracer.finished or (isinstance(other, fx.Proxy) and other.tracer is not self.tracer):
-            # a proxy kept from an earlier trace or attempt, as the key of an lru_cache the forward filled
-            # (BEiT's position index, keyed by sizes read off the input), equals nothing: the lookup misses
-            return False
-        return fx.Proxy.__eq__(self, other)
-
-
-_DATA_READS = ("tolist", "item")
-
-
-def _read_off_data(node: fx.Node, data_leaves: set[str]) -> str | None:
-    """What read this number off a tensor's data, where it was read off one: `.tolist()` or `.item()` (Lumina2
-    lays its caption and image out by `mask.sum(1).tolist()`), or a submodule left a leaf because its own code
-    converts data (its numbers are such reads); None otherwise. A tensor stops the search: its shape is no read
-    of data. Memoised in the nodes' meta."""
-    pending = [node]
-    while pending:
-        current = pending[-1]
-        if "rk_read" in current.meta:
-            pending.pop()
-            continue
-        read = None
-        if current.op == "call_method" and current.target in _DATA_READS and isinstance(current.args[0], fx.Node):
-            read = f"{current.args[0].name}.{current.target}()"
-        elif current.op == "call_module" and current.target in data_leaves:
-            read = f"the output of {current.target}, whose code converts data"
-        elif current is not node and isinstance(current.meta.get("value"), torch.Tensor):
-            read = None
-        else:
-            unknown = [n for n in current.all_input_nodes if "rk_read" not in n.meta]
-            if unknown:
-                pending.extend(unknown)
-                continue
-            read = next((n.meta["rk_read"] for n in current.all_input_nodes if n.meta["rk_read"]), None)
-        current.meta["rk_read"] = read
-        pending.pop()
-    return node.meta["rk_read"]
-
-
-def _value_of(proxy: fx.Proxy) -> Any:
-    """The example value behind a proxy; an attribute's without recording a getattr (most become method calls)."""
-    if isinstance(proxy, fx.proxy.Attribute) and getattr(proxy, "_node", None) is None:
-        return getattr(_value_of(proxy.root), proxy.attr)
-    return proxy.node.meta["value"]
-
-
-class _ConcreteProxy(_ConcreteMixin, fx.Proxy):
-    pass
-
-
-class _ConcreteAttribute(_ConcreteMixin, fx.proxy.Attribute):
-    @property
-    def node(self) -> fx.Node:
-        """fx's lazy getattr node, refused by name where the attribute is a string (`x.device.type`): the tracer
-        hands strings on as themselves, so there is no node, and fx's own property would fail with an
-        AttributeError that hides behind `__getattr__`. A graph would keep the example's device type; the code
-        that reads it stays eager instead (a leafed module, or boundary mode), which also keeps any autocast
-        region it opens with that type."""
-        if self._node is None:
-            made = self.tracer.create_proxy("call_function", getattr, (self.root, self.attr), {})
-            if not isinstance(made, fx.Proxy):
-                raise TraceError(f"the forward compares or passes on .{self.attr} = {made!r} at {user_location()}, "
-                                 "a string read off a value, which a traced graph would fix to the example's")
-            self._node = made.node
-        return self._node
 
 
 class _Tracer(fx.Tracer):
@@ -286,7 +128,7 @@ class _Tracer(fx.Tracer):
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         proxies = {}
         for inp, value in zip(self.spec.inputs, call_inputs(self.bound, self.spec)):
-            self.inputs[inp.name] = value if inp.kind is torch.Tensor else _private_copy(value)
+            self.inputs[inp.name] = value if inp.kind is torch.Tensor else private_copy(value)
             proxies[inp] = self.create_proxy("placeholder", inp.name, (), {})
         values = {inp.argument: proxies[inp] for inp in self.spec.inputs if not inp.path}
         for name, structure in self.spec.constants.items():
@@ -340,7 +182,7 @@ class _Tracer(fx.Tracer):
         """
         if id(obj) in self.objects:
             return self.objects[id(obj)][1]
-        path = _attribute_path(self.root, obj)
+        path = attribute_path(self.root, obj)
         name = f"_routekit_object_{len(self.objects)}"
         if path is not None:
             node = self.create_node("get_attr", path, (), {})
@@ -348,9 +190,9 @@ class _Tracer(fx.Tracer):
             setattr(self.root, name, obj)
             node = self.create_node("get_attr", name, (), {})
         else:
-            snapshot = _snapshot(obj)
+            snapshot = snapshot_of(obj)
             setattr(self.root, name, snapshot)
-            copier = per_run_copy if _plainly_copied(snapshot) else copy.deepcopy
+            copier = per_run_copy if plainly_copied(snapshot) else copy.deepcopy
             node = self.create_node("call_function", copier, (self.create_node("get_attr", name, (), {}),), {})
             node.meta["value"] = obj  # the forward goes on with the object itself
             self.snapshots[node.name] = snapshot
@@ -484,92 +326,6 @@ def _torch_takes_traced_values(tracer: _Tracer):
     finally:
         for name, factory in {**originals, **infos}.items():
             setattr(torch, name, factory)
-
-
-def _attribute_path(root: nn.Module, obj: Any) -> str | None:
-    """The qualified name of `obj` as a plain attribute of `root` or one of its submodules, if it is one."""
-    for prefix, module in root.named_modules():
-        for k, v in vars(module).items():
-            if v is obj:
-                return f"{prefix}.{k}" if prefix else k
-    return None
-
-
-def _private_copy(obj: Any) -> Any:
-    """The object an input is traced with: a deep copy, so tracing (which runs the forward) leaves the
-    caller's object as it was. One that cannot be copied is traced as it is."""
-    try:
-        return copy.deepcopy(obj)
-    except Exception:
-        return obj
-
-
-def _snapshot(obj: Any) -> Any:
-    """A deep copy of an object the forward made, refused if it would copy the model or traced values: the
-    graph copies it on every run."""
-    memo: dict = {}
-    try:
-        snapshot = copy.deepcopy(obj, memo)
-    except Exception as err:
-        raise TraceError(f"{type(obj).__name__}, made by the forward and passed on, cannot be copied for each "
-                         f"run: {_short(err)}") from None
-    held = [v for k, v in memo.items() if k != id(memo) and isinstance(v, (nn.Module, nn.Parameter, fx.Proxy))]
-    if held:
-        raise TraceError(f"{type(obj).__name__}, made by the forward and passed on, holds a {type(held[0]).__name__}; "
-                         "routekit would copy it on every run")
-    return snapshot
-
-
-# Values a deep copy returns as they are.
-_ATOMS = (int, float, complex, bool, str, bytes, type(None), type, range, frozenset, enum.Enum, torch.dtype,
-          torch.device, types.FunctionType, types.BuiltinFunctionType)
-
-
-def per_run_copy(value: Any) -> Any:
-    """The copy a graph makes on every run of the snapshot of an object the forward made (a transformers LM's
-    generation cache): what copy.deepcopy makes of it, written so that torch.compile traces it into the
-    graph. Dynamo cannot trace copy.deepcopy's memo of ids (an internal error compiling a routed Llama with its
-    cache on). Only for snapshots `_plainly_copied` accepts; any other is copied by copy.deepcopy."""
-    if isinstance(value, _ATOMS):
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if type(value) in (list, tuple):
-        return type(value)(per_run_copy(v) for v in value)
-    if type(value) is dict:
-        return {k: per_run_copy(v) for k, v in value.items()}
-    new = object.__new__(type(value))
-    new.__dict__.update({k: per_run_copy(v) for k, v in value.__dict__.items()})
-    return new
-
-
-def _plainly_copied(obj: Any) -> bool:
-    """Whether `per_run_copy(obj)` makes what `copy.deepcopy(obj)` makes: a tree (nothing reached twice, which
-    deepcopy would keep shared) of atoms, plain lists, tuples and dicts, tensors that are not views and need no
-    gradient, and objects that copy as their `__dict__` (no slots, abc.ABC's empty ones aside, no `__new__`,
-    `__deepcopy__`, reduce or state methods of their own)."""
-    seen: set[int] = set()
-
-    def plain(value: Any) -> bool:
-        if isinstance(value, _ATOMS):
-            return True
-        if id(value) in seen:
-            return False
-        seen.add(id(value))
-        cls = type(value)
-        if isinstance(value, torch.Tensor):
-            return cls is torch.Tensor and not value.requires_grad and value._base is None
-        if cls in (list, tuple):
-            return all(plain(v) for v in value)
-        if cls is dict:
-            return all(isinstance(k, _ATOMS) for k in value) and all(plain(v) for v in value.values())
-        own = cls.__new__ is object.__new__ and cls.__reduce_ex__ is object.__reduce_ex__ \
-            and cls.__reduce__ is object.__reduce__ and getattr(cls, "__getstate__", None) in (None, object.__getstate__) \
-            and not hasattr(cls, "__setstate__") and not hasattr(cls, "__deepcopy__") \
-            and not any(vars(k).get("__slots__") for k in cls.__mro__) and hasattr(value, "__dict__")
-        return own and all(plain(v) for v in value.__dict__.values())
-
-    return plain(obj)
 
 
 def _fetch(root: nn.Module, target: str) -> Any:

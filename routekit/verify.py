@@ -38,9 +38,9 @@ from torch.func import functional_call
 
 from .bind import bind
 from .calls import bind_arguments, parameter_names
+from .decision import Plan
 from .errors import InferenceChanged, InputError, TraceError, TrainingChanged
 from .model import example_call, original_forward, report_of, routing_of, unwrap_compiled
-from .plan import Plan
 from .programs import Programs
 from .reference import masked_reference
 from .routing import gather_tokens, route_side

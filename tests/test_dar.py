@@ -868,7 +868,8 @@ def test_two_phase_chunks_are_those_no_route_boundary_crosses():
     """DiT-XL/2's schedule: 28 blocks of 2 sublayers, chunks of 4, TREAD's route 2→24. Entering at block 2
     starts chunk 4..7 (allowed: the prefix is taken after the gather); leaving after block 24 falls inside
     chunk 48..51 (point 50), which keeps one aggregation per sublayer."""
-    from routekit.plan import RoutePlan, two_phase_chunks
+    from routekit.decision import RoutePlan
+    from routekit.plan import two_phase_chunks
 
     sizes = [2] * 28
     route = RoutePlan(rk.Route(start=2, end=24), start=2, end=24, keep=(), kept=128)

@@ -32,8 +32,8 @@ from zoo import ZOO, Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
 from benchmarks.common import flop_counter_mode  # noqa: E402
+from routekit.decision import Plan  # noqa: E402
 from routekit.model import original_forward, report_of  # noqa: E402
-from routekit.plan import Plan  # noqa: E402
 from routekit.routing import gather_tokens, route_side  # noqa: E402
 from routekit.state import fresh  # noqa: E402
 
