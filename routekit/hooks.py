@@ -44,6 +44,8 @@ class Hooks:
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grid_source: tuple[int, ...] | None = None  # the grid of the grid module's output on this forward
         self.call: tuple[tuple, dict] = ((), {})
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # a routed block's output: (it,
+        # the route's full stream, its index), to put back where the forward returns it (hidden states per layer)
 
     def grid(self, stream: torch.Tensor) -> tuple[int, ...] | None:
         """The grid of this forward, for grid selectors: the grid of the grid module's output, else the grid the call
@@ -85,7 +87,11 @@ class Hooks:
         self.active, self.selects = True, self.routes
         self.call = (args, kwargs)
         try:
-            return self.original(*args, **kwargs)
+            out = self.original(*args, **kwargs)
+            made = self.made  # the routed blocks' outputs the forward returns (transformers' hidden states per
+            # layer) are put back like the stream: the routed tokens at their value at the route's start
+            return pytree.tree_map(lambda v: scatter_tokens(made[id(v)][1], made[id(v)][2], v)
+                                   if isinstance(v, torch.Tensor) and made.get(id(v), (None,))[0] is v else v, out)
         finally:
             self.active = False
             self._clear()
@@ -98,6 +104,8 @@ class Hooks:
         report = self.plan.report
         for k, route in enumerate(self.plan.placed):
             blocks = report.blocks[route.start:route.end + 1]
+            for block in blocks:
+                self.handles.append(model.get_submodule(block.qualname).register_forward_hook(_Made(self, k, block)))
             after = model.get_submodule(blocks[-1].qualname).register_forward_hook(_After(self, k))
             self.handles.append(after)
             for block in blocks:
@@ -181,6 +189,24 @@ def _joined(report, stack: int, joint: torch.Tensor, full: torch.Tensor, index: 
         return full, index  # the stacks hand the stream on as it is
     return (joined_stream(joint, full, index, this.joined_at),
             joined_index(index, this.joined_at, before.tokens, this.tokens))
+
+
+class _Made:
+    """Forward hook on a route's block: its stream output (the kept tokens) noted, with the route's full stream and
+    index there, so that where the forward returns it, it is put back like the stream (`Hooks.__call__`)."""
+
+    def __init__(self, hooks: Hooks, route: int, block: BlockInfo):
+        self.hooks, self.route, self.block = hooks, route, block
+
+    def __call__(self, module, args, output):
+        hooks = self.hooks
+        if not hooks.active or self.route not in hooks.pending:
+            return None
+        position = hooks.plan.report.stack_of(self.block.index).stream_out_index
+        made = output if position is None else output[position]
+        if isinstance(made, torch.Tensor):
+            hooks.made[id(made)] = (made, *hooks.pending[self.route])
+        return None
 
 
 class _After:

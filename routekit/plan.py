@@ -232,13 +232,15 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
                 f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "
                 f"({block.aux_escapes[0]}), which would have only the kept tokens"
             )
-    for block in blocks[:-1]:  # graph mode puts such outputs back like the stream; hooks cannot tell their readers
-        if block.escapes and (report.mode == "boundary" or dar):
+    for block in blocks[:-1]:  # graph mode puts such outputs back like the stream; boundary mode where the forward
+        # returns them (hidden states per layer), not where the owner's code reads them (a long skip)
+        read = [e for e in block.escapes if report.mode != "boundary" or e.split(" → ")[1] != "output"]
+        if read and (report.mode == "boundary" or dar):
             why = "boundary mode places routes at block calls and cannot put back" if report.mode == "boundary" \
                 else "with DAR, routekit does not put back"
             raise ConfigError(
                 f"route {k} cannot pass through {block.qualname}: its output is also used by "
-                f"{block.escapes[0].split(' → ')[1]}, outside the chain, and {why} a block output read outside the "
+                f"{read[0].split(' → ')[1]}, outside the chain, and {why} a block output read outside the "
                 f"chain; end the route at block {block.index} or start it after"
             )
     if selector(route.selector).needs_grid and grid is None:
