@@ -26,9 +26,11 @@ from torch import nn
 from .blocks import traced_alone
 from .calls import parameter_names, slot_named
 from .errors import ConfigError
-from .findings import BlockInfo, GraphReport, SideInput, Stack, layout_positions
+from .findings import BlockInfo, Gather, GraphReport, SideInput, Stack, layout_positions
+from .flow import UNREAD
 from .graphs import meta_of, slot_value, slots
 from .guards import hooked
+from .probe import block_flow
 from .record import grid_of_call
 from .residuals import find_residual_adds
 from .routing import is_opaque, kept_tokens, keys, resolve_keep
@@ -174,7 +176,7 @@ def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, 
         if slot == stack.stream_slot:
             continue
         decided_side = by_name.get(names.get(slot, slot) if isinstance(slot, int) else slot)
-        sides.append(_bound_side(block, decided_side, slot, arg, meta_of(arg)))
+        sides.append(_bound_side(block, decided_side, slot, arg, meta_of(arg), lambda: _flow(model, block, node, stack)))
     bound = dataclasses.replace(block, node=node.name, stream_out=out.name, side_inputs=tuple(sides))
     if block.body is None or not block.adds:  # DAR calls it whole (one source, or none): its own trace is not inlined
         return bound
@@ -185,28 +187,43 @@ def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, 
     return bound
 
 
-def _bound_side(block: BlockInfo, decided: SideInput | None, slot, arg: Any, meta: Any) -> SideInput:
-    """A block input on this call, cut as decided; refused where it holds a tensor the example call's did not
-    (the decision does not say whether it carries the stream's tokens)."""
+def _flow(model: nn.Module, block: BlockInfo, node: fx.Node, stack: Stack) -> dict | None:
+    """The block's data flow on this call (`flow.token_axes`), for a tensor the example call did not pass."""
+    return block_flow(model, block.qualname, {s: meta_of(a) for s, a in slots(node)}, stack.stream_slot)
+
+
+def _bound_side(block: BlockInfo, decided: SideInput | None, slot, arg: Any, meta: Any, flow) -> SideInput:
+    """A block input on this call, cut as decided. A tensor the example call did not pass (an attention mask a
+    transformers LM builds only on some calls: without its cache, with padding) is cut as the block's data flow
+    on this call ties it to the stream (`flow()`), never by its shape; where that flow cannot be read, or ties it
+    jointly with another sequence, the call is refused by name."""
     node = arg.name if isinstance(arg, fx.Node) else None
     known = {keys(p) for p, leaf in pytree.tree_flatten_with_path(decided.meta, is_leaf=is_opaque)[0]
              if isinstance(leaf, TensorMeta)} if decided is not None else set()
+    later, tied = [], None
     for path, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]:
         if isinstance(leaf, TensorMeta) and keys(path) not in known:
+            tied = flow() if tied is None else tied
+            found = UNREAD if not tied else tied.get((slot, keys(path)), UNREAD)
+            if found is not UNREAD and (found is None or found.relation != "joint"):
+                if found is not None:
+                    later.append(Gather(keys(path), found.axes, found.batched))
+                continue
             name = decided.argument if decided is not None and decided.argument is not None else slot
             where = "".join(f"[{k!r}]" for k in keys(path))
             was = decided.describe() if decided is not None else "nothing"
             raise ConfigError(
                 f"{block.qualname} takes a tensor {str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)} as "
-                f"{name!r}{where} on this call, where the example call passed {was}: routekit decided at apply which "
-                "block inputs a route cuts, on the example call. Give apply an example call that passes it too (an "
-                "attention mask the model builds only for padded batches: an example batch with padding)")
+                f"{name!r}{where} on this call, where the example call passed {was}, and its data flow does not say "
+                "whether it carries the stream's tokens: routekit decides at apply which block inputs a route cuts. "
+                "Give apply an example call that passes it too (an attention mask the model builds only for padded "
+                "batches: an example batch with padding)")
     if decided is None:
-        return SideInput(slot, node, meta)
+        return SideInput(slot, node, meta, tuple(later), argument=None if isinstance(slot, int) else slot)
     present = {keys(p) for p, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]
                if isinstance(leaf, TensorMeta)}
     return dataclasses.replace(decided, slot=slot, node=node, meta=meta,
-                               tokens=tuple(g for g in decided.tokens if g.path in present))
+                               tokens=tuple(g for g in decided.tokens if g.path in present) + tuple(later))
 
 
 def _retraced(block: BlockInfo, stack: Stack, model: nn.Module, tokens: int | None = None, shrink=(),

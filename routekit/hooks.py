@@ -44,8 +44,9 @@ class Hooks:
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grid_source: tuple[int, ...] | None = None  # the grid of the grid module's output on this forward
         self.call: tuple[tuple, dict] = ((), {})
-        self.made: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # a routed block's output: (it,
-        # the route's full stream, its index), to put back where the forward returns it (hidden states per layer)
+        self.made: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # a routed block's output: (it,
+        # the route's full stream, its index), to put back where the forward returns it (hidden states per layer);
+        # a list matched by identity, not a dict by id(), which torch.compile cannot carry out of its graph
 
     def grid(self, stream: torch.Tensor) -> tuple[int, ...] | None:
         """The grid of this forward, for grid selectors: the grid of the grid module's output, else the grid the call
@@ -90,8 +91,14 @@ class Hooks:
             out = self.original(*args, **kwargs)
             made = self.made  # the routed blocks' outputs the forward returns (transformers' hidden states per
             # layer) are put back like the stream: the routed tokens at their value at the route's start
-            return pytree.tree_map(lambda v: scatter_tokens(made[id(v)][1], made[id(v)][2], v)
-                                   if isinstance(v, torch.Tensor) and made.get(id(v), (None,))[0] is v else v, out)
+            if not made:
+                return out
+
+            def put_back(v):
+                found = next((m for m in made if m[0] is v), None) if isinstance(v, torch.Tensor) else None
+                return v if found is None else scatter_tokens(found[1], found[2], v)
+
+            return pytree.tree_map(put_back, out)
         finally:
             self.active = False
             self._clear()
@@ -102,16 +109,25 @@ class Hooks:
         is the model's forward without routes, which a routed training call runs with the hooks live."""
         self.routes, self.original = selects, original
         report = self.plan.report
+
+        def hooked(qualname: str) -> tuple[nn.Module, Any]:
+            # A block compiled in place (`block.compile()`) runs its hooks inside its compiled call: kept out of
+            # it (run eagerly around the compiled forward), so the block's graph is its own, one per token count
+            module = model.get_submodule(qualname)
+            return module, (torch._dynamo.disable if module._compiled_call_impl is not None else lambda hook: hook)
+
         for k, route in enumerate(self.plan.placed):
             blocks = report.blocks[route.start:route.end + 1]
             for block in blocks:
-                self.handles.append(model.get_submodule(block.qualname).register_forward_hook(_Made(self, k, block)))
-            after = model.get_submodule(blocks[-1].qualname).register_forward_hook(_After(self, k))
+                module, outside = hooked(block.qualname)
+                self.handles.append(module.register_forward_hook(outside(_Made(self, k, block))))
+            module, outside = hooked(blocks[-1].qualname)
+            after = module.register_forward_hook(outside(_After(self, k)))
             self.handles.append(after)
             for block in blocks:
                 before = _Before(self, k, block, block is blocks[0], after.id if block is blocks[-1] else None)
-                module = model.get_submodule(block.qualname)
-                self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+                module, outside = hooked(block.qualname)
+                self.handles.append(module.register_forward_pre_hook(outside(before), with_kwargs=True))
         if report.grid_node and self.plan.placed and not self.plan.grid_given:
             self.handles.append(model.get_submodule(report.grid_node).register_forward_hook(_GridSource(self)))
 
@@ -205,7 +221,7 @@ class _Made:
         position = hooks.plan.report.stack_of(self.block.index).stream_out_index
         made = output if position is None else output[position]
         if isinstance(made, torch.Tensor):
-            hooks.made[id(made)] = (made, *hooks.pending[self.route])
+            hooks.made.append((made, *hooks.pending[self.route]))
         return None
 
 

@@ -193,10 +193,13 @@ def test_dar_over_blocks_compiled_one_by_one_says_it_runs_them_uncompiled(recwar
     uncompiled in training: apply says so (FallbackWarning, naming the blocks and the fix) and inspect marks them.
     Its twins stay quiet: a route over the same compiled blocks (they keep their compiled calls), DAR over
     blocks that are not compiled, and DAR over a model compiled as a whole."""
-    torch.manual_seed(0)
-    compiled = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10, compile_blocks=True)
-    plain = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
-    args = dit.example_inputs(plain, 2, generator=torch.Generator().manual_seed(1))
+    def build(compile_blocks: bool = False) -> dit.DiT:
+        torch.manual_seed(0)
+        return dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10,
+                         compile_blocks=compile_blocks)
+
+    compiled = build(compile_blocks=True)
+    args = dit.example_inputs(compiled, 2, generator=torch.Generator().manual_seed(1))
     dar = rk.DAR(chunk=2)
     with pytest.warns(rk.FallbackWarning, match=r"blocks\.0 … blocks\.3 \(4 blocks\) run under torch.compile on "
                       r"their own.*uncompiled.*torch\.compile\(routed\)") as caught:
@@ -210,9 +213,9 @@ def test_dar_over_blocks_compiled_one_by_one_says_it_runs_them_uncompiled(recwar
     routed.train()(*args).square().mean().backward()
     assert counters["stats"]["unique_graphs"] == 0  # what the warning says: the blocks' compiled calls do not run
     recwarn.clear()
-    quiet = [rk.apply(compiled, rk.Route(start=1, end=2), example_inputs=args),
-             rk.apply(plain, residual=dar, example_inputs=args),
-             rk.apply(torch.compile(plain), residual=dar, example_inputs=args)]
+    quiet = [rk.apply(build(compile_blocks=True), rk.Route(start=1, end=2), example_inputs=args),
+             rk.apply(build(), residual=dar, example_inputs=args),
+             rk.apply(torch.compile(build()), residual=dar, example_inputs=args)]
     assert not [w for w in recwarn if issubclass(w.category, rk.FallbackWarning)]
     assert all("DAR inlines it uncompiled" not in str(report_of(q)) for q in quiet)
     torch._dynamo.reset()

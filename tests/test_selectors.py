@@ -7,6 +7,8 @@ replaced by accident.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import zoo
@@ -133,7 +135,7 @@ def test_negative_block_indices_count_from_the_end():
     placed = report_of(routed).placed[0]
     assert (placed.start, placed.end) == (1, 2)
     assert "route 0: blocks 1→2" in str(report_of(routed))
-    explicit = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(x,))
+    explicit = rk.apply(rk.strip(copy.deepcopy(routed)), rk.Route(start=1, end=2), example_inputs=(x,))
     for r in (routed, explicit):
         r.routekit.routes[0].generator = torch.Generator().manual_seed(4)
         r.train()

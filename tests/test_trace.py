@@ -33,6 +33,7 @@ from tiny import D, built
 from torch import nn
 
 import routekit.fxcompat as fxcompat
+import routekit.objects as objects
 import routekit.trace as rt
 from routekit.calls import Input, bind_arguments, call_inputs, call_spec
 from routekit.errors import InputError, TraceError
@@ -225,7 +226,7 @@ def test_a_cache_the_forward_makes_is_made_afresh_on_every_run_of_the_graph() ->
     tr = assert_replays(model, lambda s: ((randn(s, 2, 5, DIM),), {}))
     assert block_calls(tr, model) == ["blocks.0", "blocks.1", "blocks.2"]
     assert any("KVCache made by the forward" in s for s in tr.specialised)
-    made = next(n for n in tr.graph.nodes if n.target is rt.per_run_copy)  # a plain object: torch.compile traces it
+    made = next(n for n in tr.graph.nodes if n.target is objects.per_run_copy)  # a plain object: torch.compile traces it
     assert made.meta["rk"].keys == {}  # described as first used: the state a block traced alone (DAR) must see
     x = randn(3, 2, 5, DIM)
     want_out, want_cache = model(x)
@@ -256,8 +257,8 @@ def test_the_per_run_copy_makes_what_deepcopy_makes_and_leaves_what_it_cannot_to
     cache = KVCache()
     cache.store(0, randn(1, 2, 3, DIM))
     cache.layers = [KVCache(), (None, torch.float16, "name", 3.5), {"kind": contextlib.nullcontext}]
-    assert rt._plainly_copied(cache)
-    made, want = rt.per_run_copy(cache), copy.deepcopy(cache)
+    assert objects.plainly_copied(cache)
+    made, want = objects.per_run_copy(cache), copy.deepcopy(cache)
     assert type(made) is KVCache and made is not cache and made.keys is not cache.keys
     assert torch.equal(made.keys[0], want.keys[0]) and made.keys[0].data_ptr() != cache.keys[0].data_ptr()
     assert type(made.layers[0]) is KVCache and made.layers[0] is not cache.layers[0]
@@ -270,7 +271,7 @@ def test_the_per_run_copy_makes_what_deepcopy_makes_and_leaves_what_it_cannot_to
     grad = KVCache()
     grad.store(0, randn(3, 2, 3, DIM).requires_grad_())
     for other in (twice, Slotted(), OwnCopy(), view, grad):
-        assert not rt._plainly_copied(other), type(other)
+        assert not objects.plainly_copied(other), type(other)
 
 
 def filled_cache(seed: int) -> KVCache:

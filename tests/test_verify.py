@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import platform
 import subprocess
@@ -497,8 +498,11 @@ def _planted_caption_cut(monkeypatch) -> None:
 
     def planted(module, args, kwargs, slot):
         found = read(module, args, kwargs, slot)
-        if found is not None and "encoder_hidden_states" in kwargs:
-            found[("encoder_hidden_states", ())] = Tied((1,), True)
+        names = list(inspect.signature(module.forward).parameters)
+        caption = "encoder_hidden_states" if "encoder_hidden_states" in kwargs else \
+            names.index("encoder_hidden_states") if "encoder_hidden_states" in names[:len(args)] else None
+        if found is not None and caption is not None:  # PixArt passes the caption by name, Wan by position
+            found[(caption, ())] = Tied((1,), True)
         return found
 
     monkeypatch.setattr(routekit.probe, "token_axes", planted)
