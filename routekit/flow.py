@@ -66,8 +66,9 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     with _quiet():  # torch logs each symbol and guard it makes, and a failure at length: an answer here, not news
-        env = ShapeEnv(duck_shape=False)
+        env = ShapeEnv(duck_shape=False, should_record_events=False)
         mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+        mode.cache_enabled = False  # one run per block: caching its ops costs a third of the run and is never read
         sizes: dict[tuple, list[Any]] = {}
         made_by_path: dict[tuple, torch.Tensor] = {}
 
@@ -91,7 +92,7 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
             return None
         try:
             leaves = {id(t): key for key, t in made_by_path.items()}
-            with mode, torch.no_grad(), _eval(module), _unchanged(module), _Reads(leaves) as reads:
+            with mode, torch.no_grad(), _eval(module), _unchanged(module), _no_hooks(module), _Reads(leaves) as reads:
                 out = module(*fake_args, **fake_kwargs)
         except Exception:
             return None
@@ -164,6 +165,24 @@ def _quiet():
     finally:
         for logger, flag in zip(loggers, flags):
             logger.disabled = flag
+
+
+HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+         "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _no_hooks(module: nn.Module):
+    """The block and its modules without their forward hooks: reading the data flow is not a run of the model, and
+    a user's hook (one that records activations, counts calls) must not see fake tensors or an extra call."""
+    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in HOOKS if getattr(m, name, None)]
+    for m, name, hooks in saved:
+        setattr(m, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for m, name, hooks in saved:
+            setattr(m, name, hooks)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .calls import slot_named
 from .graphs import Slot
 
 
@@ -170,15 +171,20 @@ def _run(model: nn.Module, original, routes: list[_Route], masks: _Masks, args: 
 def _enter(route: _Route, masks: _Masks, poison: bool):
     def hook(module, args, kwargs):
         masks.active += 1
-        stream = args[route.slot] if isinstance(route.slot, int) else kwargs[route.slot]
+        # the stream's parameter, as this call passes it (a checkpointed call passes by position what the
+        # example passed by name)
+        slot = slot_named(module, [*range(len(args)), *kwargs], route.slot)
+        if slot is None:
+            raise _NoKeys(f"{route.start} is called without its stream {route.slot!r} on this call")
+        stream = args[slot] if isinstance(slot, int) else kwargs[slot]
         route.stream = stream
         if not poison:
             return None
         flagged = route.routed.to(stream.device)[..., None].expand_as(stream)
         poisoned = stream.masked_fill(flagged, float("nan"))
-        if isinstance(route.slot, int):
-            return (*args[:route.slot], poisoned, *args[route.slot + 1:]), kwargs
-        return args, {**kwargs, route.slot: poisoned}
+        if isinstance(slot, int):
+            return (*args[:slot], poisoned, *args[slot + 1:]), kwargs
+        return args, {**kwargs, slot: poisoned}
     return hook
 
 

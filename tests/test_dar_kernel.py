@@ -5,6 +5,7 @@ Without CUDA the Triton kernels run in Triton's CPU interpreter; tensors stay sm
 finishes in a few minutes on two cores.
 """
 
+import copy
 import dataclasses
 import linecache
 import math
@@ -857,7 +858,7 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
     x, t, y = torch.randn(2, 2, 4, 4, device=DEVICE), torch.rand(2, device=DEVICE), torch.tensor([1, 3], device=DEVICE)
 
     def routed(kernel):
-        out = rk.apply(model, routes=[rk.Route(start=2, end=3)] if route else None,
+        out = rk.apply(copy.deepcopy(model), routes=[rk.Route(start=2, end=3)] if route else None,
                        residual=rk.DAR(query=query, chunk=2, kernel=kernel), example_inputs=(x, t, y))
         with torch.no_grad():
             out.routekit.dar.query.normal_(generator=torch.Generator(DEVICE).manual_seed(1))

@@ -14,6 +14,7 @@ prints how many invalid plans and inputs were refused.
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import os
 
@@ -228,7 +229,8 @@ def test_every_invalid_example_call_is_refused_by_every_entry_point(case, verb: 
     refused(calls[verb], f"input: {kind}")
 
 
-ROUTED = rk.apply(MODELS[False], rk.Route(start=1, end=2), example_inputs=(IMAGE,))
+ROUTED = rk.apply(copy.deepcopy(MODELS[False]), rk.Route(start=1, end=2), example_inputs=(IMAGE,))  # apply routes the
+# model it is given: the entry points above take the plain model, as a user does before apply
 ROUTED(IMAGE)  # one routed forward, so last_route_mask has a mask to return
 
 

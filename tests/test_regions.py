@@ -8,6 +8,8 @@ in-place op, a value that may alias another at a segment's edge) stays inlined a
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo
@@ -56,8 +58,9 @@ def test_a_dar_dit_runs_its_blocks_as_shared_bodies_bit_for_bit_as_inlined(route
     gradient equal those of the inlined graph, bit for bit."""
     model = tiny_dit()
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
-    shared = rk.apply(model, routes, residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
-    inlined = rk.apply(model, routes, residual=rk.DAR(chunk=4), example_inputs=args).train()
+    shared = rk.apply(copy.deepcopy(model), routes, residual=rk.DAR(chunk=4, regions=True), example_inputs=args)
+    shared.train()
+    inlined = rk.apply(copy.deepcopy(model), routes, residual=rk.DAR(chunk=4), example_inputs=args).train()
     expected = step(inlined, args)
     found = step(shared, args)
     assert region_calls(shared) == 2 * shared_blocks and region_calls(inlined) == 0
@@ -153,7 +156,7 @@ def test_views_crossing_a_segment_edge_are_made_again_inside_without_which_compi
 
     model = tiny_dit()
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
-    routed = rk.apply(model, residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
+    routed = rk.apply(copy.deepcopy(model), residual=rk.DAR(chunk=4, regions=True), example_inputs=args).train()
     step(routed, args)
     bodies = {inspect.getsource(f.body) for k, f in train_graph(routed).fn.__globals__.items()
               if k.startswith("routekit_regions_block")}

@@ -37,8 +37,8 @@ from routekit.routing import gather_tokens
 from routekit.selectors import selector as selector_spec
 
 # building a model is part of drawing an example, so generation may be slow on a loaded CI box
-FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SOME = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SOME = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MANY = settings(max_examples=300, deadline=None)  # pure selector calls: microseconds each
 
 
