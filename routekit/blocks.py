@@ -35,7 +35,7 @@ def fake_block_inputs(block: BlockInfo, stream_slot: Slot, stream: TensorMeta, d
     def fake(meta):
         if not isinstance(meta, TensorMeta):
             return meta
-        if random and meta.dtype.is_floating_point:
+        if random and (meta.dtype.is_floating_point or meta.dtype.is_complex):  # a complex RoPE table too
             return torch.randn(meta.shape, generator=generator, dtype=meta.dtype).to(device)
         return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
 
