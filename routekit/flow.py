@@ -63,6 +63,7 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
     None where the block does not run on fake tensors with symbolic sizes, or its stream's sizes are not symbols
     (a token count of 1)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     with _quiet():  # torch logs each symbol and guard it makes, and a failure at length: an answer here, not news
@@ -92,7 +93,10 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
             return None
         try:
             leaves = {id(t): key for key, t in made_by_path.items()}
-            with mode, torch.no_grad(), _eval(module), _unchanged(module), _no_hooks(module), _Reads(leaves) as reads:
+            # attention in its math form: a GPU's fused kernels (flash, cuDNN) have no fake form for symbolic sizes,
+            # and which kernel runs does not change what the block ties to its tokens
+            with mode, torch.no_grad(), _eval(module), _unchanged(module), _no_hooks(module), \
+                    sdpa_kernel([SDPBackend.MATH]), _Reads(leaves) as reads:
                 out = module(*fake_args, **fake_kwargs)
         except Exception:
             return None
