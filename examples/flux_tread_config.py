@@ -9,6 +9,7 @@ For LoRA fine-tuning on cached latents, `python -m routekit.finetune` does all o
 """
 
 import argparse
+import copy
 
 import torch
 from diffusers import FluxTransformer2DModel
@@ -68,8 +69,8 @@ for step in range(args.steps):                                   # flow matching
     print(f"step {step + 1}: loss {loss.item():.4f}")
 
 routed.eval()
-flux.eval()
 with torch.no_grad():
-    same = torch.equal(routed(packed, **flux_kwargs)[0], flux(packed, **flux_kwargs)[0])
+    plain = rk.strip(copy.deepcopy(routed)).eval()  # the trained weights without routekit
+    same = torch.equal(routed(packed, **flux_kwargs)[0], plain(packed, **flux_kwargs)[0])
 print("eval output equals the unrouted model's:", same)
 assert same

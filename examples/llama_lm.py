@@ -7,6 +7,7 @@ and `eval()`, where generation happens, is the original model.
 """
 
 import argparse
+import copy
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -46,7 +47,8 @@ for step in range(args.steps):
 
 routed.eval()
 with torch.no_grad():
-    same = torch.equal(routed(tokens).logits, lm.eval()(tokens).logits)
+    plain = rk.strip(copy.deepcopy(routed)).eval()  # the trained weights without routekit
+    same = torch.equal(routed(tokens).logits, plain(tokens).logits)
     generated = routed.generate(tokens[:1, :8], max_new_tokens=8, do_sample=False)
 print("eval output equals the unrouted model's:", same, "| generated", generated.shape[1] - 8, "tokens")
 assert same

@@ -6,6 +6,7 @@
 """
 
 import argparse
+import copy
 
 import timm
 import torch
@@ -47,6 +48,7 @@ for step in range(args.steps):
 
 routed.eval()
 with torch.no_grad():
-    same = torch.equal(routed(images), vit.eval()(images))
+    plain = rk.strip(copy.deepcopy(routed)).eval()  # the trained weights without routekit
+    same = torch.equal(routed(images), plain(images))
 print("eval output equals the unrouted model's:", same)
 assert same

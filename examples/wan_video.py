@@ -6,6 +6,7 @@ spatial positions in every frame), a few AdamW steps with the flow-matching loss
 """
 
 import argparse
+import copy
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -58,6 +59,7 @@ for step in range(args.steps):                                   # flow matching
 
 routed.eval()
 with torch.no_grad():
-    same = torch.equal(routed(latents, **wan_kwargs)[0], wan.eval()(latents, **wan_kwargs)[0])
+    plain = rk.strip(copy.deepcopy(routed)).eval()  # the trained weights without routekit
+    same = torch.equal(routed(latents, **wan_kwargs)[0], plain(latents, **wan_kwargs)[0])
 print("eval output equals the unrouted model's:", same)
 assert same

@@ -63,8 +63,8 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
     None where the block does not run on fake tensors with symbolic sizes, or its stream's sizes are not symbols
     (a token count of 1)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with _quiet():  # torch logs each symbol and guard it makes, and a failure at length: an answer here, not news
         env = ShapeEnv(duck_shape=False, should_record_events=False)

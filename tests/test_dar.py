@@ -1140,7 +1140,8 @@ def _static_t_is_static_plus(model: nn.Module, args, kwargs, embedding: torch.Te
     with queries w + e(t) when `embedding` is the model's e(t), in training and in eval."""
     timed = rk.apply(copy.deepcopy(model), residual=rk.DAR(query="static_t", chunk=2), example_inputs=args,
                      example_kwargs=kwargs)
-    plain = rk.apply(copy.deepcopy(model), residual=rk.DAR(query="static", chunk=2), example_inputs=args, example_kwargs=kwargs)
+    plain = rk.apply(copy.deepcopy(model), residual=rk.DAR(query="static", chunk=2), example_inputs=args,
+                     example_kwargs=kwargs)
     randomise_queries(timed, 0, scale=0.5)
     with torch.no_grad():
         plain.routekit.dar.query.copy_(timed.routekit.dar.query + embedding)
