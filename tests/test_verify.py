@@ -459,18 +459,29 @@ class Masked(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["graph", "boundary"])
-def test_a_block_input_the_example_call_did_not_pass_is_refused_by_name_and_one_it_passed_may_be_left_out(mode):
-    """Example inputs without the mask, then a call with it: what a route cuts was decided on the example call,
-    which says nothing of the mask, so the call is refused and the argument named (left whole, the blocks would
-    get it beside the kept tokens and fail inside, or worse not). Example inputs with the mask, then a call
-    without it: the mask is left out, and verify checks that call."""
+def test_a_block_input_the_example_call_did_not_pass_is_cut_by_its_data_flow_or_refused_by_name(mode):
+    """Example inputs without the mask, then a call with it. Graph mode reads the blocks' data flow on that call:
+    the mask scales each token's update, so it is cut with the stream, and the kept tokens come out as the
+    unrouted model computes them (the blocks are token-wise). Boundary mode learned the blocks' inputs on the
+    example call alone: the call is refused and the argument named (left whole, the blocks would get it beside
+    the kept tokens and fail inside, or worse not). Example inputs with the mask, then a call without it: the
+    mask is left out, and verify checks that call."""
     torch.manual_seed(0)
     model, image, mask = Masked(), torch.randn(2, 3, 8, 8), (torch.rand(2, 16) > 0.3).float()
+    with torch.no_grad():
+        want = model(image, mask)
     routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image,), mode=mode)
     routed.train()
-    with pytest.raises(rk.ConfigError, match="takes a tensor float32.2, 16. as 'mask' on this call, where the "
-                                             "example call passed None"):
-        routed(image, mask)
+    if mode == "graph":
+        with torch.no_grad():
+            got = routed(image, mask)
+        kept = ~rk.last_route_mask(routed)
+        assert kept.any() and not kept.all()
+        assert torch.equal(got[kept], want[kept])
+    else:
+        with pytest.raises(rk.ConfigError, match="takes a tensor float32.2, 16. as 'mask' on this call, where the "
+                                                 "example call passed None"):
+            routed(image, mask)
     routed = rk.apply(model, rk.Route(start=1, end=3), example_inputs=(image, mask), mode=mode)
     checked = rk.verify(model, routed, (image,))  # the mask the example passed, left out
     assert checked.train == "rate 0 bit-identical" and "kept" in checked.checks
