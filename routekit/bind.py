@@ -200,13 +200,15 @@ def _bound_side(block: BlockInfo, decided: SideInput | None, slot, arg: Any, met
     node = arg.name if isinstance(arg, fx.Node) else None
     known = {keys(p) for p, leaf in pytree.tree_flatten_with_path(decided.meta, is_leaf=is_opaque)[0]
              if isinstance(leaf, TensorMeta)} if decided is not None else set()
-    later, tied = [], None
+    later, tied = [], ()
     for path, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]:
         if isinstance(leaf, TensorMeta) and keys(path) not in known:
-            tied = flow() if tied is None else tied
-            found = UNREAD if not tied else tied.get((slot, keys(path)), UNREAD)
-            if found is not UNREAD and (found is None or found.relation != "joint"):
-                if found is not None:
+            tied = flow() if tied == () else tied
+            # absent from a flow that was read: read and not tied (an IP-adapter's image tokens); UNREAD: not read
+            # on this call, so passing it whole changes nothing
+            found = None if tied is None else tied.get((slot, keys(path)))
+            if tied is not None and (found is None or found is UNREAD or found.relation != "joint"):
+                if found is not None and found is not UNREAD:
                     later.append(Gather(keys(path), found.axes, found.batched))
                 continue
             name = decided.argument if decided is not None and decided.argument is not None else slot
