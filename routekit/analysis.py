@@ -319,11 +319,7 @@ def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int |
         sequences = {m.shape[1] for _, a in arguments for m in pytree.tree_leaves(meta_of(a))
                      if isinstance(m, TensorMeta) and len(m.shape) >= 3 and m.shape[0] == batch
                      and m.shape[1] != tokens}
-        inputs = {s: meta_of(a) for s, a in slots(node)}
-        key = (type(module), repr(sorted(inputs.items(), key=lambda item: str(item[0]))))
-        if key not in flows:  # blocks of one class fed alike tie their inputs alike
-            flows[key] = block_flow(model, node.target, inputs, slot)
-        tied = flows[key]
+        tied = block_flow(model, node.target, {s: meta_of(a) for s, a in slots(node)}, slot, cache=flows)
         classified = [side_input(s, a, parameter_names(module), batch, tokens, channels, sequences,
                                  None if tied is None else {p: t for (s2, p), t in tied.items() if s2 == s})
                       for s, a in arguments]

@@ -68,8 +68,9 @@ def bound_report(decided: GraphReport, tr: Trace, model: nn.Module, call: tuple[
                 f"this call hands {decided.blocks[stack.first].qualname} a stream {stream!r} where the example call "
                 f"handed it {stack.stream}: call the model as the example call did")
         stacks.append(_bound_stack(stack, stream, stacks[-1] if stacks else None, graph, sizes, call))
+    flows: dict = {}  # the blocks' data flow on this call, read where it met a tensor the example did not pass
     blocks = [_bound_block(block, nodes[block.qualname], stacks[block.stack], decided.stack_of(block.index), model,
-                           fresh) for block in decided.blocks]
+                           flows, fresh) for block in decided.blocks]
     by_name = {n.name: n for n in graph.nodes}
     return dataclasses.replace(decided, stacks=tuple(stacks), blocks=tuple(blocks), leafed=dict(tr.leafed),
                                specialised=tuple(tr.specialised),
@@ -155,7 +156,7 @@ def _positions(flags: list[bool]) -> tuple[int, ...]:
     return tuple(i if i < first else i - len(flags) for i, f in enumerate(flags) if f)
 
 
-def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, model: nn.Module,
+def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, model: nn.Module, flows: dict,
                  fresh: bool = False) -> BlockInfo:
     """`block` as this call makes it: its call and stream output in this graph, each of its inputs cut as decided."""
     out = node if stack.stream_out_index is None else next(
@@ -176,7 +177,8 @@ def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, 
         if slot == stack.stream_slot:
             continue
         decided_side = by_name.get(names.get(slot, slot) if isinstance(slot, int) else slot)
-        sides.append(_bound_side(block, decided_side, slot, arg, meta_of(arg), lambda: _flow(model, block, node, stack)))
+        sides.append(_bound_side(block, decided_side, slot, arg, meta_of(arg), lambda: block_flow(
+            model, block.qualname, {s: meta_of(a) for s, a in slots(node)}, stack.stream_slot, cache=flows)))
     bound = dataclasses.replace(block, node=node.name, stream_out=out.name, side_inputs=tuple(sides))
     if block.body is None or not block.adds:  # DAR calls it whole (one source, or none): its own trace is not inlined
         return bound
@@ -187,11 +189,6 @@ def _bound_block(block: BlockInfo, node: fx.Node, stack: Stack, decided: Stack, 
     return bound
 
 
-def _flow(model: nn.Module, block: BlockInfo, node: fx.Node, stack: Stack) -> dict | None:
-    """The block's data flow on this call (`flow.token_axes`), for a tensor the example call did not pass."""
-    return block_flow(model, block.qualname, {s: meta_of(a) for s, a in slots(node)}, stack.stream_slot)
-
-
 def _bound_side(block: BlockInfo, decided: SideInput | None, slot, arg: Any, meta: Any, flow) -> SideInput:
     """A block input on this call, cut as decided. A tensor the example call did not pass (an attention mask a
     transformers LM builds only on some calls: without its cache, with padding) is cut as the block's data flow
@@ -200,14 +197,14 @@ def _bound_side(block: BlockInfo, decided: SideInput | None, slot, arg: Any, met
     node = arg.name if isinstance(arg, fx.Node) else None
     known = {keys(p) for p, leaf in pytree.tree_flatten_with_path(decided.meta, is_leaf=is_opaque)[0]
              if isinstance(leaf, TensorMeta)} if decided is not None else set()
-    later, tied = [], ()
+    later = []
     for path, leaf in pytree.tree_flatten_with_path(meta, is_leaf=is_opaque)[0]:
         if isinstance(leaf, TensorMeta) and keys(path) not in known:
-            tied = flow() if tied == () else tied
+            tied = flow()
             # absent from a flow that was read: read and not tied (an IP-adapter's image tokens); UNREAD: not read
             # on this call, so passing it whole changes nothing
             found = None if tied is None else tied.get((slot, keys(path)))
-            if tied is not None and (found is None or found is UNREAD or found.relation != "joint"):
+            if tied is not None and (found is None or found.relation != "joint"):  # UNREAD's relation is "same"
                 if found is not None and found is not UNREAD:
                     later.append(Gather(keys(path), found.axes, found.batched))
                 continue

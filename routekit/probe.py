@@ -35,10 +35,16 @@ from .trace import Trace
 from .values import TensorMeta
 
 
-def block_flow(model: nn.Module, qualname: str, inputs: dict[Slot, Any], stream_slot: Slot) -> dict | None:
+def block_flow(model: nn.Module, qualname: str, inputs: dict[Slot, Any], stream_slot: Slot,
+               cache: dict | None = None) -> dict | None:
     """The token axes the block at `qualname` ties to its stream (`flow.token_axes`), run on made-up values of its
     recorded inputs (`inputs`: {slot: what it holds, tensors as TensorMeta}); None where its data flow cannot be
-    read."""
+    read. With `cache`, read once for blocks of one class fed alike (they tie their inputs alike)."""
+    if cache is not None:
+        key = (type(model.get_submodule(qualname)), repr(sorted(inputs.items(), key=lambda item: str(item[0]))))
+        if key not in cache:
+            cache[key] = block_flow(model, qualname, inputs, stream_slot)
+        return cache[key]
     generator = torch.Generator().manual_seed(0)
     device = device_of(model)
 

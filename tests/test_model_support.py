@@ -93,6 +93,15 @@ def planned_flops(model: nn.Module, plan: Plan, args: tuple, kwargs: dict) -> in
         return step_flops(model, args, kwargs) - saved
 
 
+def without_cache(model: nn.Module, kwargs: dict) -> dict:
+    """The call's keyword arguments without a generation cache, where the forward takes one: FLOPs are counted
+    without it (a block run alone on a captured cache would attend over the keys the rest of the run put there;
+    the cache's copies count no FLOPs either way)."""
+    if "use_cache" in inspect.signature(type(model).forward).parameters:
+        return {**kwargs, "use_cache": False}
+    return kwargs
+
+
 def check(name: str) -> dict:
     """Route, verify, count and give DAR to one model of the zoo; the docs/models.md row of what held."""
     entry = ZOO[name]
@@ -117,10 +126,7 @@ def check(name: str) -> dict:
         routed(*args, **kwargs)
         mask = rk.last_route_mask(routed)  # the tokens this forward routed: never one the owner added
         assert mask.any() and not mask[:, list(placed.keep)].any(), mode
-    if "use_cache" in inspect.signature(type(model).forward).parameters:
-        # counted without a generation cache: a block run alone on a captured cache would attend over the keys
-        # the rest of the run put there (the cache's copies count no FLOPs either way)
-        kwargs = {**kwargs, "use_cache": False}
+    kwargs = without_cache(model, kwargs)
     rk.strip(model)  # the routes off: the original step
     model.train()
     original = step_flops(model, args, kwargs)
@@ -143,8 +149,7 @@ def check(name: str) -> dict:
         # records hidden states with hooks it adds on the first call that asks), and DAR calls a hooked block whole
         torch.manual_seed(0)
         model, args, kwargs = entry.build()
-        if "use_cache" in inspect.signature(type(model).forward).parameters:
-            kwargs = {**kwargs, "use_cache": False}
+        kwargs = without_cache(model, kwargs)
         dar = rk.apply(model, residual=rk.DAR(chunk=2), example_inputs=args, example_kwargs=kwargs,
                        **entry.options).train()
         loss_of(dar(*args, **kwargs)).backward()
