@@ -9,7 +9,8 @@ belong to it), and the decision is bound to that trace: the same blocks found by
 as decided, the special tokens counted for this call's inputs, the kept count worked out for its stream. No
 block is classified again and no route is planned again, so no call can change what a route cuts; a call that
 the decision does not cover (a block input the example call did not pass, blocks called otherwise) is refused
-by name (`ConfigError`), saying what differs.
+by name (`ConfigError`), saying what differs; a call that skips a block the decision holds (SD3's
+`skip_layers`) raises `Skipped`, which graph mode answers with the original forward.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ from .selectors import selector as selector_spec
 from .state import eager
 from .trace import Trace, trace
 from .values import TensorMeta, same
+
+
+class Skipped(ConfigError):
+    """A call that does not run `block`, one the decision holds: there is no route to bind it to."""
+
+    def __init__(self, block: str):
+        super().__init__(f"this call skips {block}, which the example call ran; routekit decided its routes on the "
+                         "example call: call the model the way the example call did")
+        self.block = block
 
 
 def bind(plan: Any, model: nn.Module, args: tuple, kwargs: dict, *, fresh: bool = False) -> tuple[Trace, Any]:
@@ -87,6 +97,8 @@ def _block_calls(decided: GraphReport, graph: fx.Graph) -> dict[str, fx.Node]:
     found = {}
     for block in decided.blocks:
         made = calls.get(block.qualname, [])
+        if not made:
+            raise Skipped(block.qualname)
         if len(made) != 1:
             raise ConfigError(
                 f"this call runs {block.qualname} {len(made)} times, where the example call ran it once; routekit "

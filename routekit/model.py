@@ -193,6 +193,8 @@ def install(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tuple
     signature = signature_of(type(model).forward)
     executor = Programs(plan, signature) if tr is not None else Hooks(plan)
     routing = Routing(model, plan, executor, state, check_finite)
+    if tr is not None:
+        executor.original = routing.original
     object.__setattr__(model, "forward", routing)
     with training_mode(model, True):
         if tr is not None:

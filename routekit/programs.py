@@ -10,6 +10,7 @@ made bound to that trace, nothing decided again), and traces again where an assu
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .bind import bind
+from .bind import Skipped, bind
 from .calls import bind_arguments, call_inputs, call_spec
 from .decision import Plan
-from .errors import ConfigError
+from .errors import ConfigError, RouteWarning
 from .graphs import compile_graph
 from .guards import Assumptions
 from .regions import CALLED
@@ -71,6 +72,9 @@ def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, route
                    rewritten.assumed)
 
 
+UNROUTED = "unrouted"  # the program of a call that skips a routed block: the original forward
+
+
 class Programs:
     """The executor of graph mode: one program per call signature and mode (and shapes where a program
     was specialised to them), traced on first use from the model's original forward."""
@@ -79,13 +83,17 @@ class Programs:
         self.plan, self.signature = plan, signature  # the model's forward's, without self
         self.programs: dict = {}
         self.retraced: dict[str, int] = {}  # what broke, per attribute: programs traced again because of it
+        self.original = None  # the model's forward before the routes: what a call that skips a routed block runs
 
     def __getstate__(self):  # programs hold generated code: traced again after unpickling
-        return {"plan": self.plan, "signature": self.signature, "programs": {}, "retraced": {}}
+        return {"plan": self.plan, "signature": self.signature, "programs": {}, "retraced": {},
+                "original": self.original}
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         check_sharding(routed, self.called())
         tensors, program = self.program(routed, args, kwargs)
+        if program is UNROUTED:
+            return self.original(*args, **kwargs)
         return program(routed, tensors)
 
     def run_fresh(self, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None,
@@ -97,7 +105,8 @@ class Programs:
 
     def called(self) -> frozenset[str]:
         """Every module some program calls."""
-        return frozenset().union(*(p.called for bucket in self.programs.values() for p in bucket.values()))
+        return frozenset().union(*(p.called for bucket in self.programs.values() for p in bucket.values()
+                                    if p is not UNROUTED))
 
     def program(self, routed: nn.Module, args: tuple, kwargs: dict,
                 seed: Program | None = None) -> tuple[list[torch.Tensor], Program]:
@@ -110,7 +119,7 @@ class Programs:
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
         batch = tuple((shape[1:], dtype) for shape, dtype in shapes)
         found = bucket.get(None) or bucket.get(("batch", batch)) or bucket.get(("shapes", shapes))
-        broken = found.assumed.broken(routed) if found is not None else None
+        broken = found.assumed.broken(routed) if found is not None and found is not UNROUTED else None
         if broken is not None:
             self._stale(found, broken)
             del bucket[found.key(shapes)]
@@ -118,9 +127,17 @@ class Programs:
         if found is None:
             try:
                 found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs)
+            except Skipped as err:
+                if self.plan.dar is not None or self.original is None:
+                    raise
+                # a call that skips a block (SD3's `skip_layers` for skip-layer guidance) has no route to bind to:
+                # it runs the original forward, as eval does, and says so once per kind of call
+                warnings.warn(f"{err.block} is skipped by this call, so it runs unrouted (the model's original "
+                              "forward); calls that run every block are routed as before", RouteWarning, stacklevel=4)
+                found = UNROUTED
             except ConfigError as err:
                 raise (ConfigError(f"{broken}, so the graph was traced again, and: {err}") if broken else err) from None
-            bucket[found.key(shapes)] = found
+            bucket[None if found is UNROUTED else found.key(shapes)] = found
         return tensors, found
 
     def _stale(self, program: Program, broken: str) -> None:

@@ -4,7 +4,8 @@
 Saved with the model's own `save_pretrained`, it loads back with `from_pretrained` (transformers) and `AutoModel`
 (diffusers) as the model's class; in eval it returns what the original returns, hidden states and attentions
 included; a config that asks for hidden states routes; gradient checkpointing trains in graph mode as without it;
-diffusers' smallest Flux (one double- and one single-stream block) routes across both stacks; it is of the
+diffusers' smallest Flux (one double- and one single-stream block) routes across both stacks; a call that skips a
+routed block runs unrouted, saying so; it is of the
 model's own type, and pickles and `torch.save`s as the model.
 """
 
@@ -167,6 +168,22 @@ def test_sd3_with_gradient_checkpointing_trains_in_graph_mode_as_without(when):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+def test_a_training_call_that_skips_a_routed_block_runs_unrouted_and_says_so():
+    """SD3's `skip_layers` (skip-layer guidance) leaves out a block a route spans: that call has no route to run,
+    so it runs the original forward with a RouteWarning; calls that run every block stay routed."""
+    original, model, kwargs = routed(sd3, generator=_g(3))
+    model.train()
+    original.train()
+    skip = {**kwargs, "skip_layers": [0]}
+    with pytest.warns(rk.RouteWarning, match="transformer_blocks.0 is skipped by this call"):
+        got = first(model(**skip))
+    assert torch.equal(got, first(original(**skip)))
+    assert not torch.equal(got, first(model(**kwargs)))  # skipping changes the output, as the peers' test asks
+    with torch.no_grad():
+        routed_out = first(model(**kwargs))
+    assert not torch.equal(routed_out, first(original(**kwargs)))  # the full call is still routed
 
 
 def test_the_smallest_flux_routes_across_both_stacks():
