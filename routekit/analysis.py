@@ -25,7 +25,7 @@ from torch import nn
 
 from .calls import parameter_names
 from .errors import AnalysisError, RoutekitError
-from .findings import BlockInfo, GraphReport, Stack
+from .findings import AuxRead, BlockInfo, GraphReport, Stack
 from .flow import OUTPUT, UNREAD
 from .graphs import Slot, between, meta_of, reads_kind, slot_value, slots, to_networkx
 from .guards import hooked
@@ -36,7 +36,7 @@ from .sides import image_tables, joint_order, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
 from .trace import Trace
-from .values import TensorMeta
+from .values import TensorMeta, read_only
 
 
 def _link(prev: fx.Node, nxt: fx.Node) -> tuple[Slot, int | None] | None:
@@ -324,9 +324,12 @@ def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int |
                                  None if tied is None else {p: t for (s2, p), t in tied.items() if s2 == s})
                       for s, a in arguments]
         outputs = None if tied is None else tuple(p for (s2, p), t in tied.items() if s2 == OUTPUT and t is not UNREAD)
+        handed_on = {} if tied is None else {p: t.source for (s2, p), t in tied.items()
+                                              if s2 == OUTPUT and t is not UNREAD and t.source is not None}
         info = BlockInfo(first + i, node.target, type(module).__name__, node.name, out.name,
                          tuple(c[0] for c in classified), checkpointed="checkpoint" in node.meta, stack=stack,
-                         compiled=is_compiled(module), flow=tied is not None, per_token_outputs=outputs)
+                         compiled=is_compiled(module), flow=tied is not None, per_token_outputs=outputs,
+                         handed_on=read_only(handed_on))
         blocks.append(joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     return blocks
 
@@ -402,8 +405,8 @@ def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: 
 
     `escapes`: the stream output used by something besides the next block (a route may end at such
     a block but not pass through it); the last block's output, where another stack follows (`next_in` is its
-    stream), may go only to the owner code that makes that stream. `aux_escapes`: other per-token outputs of
-    the block used anywhere (no route may contain the block).
+    stream), may go only to the owner code that makes that stream. `aux_escapes`: the reads of the block's other
+    per-token outputs, anywhere (the plan tells which a route can carry).
     """
     result = []
     joining = set()
@@ -419,7 +422,8 @@ def _with_escapes(blocks: list[BlockInfo], by_name: dict[str, fx.Node], tokens: 
             escapes = tuple(f"{out.name} → {_named(u)}" for u in out.users if u not in joining and not reads_kind(u))
         else:
             escapes = ()
-        aux = tuple(f"{a.name} → {u.name}" for a in node.users if a is not out and out is not node
+        aux = tuple(AuxRead(a.name, (a.args[1],) if a.target is operator.getitem else (), u.name)
+                    for a in node.users if a is not out and out is not node
                     and _per_token_output(block, a, tokens) for u in a.users)
         result.append(replace(block, escapes=escapes, aux_escapes=aux))
     return result

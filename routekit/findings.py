@@ -14,7 +14,7 @@ records sit in a module of their own, below every part of the analysis that fill
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch.utils._pytree as pytree
@@ -176,6 +176,18 @@ class Stack:
         return range(self.first, self.first + self.depth)
 
 
+class AuxRead(NamedTuple):
+    """A read of a block's per-token output other than its stream (`path` within what the block returns), by
+    `reader` (a node's name; a module call's is its fx name)."""
+
+    value: str
+    path: tuple
+    reader: str
+
+    def __str__(self) -> str:
+        return f"{self.value} → {self.reader}"
+
+
 @dataclass(frozen=True)
 class BlockInfo:
     """One block of the chain, as its call appears in the graph."""
@@ -187,7 +199,7 @@ class BlockInfo:
     stream_out: str  # the node carrying the block's stream output (the call itself or a getitem of it)
     side_inputs: tuple[SideInput, ...] = ()
     escapes: tuple[str, ...] = ()  # the stream output used besides the next block: "out → user"
-    aux_escapes: tuple[str, ...] = ()  # other per-token outputs used anywhere
+    aux_escapes: tuple[AuxRead, ...] = ()  # reads of its other per-token outputs, anywhere
     adds: tuple[str, ...] | None = None  # residual adds in `body` (None: not looked for; (): hidden)
     body: Trace | None = None  # the block traced alone at the stream's token count, when adds were looked for
     checkpointed: bool = False  # the owner runs it under torch.utils.checkpoint
@@ -196,6 +208,8 @@ class BlockInfo:
     residual_free: bool = False  # `body` shows no residual connection and hides none (DAR has nothing to replace)
     flow: bool = False  # its side inputs' token axes were read off its data flow (flow.py), not probed
     per_token_outputs: tuple[tuple, ...] | None = None  # paths of its outputs that hold the stream's tokens (flow)
+    # {output path: (slot, path) of the input it is, unchanged}: what the block hands on as it got it
+    handed_on: Mapping[tuple, tuple] = field(default_factory=lambda: read_only({}))
 
 
 @dataclass(frozen=True)

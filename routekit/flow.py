@@ -49,6 +49,7 @@ class Tied:
     axes: tuple[int, ...]
     batched: bool
     relation: Relation = "same"
+    source: tuple | None = None  # an output that is one of the block's inputs handed on unchanged: its (slot, path)
 
 
 UNREAD = Tied((), False, "same")  # an input the block's code does not read on this call: its data flow says nothing
@@ -100,9 +101,12 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
                 out = module(*fake_args, **fake_kwargs)
         except Exception:
             return None
+        handed_on = {}  # outputs that are inputs, unchanged (T5's position bias, made by its first layer, passed on)
         for path, leaf in pytree.tree_flatten_with_path(out, is_leaf=is_opaque)[0]:  # what it hands out, too
             if isinstance(leaf, torch.Tensor):
                 sizes[(OUTPUT, keys(path))] = [s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in leaf.shape]
+                if id(leaf) in leaves:
+                    handed_on[(OUTPUT, keys(path))] = leaves[id(leaf)]
     resolve = lambda e: env.replace(e) if isinstance(e, sympy.Basic) else sympy.Integer(e)  # noqa: E731
     batch, tokens = resolve(stream[0]), resolve(stream[1])
     guards = [resolve(g.expr) for g in env.guards]
@@ -121,7 +125,7 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
         first = resolve(shape[0])
         batched = 0 not in axes and len(shape) >= 2 and (first == batch or first == 1)
         kind = "joint" if "joint" in relations else "part" if "part" in relations else "same"
-        found[key] = Tied(tuple(axes), batched, kind)
+        found[key] = Tied(tuple(axes), batched, kind, handed_on.get(key))
     return found
 
 

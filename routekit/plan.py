@@ -227,10 +227,11 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
                 "whether it holds tokens or features; trace with example inputs of another token count (one no "
                 "feature axis is as long as)"
             )
-        if block.aux_escapes:
+        carried = _uncarried(block, blocks, report.mode == "graph" and not dar)
+        if carried:
             raise ConfigError(
                 f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "
-                f"({block.aux_escapes[0]}), which would have only the kept tokens"
+                f"({carried[0]}), which would have only the kept tokens"
             )
     for block in blocks[:-1]:  # graph mode puts such outputs back like the stream; boundary mode where the forward
         # returns them (hidden states per layer), not where the owner's code reads them (a long skip)
@@ -255,6 +256,16 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
             "use a selector that reads no grid (selector='random'), or pass grid= only if the stream's own order is "
             "a grid's"
         )
+
+
+def _uncarried(block: BlockInfo, blocks: tuple[BlockInfo, ...], rewritten: bool) -> list:
+    """The reads of `block`'s per-token outputs besides its stream that a route over `blocks` cannot carry. A later
+    block of the route reads what the route made, its kept tokens, as it is. Any other reader of an output the
+    block hands on unchanged from its inputs (T5's position bias, made once and passed from layer to layer) reads
+    the whole value the route cut, which a rewritten graph (graph mode without DAR) can hand it."""
+    later = {b.node for b in blocks if b.index > block.index}
+    return [read for read in block.aux_escapes
+            if read.reader not in later and not (rewritten and read.path in block.handed_on)]
 
 
 def _check_answer(k: int, route: Route, blocks: tuple[BlockInfo, ...], answer: RouteAnswer, grid) -> None:

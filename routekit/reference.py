@@ -12,7 +12,9 @@ Which keys are the routed tokens' is itself read off data, not off routekit's cl
 with the routed tokens set to NaN at the route's start (and each attention computed with the NaN keys masked
 out, their keys and values zeroed) shows, at every attention call inside the route, which key positions came
 from routed tokens, and at the route's end which positions hold them. A second run with the true values
-masks the same keys, and puts the routed tokens back at the end. Where NaN reaches a kept token anyway, the
+masks the same keys, and puts the routed tokens back at the end, and at the output of every block of the route
+(a block output read after the route, a long skip, holds them as the route began; inside the route, routed
+tokens are masked keys, so their values reach no kept token). Where NaN reaches a kept token anyway, the
 blocks mix tokens other than by `scaled_dot_product_attention` (a convolution, a scan, attention written out
 by hand), and the reference does not apply: `reference` says so instead of comparing.
 """
@@ -43,7 +45,9 @@ class _Route:
     slot: Slot
     out_index: int | None
     routed: torch.Tensor
+    inner: tuple = ()  # (block, output index) of each block before the last: their outputs may be read after it
     ends: torch.Tensor | None = None  # (B, N') which positions of the last block's output hold routed tokens
+    inner_ends: dict = field(default_factory=dict)  # the same for each inner block's output
     stream: torch.Tensor | None = None  # the stream at the route's start (the values put back at its end)
 
 
@@ -132,7 +136,8 @@ def masked_reference(model: nn.Module, original, routes: list[tuple[str, str, Sl
                      args: tuple, kwargs: dict, seed: int) -> tuple[Any, int] | str:
     """The model's output with `routes` done by masking (the module docstring), and how many attention calls
     were masked; or why the reference does not apply. `original(*args, **kwargs)` runs the model's original
-    forward; `routes` is, per route, (first block, last block, stream slot, output index, routed (B, N) bool)."""
+    forward; `routes` is, per route, (first block, last block, stream slot, output index, routed (B, N) bool,
+    (block, output index) of each block before the last)."""
     masks = _Masks()
     plan = [_Route(*r) for r in routes]
     try:
@@ -159,6 +164,8 @@ def _run(model: nn.Module, original, routes: list[_Route], masks: _Masks, args: 
         handles.append(model.get_submodule(route.start).register_forward_pre_hook(
             _enter(route, masks, poison), with_kwargs=True))
         handles.append(model.get_submodule(route.end).register_forward_hook(_leave(route, masks, poison)))
+        handles += [model.get_submodule(name).register_forward_hook(_put_back(route, name, index, poison))
+                    for name, index in route.inner]
     try:
         torch.manual_seed(seed)
         with _MaskedAttention(masks):
@@ -203,6 +210,27 @@ def _leave(route: _Route, masks: _Masks, poison: bool):
             return restored
         items = list(output)
         items[route.out_index] = restored
+        return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
+    return hook
+
+
+def _put_back(route: _Route, name: str, index: int | None, poison: bool):
+    """A forward hook on a block inside the route, before its last: its output with the routed tokens at their
+    value at the route's start (their positions found in the NaN run)."""
+    def hook(module, args, output):
+        out = output if index is None else output[index]
+        if poison:
+            route.inner_ends[name] = out.isnan().any(-1)
+            return None
+        ends = route.inner_ends.get(name)
+        if ends is None or int(ends.sum()) != int(route.routed.sum()):
+            return None  # tokens mixed by more than attention: the last block's check says so
+        restored = out.clone()
+        restored[ends] = route.stream[route.routed.to(route.stream.device)].to(out.dtype)
+        if index is None:
+            return restored
+        items = list(output)
+        items[index] = restored
         return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
     return hook
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -33,7 +33,7 @@ from .calls import bind_arguments, call_inputs
 from .decision import Plan, RoutePlan
 from .errors import ConfigError
 from .findings import BlockInfo, Gather
-from .graphs import between, descends, is_shape_read, reads_kind, slot_value
+from .graphs import between, descends, is_shape_read, reads_kind, slot_value, slots
 from .guards import Assumptions
 from .regions import share_bodies
 from .residuals import uncast
@@ -114,7 +114,8 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
             kept = graph.call_function(gather_tokens, (stream_in, index))
         full, stack = stream_in, blocks[0].stack
         inside = {by_name[b.node] for b in blocks}
-        made = {by_name[b.stream_out]: b for b in blocks}  # the route's own values: read inside as they are
+        made = [by_name[b.node] for b in blocks]  # the route's own values (what its blocks return): read inside as they are
+        given = {b.node: dict(slots(by_name[b.node])) for b in blocks}  # each block's arguments before the route cuts them
         routed: dict[str, fx.Node] = {}  # one call per side input and route, however many blocks read it
         back: list[tuple[fx.Node, fx.Node, fx.Node]] = []  # (a block's output, the full stream, the index) to put back
         for block in blocks:
@@ -163,8 +164,29 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                     restored = graph.call_function(scatter_tokens, (whole, at, value))
                 for user in readers:
                     user.replace_input_with(value, restored)
+        for block in blocks:  # an input a block hands on unchanged, read outside the route: the whole value the route cut
+            for item in list(by_name[block.node].users):
+                if item.op == "call_function" and item.target is operator.getitem and (item.args[1],) in block.handed_on:
+                    readers = [u for u in item.users if u not in inside and not _routed_op(u)]
+                    whole = _whole(block, (item.args[1],), given, {b.node: b for b in blocks}) if readers else None
+                    for user in readers:
+                        user.replace_input_with(item, whole)
         placed[k] = (selected, scattered)
     return placed
+
+
+def _whole(block: BlockInfo, path: tuple, given: dict, routed: dict) -> Any:
+    """The value a route's `block` hands on unchanged at `path` of its output, whole: the argument it came in as,
+    before the route cut it, followed back through the blocks of the route that handed it on before."""
+    slot, within = block.handed_on[path]
+    value = given[block.node][slot]
+    for key in within:
+        value = value[key]
+    if isinstance(value, fx.Node) and value.target is operator.getitem and isinstance(value.args[0], fx.Node):
+        before = routed.get(value.args[0].name)
+        if before is not None and (value.args[1],) in before.handed_on:
+            return _whole(before, (value.args[1],), given, routed)
+    return value
 
 
 def _routed_op(node: fx.Node) -> bool:

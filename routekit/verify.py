@@ -334,8 +334,10 @@ def _reference(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> str:
             kept = torch.zeros(select.last_index.shape[0], select.last_tokens, dtype=torch.bool,
                                device=select.last_index.device).scatter(1, select.last_index, True)
             start, end = plan.report.blocks[route.start], plan.report.blocks[route.end]
+            inner = tuple((b.qualname, plan.report.stack_of(b.index).stream_out_index)
+                          for b in plan.report.blocks[route.start:route.end])
             routes.append((start.qualname, end.qualname, plan.report.stack_of(route.start).stream_slot,
-                           plan.report.stack_of(route.end).stream_out_index, ~kept))
+                           plan.report.stack_of(route.end).stream_out_index, ~kept, inner))
             select.last_index = None
         found = masked_reference(routed, _original(routed), routes, *fresh((args, kwargs)), seed)
     if isinstance(found, str):
