@@ -36,7 +36,7 @@ from .sides import image_tables, joint_order, resolved, side_input
 from .state import is_compiled
 from .tokens import first_stack, join_offset, joined_stack
 from .trace import Trace
-from .values import TensorMeta, read_only
+from .values import TensorMeta
 
 
 def _link(prev: fx.Node, nxt: fx.Node) -> tuple[Slot, int | None] | None:
@@ -324,12 +324,12 @@ def _blocks(model: nn.Module, nodes: list[fx.Node], slot: Slot, out_index: int |
                                  None if tied is None else {p: t for (s2, p), t in tied.items() if s2 == s})
                       for s, a in arguments]
         outputs = None if tied is None else tuple(p for (s2, p), t in tied.items() if s2 == OUTPUT and t is not UNREAD)
-        handed_on = {} if tied is None else {p: t.source for (s2, p), t in tied.items()
-                                              if s2 == OUTPUT and t is not UNREAD and t.source is not None}
+        handed_on = () if tied is None else tuple((p, t.source) for (s2, p), t in tied.items()
+                                                  if s2 == OUTPUT and t is not UNREAD and t.source is not None)
         info = BlockInfo(first + i, node.target, type(module).__name__, node.name, out.name,
                          tuple(c[0] for c in classified), checkpointed="checkpoint" in node.meta, stack=stack,
                          compiled=is_compiled(module), flow=tied is not None, per_token_outputs=outputs,
-                         handed_on=read_only(handed_on))
+                         handed_on=handed_on)
         blocks.append(joint_order(model, info, {c[0].slot: c[1] for c in classified}, slot, stream))
     return blocks
 

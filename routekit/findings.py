@@ -14,7 +14,7 @@ records sit in a module of their own, below every part of the analysis that fill
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch.utils._pytree as pytree
@@ -208,8 +208,7 @@ class BlockInfo:
     residual_free: bool = False  # `body` shows no residual connection and hides none (DAR has nothing to replace)
     flow: bool = False  # its side inputs' token axes were read off its data flow (flow.py), not probed
     per_token_outputs: tuple[tuple, ...] | None = None  # paths of its outputs that hold the stream's tokens (flow)
-    # {output path: (slot, path) of the input it is, unchanged}: what the block hands on as it got it
-    handed_on: Mapping[tuple, tuple] = field(default_factory=lambda: read_only({}))
+    handed_on: tuple[tuple[tuple, tuple], ...] = ()  # (output path, (slot, path) of the input it is, unchanged)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import sympy
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -65,7 +66,6 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
     (a token count of 1)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with _quiet():  # torch logs each symbol and guard it makes, and a failure at length: an answer here, not news
         env = ShapeEnv(duck_shape=False, should_record_events=False)
@@ -94,10 +94,7 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
             return None
         try:
             leaves = {id(t): key for key, t in made_by_path.items()}
-            # attention in its math form: a GPU's fused kernels (flash, cuDNN) have no fake form for symbolic sizes,
-            # and which kernel runs does not change what the block ties to its tokens
-            with mode, torch.no_grad(), _eval(module), _unchanged(module), _no_hooks(module), \
-                    sdpa_kernel([SDPBackend.MATH]), _Reads(leaves) as reads:
+            with mode, torch.no_grad(), _eval(module), _unchanged(module), _no_hooks(module), _Reads(leaves) as reads:
                 out = module(*fake_args, **fake_kwargs)
         except Exception:
             return None
@@ -214,7 +211,9 @@ def _unchanged(module: nn.Module):
 
 
 class _Reads(TorchFunctionMode):
-    """Which of the block's input tensors (`leaves`: {id: (slot, path)}) any torch function reads."""
+    """Which of the block's input tensors (`leaves`: {id: (slot, path)}) any torch function reads; attention
+    written out (`written_out_attention`): torch's kernels for it, fused or not, may read a sequence length as a
+    plain number on fake tensors (torch 2.11's does), which pins the symbols the run is there to relate."""
 
     def __init__(self, leaves: dict[int, tuple]):
         super().__init__()
@@ -227,7 +226,53 @@ class _Reads(TorchFunctionMode):
                 key = self.leaves.get(id(leaf))
                 if key is not None:
                     self.seen.add(key)
+        if func is _SDPA:
+            return written_out_attention(*args, **kwargs, product=_product)
+        if func in _MATMULS and len(args) == 2 and not kwargs and min(a.dim() for a in args) >= 2 \
+                and max(a.dim() for a in args) >= 3:
+            return _product(*args)
+        if func is F.linear and args[0].dim() >= 3:  # without a bias, torch's linear is a matmul
+            call = dict(zip(("input", "weight", "bias"), args), **kwargs)
+            out = _product(call["input"], call["weight"].t())
+            return out if call.get("bias") is None else out + call["bias"]
         return func(*args, **kwargs)
+
+
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` for batched operands as a broadcast product summed over the shared axis: torch's matmul folds the
+    batch axes into one by reading their sizes as plain numbers (torch 2.11 on fake tensors), which pins the
+    symbols the run is there to relate; this form only broadcasts them."""
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+
+
+_SDPA = F.scaled_dot_product_attention  # torch's own, whatever replaces the attribute later (verify's reference)
+
+
+def written_out_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False, *, ignored=None, product=torch.matmul):
+    """`scaled_dot_product_attention` as its formula, without dropout, its two products by `product`; with
+    `ignored` (bool (B, S)), those keys zeroed and masked out (verify's reference: a NaN there never reaches a
+    score, as NaN · 0 is NaN)."""
+    if ignored is not None:
+        shape = (key.shape[0],) + (1,) * (key.dim() - 3) + (key.shape[-2], 1)
+        keep = ~ignored.reshape(shape)
+        key, value = key.where(keep, 0.0), value.where(keep, 0.0)
+    if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+    scores = product(query, key.transpose(-2, -1)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    if ignored is not None:
+        scores = scores.masked_fill(~keep.transpose(-2, -1), float("-inf"))
+        return product(torch.softmax(scores.float(), dim=-1).to(value.dtype).nan_to_num(0.0), value)
+    return product(torch.softmax(scores.float(), dim=-1).to(value.dtype), value)
 
 
 class _eval:

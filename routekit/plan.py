@@ -265,7 +265,7 @@ def _uncarried(block: BlockInfo, blocks: tuple[BlockInfo, ...], rewritten: bool)
     the whole value the route cut, which a rewritten graph (graph mode without DAR) can hand it."""
     later = {b.node for b in blocks if b.index > block.index}
     return [read for read in block.aux_escapes
-            if read.reader not in later and not (rewritten and read.path in block.handed_on)]
+            if read.reader not in later and not (rewritten and read.path in dict(block.handed_on))]
 
 
 def _check_answer(k: int, route: Route, blocks: tuple[BlockInfo, ...], answer: RouteAnswer, grid) -> None:

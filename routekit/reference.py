@@ -32,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .calls import slot_named
+from .flow import written_out_attention
 from .graphs import Slot
 
 
@@ -112,24 +113,9 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 _SDPA = inspect.signature(_sdpa)
 
 
-def _attention(query, key, value, ignored, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False):
-    """Attention written out, with the keys `ignored` (bool (B, S)) zeroed and masked: a NaN there never reaches
-    a score (NaN · 0 is NaN; masking a NaN score after the product would leave it)."""
-    shape = (key.shape[0],) + (1,) * (key.dim() - 3) + (key.shape[-2], 1)
-    keep = ~ignored.reshape(shape)
-    key, value = key.where(keep, 0.0), value.where(keep, 0.0)
-    if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
-    scores = query @ key.transpose(-2, -1) * (query.shape[-1] ** -0.5 if scale is None else scale)
-    if is_causal:
-        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    scores = scores.masked_fill(~keep.transpose(-2, -1), float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(value.dtype).nan_to_num(0.0) @ value
+def _attention(query, key, value, ignored, **rest):
+    """Attention written out (`flow.written_out_attention`), with the keys `ignored` (bool (B, S)) zeroed and masked."""
+    return written_out_attention(query, key, value, **rest, ignored=ignored)
 
 
 def masked_reference(model: nn.Module, original, routes: list[tuple[str, str, Slot, int | None, torch.Tensor]],

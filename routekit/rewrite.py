@@ -165,8 +165,9 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                 for user in readers:
                     user.replace_input_with(value, restored)
         for block in blocks:  # an input a block hands on unchanged, read outside the route: the whole value the route cut
+            handed = dict(block.handed_on)
             for item in list(by_name[block.node].users):
-                if item.op == "call_function" and item.target is operator.getitem and (item.args[1],) in block.handed_on:
+                if item.op == "call_function" and item.target is operator.getitem and (item.args[1],) in handed:
                     readers = [u for u in item.users if u not in inside and not _routed_op(u)]
                     whole = _whole(block, (item.args[1],), given, {b.node: b for b in blocks}) if readers else None
                     for user in readers:
@@ -178,13 +179,13 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
 def _whole(block: BlockInfo, path: tuple, given: dict, routed: dict) -> Any:
     """The value a route's `block` hands on unchanged at `path` of its output, whole: the argument it came in as,
     before the route cut it, followed back through the blocks of the route that handed it on before."""
-    slot, within = block.handed_on[path]
+    slot, within = dict(block.handed_on)[path]
     value = given[block.node][slot]
     for key in within:
         value = value[key]
     if isinstance(value, fx.Node) and value.target is operator.getitem and isinstance(value.args[0], fx.Node):
         before = routed.get(value.args[0].name)
-        if before is not None and (value.args[1],) in before.handed_on:
+        if before is not None and (value.args[1],) in dict(before.handed_on):
             return _whole(before, (value.args[1],), given, routed)
     return value
 
