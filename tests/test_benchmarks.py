@@ -16,6 +16,7 @@ import torch
 from benchmarks import common, convergence, summarise, throughput
 
 REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.one_end  # a benchmark's plumbing (Makefile: test-latest)
 
 
 def run_benchmark(script: str, *args: str) -> None:

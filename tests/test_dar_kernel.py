@@ -138,6 +138,7 @@ def torch_kernel(sources, query, eps=1e-6):
 
 
 BOTH = pytest.mark.parametrize("kernel", [torch_kernel, triton_kernel], ids=["torch", "triton"])
+pytestmark = pytest.mark.one_end  # Triton's interpreter, the same Triton at both ends (Makefile: test-latest)
 
 
 @FAST

@@ -428,7 +428,7 @@ route_dicts = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(arch=st.sampled_from([LINEAR, CONV]), routes=st.lists(route_dicts, min_size=1, max_size=3))
 def test_random_plans_route_when_valid_and_raise_routekit_error_when_not(arch: Arch, routes: list[dict]) -> None:
     if plan_is_valid(routes, arch.depth, arch.has_grid):
@@ -441,7 +441,7 @@ def test_random_plans_route_when_valid_and_raise_routekit_error_when_not(arch: A
 junk = st.one_of(st.none(), st.integers(-3, 3), st.floats(), st.text(max_size=3), st.lists(st.integers(0, 3), max_size=2))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(routes=st.one_of(junk, st.lists(st.one_of(junk, st.dictionaries(st.sampled_from(["start", "end", "rate"]), junk)),
                                        min_size=1, max_size=2)))
 def test_any_malformed_plan_raises_only_routekit_errors(routes) -> None:
@@ -451,7 +451,7 @@ def test_any_malformed_plan_raises_only_routekit_errors(routes) -> None:
         pass
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(grid=st.one_of(st.tuples(st.integers(-1, 12), st.integers(-1, 12)), junk))
 def test_any_malformed_grid_raises_only_routekit_errors(grid) -> None:
     try:
@@ -500,6 +500,7 @@ def test_a_force_keep_mask_of_another_token_count_is_named():
         routed(*example_inputs(LINEAR))
 
 
+@pytest.mark.one_end
 def test_the_command_line_runs_as_a_module_and_answers_bad_input_without_a_traceback():
     def cli(*argv):
         return subprocess.run([sys.executable, "-m", "routekit", *argv], capture_output=True, text=True)
@@ -513,6 +514,7 @@ def test_the_command_line_runs_as_a_module_and_answers_bad_input_without_a_trace
         assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.one_end
 def test_the_demo_runs_from_the_command_line_and_draws_no_bar_off_a_terminal():
     """`make demo`'s command, as a fresh user runs it: every stage says what it found, and with the output piped
     (no terminal) the timing loops draw no progress bar, only the result line."""
@@ -526,6 +528,7 @@ def test_the_demo_runs_from_the_command_line_and_draws_no_bar_off_a_terminal():
     assert any(said in done.stdout for said in ("too noisy to read", "of the FLOP limit", "above the FLOP limit"))
 
 
+@pytest.mark.one_end
 def test_inspect_takes_a_model_from_the_current_folder_with_an_example_shape_or_factory(tmp_path):
     """The README's first model, saved as ./tiny.py, inspected from that folder by the installed script's code: the
     model's file has no example_inputs, so the command asks for a shape or a factory, and takes either."""

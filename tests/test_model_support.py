@@ -201,6 +201,7 @@ def test_the_model_routes_verifies_saves_the_planned_flops_and_takes_dar(name: s
         pytest.skip(str(err))
 
 
+@pytest.mark.one_end
 @pytest.mark.parametrize("name", list(ZOO))
 def test_the_model_in_bf16_trains_with_its_route_and_dar(name: str) -> None:
     """The zoo runs in fp32 above; people train in bf16, where sublayers can give outputs of two dtypes (Wan
