@@ -20,6 +20,7 @@ are classified by probing the block itself (`sides.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -68,7 +69,7 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     with _quiet():  # torch logs each symbol and guard it makes, and a failure at length: an answer here, not news
-        env = ShapeEnv(duck_shape=False, should_record_events=False)
+        env = _unpinned(ShapeEnv)(duck_shape=False, should_record_events=False)
         mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
         mode.cache_enabled = False  # one run per block: caching its ops costs a third of the run and is never read
         sizes: dict[tuple, list[Any]] = {}
@@ -125,6 +126,21 @@ def token_axes(module: nn.Module, args: tuple, kwargs: dict, stream_slot: Slot) 
         found[key] = Tied(tuple(axes), batched, kind, handed_on.get(key))
     return found
 
+
+
+@functools.cache
+def _unpinned(shape_env: type) -> type:
+    """torch's ShapeEnv that leaves a size a symbol where a comparison narrows its range to one value: a block that
+    tests its length against a window (Gemma2's sliding window, at 2 tokens) would pin the stream's token count to a
+    number, and with it every relation the run is there to read."""
+
+    class Unpinned(shape_env):
+        def _set_replacement(self, a, tgt, msg):
+            if msg == "range_refined_to_singleton":
+                return None
+            return super()._set_replacement(a, tgt, msg)
+
+    return Unpinned
 
 
 def _relation(size: sympy.Expr, tokens: sympy.Expr, guards: list[sympy.Expr]) -> Relation | None:

@@ -475,12 +475,6 @@ OPEN = {
     ("diffusers Chroma (single-stream stack)", "caption = image tokens"):
         "the single-stream stack's image positions are not laid out when the caption is as long as the image "
         "(apply asks for keep=)",
-    ("transformers Gemma2 (eager attention)", "batch = tokens"):
-        "eager attention with a sliding window at 2 tokens does not run on fake tensors, and the size rule "
-        "cuts its mask on one axis",
-    ("transformers Gemma2 (eager attention)", "tokens = heads"):
-        "eager attention with a sliding window at 2 tokens does not run on fake tensors, and the size rule "
-        "cuts its mask on one axis",
 }
 LATER = ("caption = image tokens", "tokens = channels", "tokens = time embedding", "batch = tokens")
 
