@@ -17,9 +17,11 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch import nn
 
 from .findings import Segment
-from .graphs import CATS, kind_only, slot_value, to_networkx
+from .flow import OUTPUT
+from .graphs import CATS, kind_only, meta_of, slot_value, slots, to_networkx
 from .values import TensorMeta
 
 
@@ -37,8 +39,10 @@ class Origins:
     through one patch embedding), which position holds whose is in the values, not the graph: None.
     """
 
-    def __init__(self, graph: fx.Graph, stream_in: fx.Node, batch: int, chains: dict, source: fx.Node | None = None):
-        self.graph, self.batch, self.source = graph, batch, source
+    def __init__(self, graph: fx.Graph, stream_in: fx.Node, batch: int, chains: dict, source: fx.Node | None = None,
+                 model: nn.Module | None = None):
+        self.graph, self.batch, self.source, self.model = graph, batch, source, model
+        self.flows: dict = {}  # module calls' data flow, read once per class fed alike (`probe.block_flow`)
         self.inputs = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("rk"), TensorMeta)]
         self.flow = to_networkx(graph)
         ancestors = nx.ancestors(self.flow, stream_in.name)
@@ -146,12 +150,30 @@ class Origins:
         fed = [a for a in batched if self._fed(a)]
         made = [self.of(a, count) for a in fed or batched]  # a table of the model's own (a position embedding
         # added to the tokens) takes nothing from any input: the tokens stay whose they were
+        if len(set(made)) > 1 and node is not call:  # one output of a module fed several sequences this long
+            tied = [a for a in fed or batched if self._hands_on(call, a, node.args[1])]
+            if len(tied) == 1:
+                return self.of(tied[0], count)
         if any(m is None for m in made) or len(set(made)) > 1:
             # tokens of different origins combined position by position (text mixed in by an indicator mask:
             # `image * (1 - m) + text * m`), or one output of a call fed several sequences this long (a joint
             # block's text and image outputs): which origin each position holds is in the values
             return None
         return made[0]
+
+    def _hands_on(self, call: fx.Node, value: fx.Node, index: Any) -> bool:
+        """Whether output `index` of the module `call` holds the tokens of its input `value`, in order: its data flow
+        ties that output's token axis to the input's as the same tokens (a joint block hands on its image input's
+        tokens as its image output, its text's as its text output, however long each is)."""
+        if self.model is None or call.op != "call_module":
+            return False
+        slot = next((s for s, a in slots(call) if a is value), None)
+        if slot is None:
+            return False
+        from .probe import block_flow  # the probe stage runs blocks; origins reads graphs, and asks it only here
+        tied = block_flow(self.model, call.target, {s: meta_of(a) for s, a in slots(call)}, slot, cache=self.flows)
+        found = (tied or {}).get((OUTPUT, (index,)))
+        return found is not None and found.relation == "same"
 
     def _fed(self, node: fx.Node) -> bool:
         """Whether a call input reaches `node` (rather than the model's parameters and constants alone)."""

@@ -41,7 +41,8 @@ def block_flow(model: nn.Module, qualname: str, inputs: dict[Slot, Any], stream_
     recorded inputs (`inputs`: {slot: what it holds, tensors as TensorMeta}); None where its data flow cannot be
     read. With `cache`, read once for blocks of one class fed alike (they tie their inputs alike)."""
     if cache is not None:
-        key = (type(model.get_submodule(qualname)), repr(sorted(inputs.items(), key=lambda item: str(item[0]))))
+        key = (type(model.get_submodule(qualname)), stream_slot,
+               repr(sorted(inputs.items(), key=lambda item: str(item[0]))))
         if key not in cache:
             cache[key] = block_flow(model, qualname, inputs, stream_slot)
         return cache[key]

@@ -40,7 +40,7 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
     unknown = None
     try:
         if images is None:
-            special = _graph_special(tr.graph, first_in, batch, tokens, chains)
+            special = _graph_special(tr.graph, first_in, batch, tokens, chains, model)
         else:
             at = _measure_point(chains, name, batch, tokens)
             grid, grid_node, special = _recorded_grid(model, images, tr, blocks[0], at, batch, tokens, call)
@@ -78,14 +78,14 @@ def first_stack(tr: Trace, model: nn.Module, chains: dict, name: str, blocks: li
                            image=None if module is not None else image_input(*call, batch))
     return {"grid": grid, "grid_node": grid_node, "call_grid": rule, "special": special, "unknown_special": unknown,
             "reordered": _broken_lines(cells, grid, positions, at[0], module) if cells is not None else None,
-            "layout": _layout(tr.graph, first_in, batch, tokens, chains, special) if images is None else None}
+            "layout": _layout(tr.graph, first_in, batch, tokens, chains, special, model=model) if images is None else None}
 
 
 def _layout(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int, chains: dict, special: tuple[int, ...],
-            source: fx.Node | None = None) -> tuple[Segment, ...] | None:
+            source: fx.Node | None = None, model: nn.Module | None = None) -> tuple[Segment, ...] | None:
     """The stream's layout (`Origins.layout`) where the graph shows one that gives this call's `special` tokens
     (the layout of a stream with nothing from the image is all the image's: the tokens are alike); else None."""
-    found = Origins(graph, stream_in, batch, chains, source).layout(stream_in, tokens)
+    found = Origins(graph, stream_in, batch, chains, source, model).layout(stream_in, tokens)
     if found is not None and all(s.special for s in found) and not special:
         found = (Segment(False, None),)
     sizes = {n.target: n.meta["rk"].shape for n in graph.nodes
@@ -159,11 +159,11 @@ _PATCH_EMBEDDINGS = (nn.Conv2d, nn.Conv3d)
 
 
 def _graph_special(graph: fx.Graph, stream_in: fx.Node, batch: int, tokens: int,
-                   chains: dict) -> tuple[int, ...] | None:
+                   chains: dict, model: nn.Module | None = None) -> tuple[int, ...] | None:
     """The special tokens a traced graph shows: those the owner put into the stream from something other than the
     image (`origins.Origins`): text joined in, register and class tokens, with or without a grid; None where
     the graph does not show them."""
-    made = Origins(graph, stream_in, batch, chains).of(stream_in, tokens)
+    made = Origins(graph, stream_in, batch, chains, model=model).of(stream_in, tokens)
     if made is None:
         return None
     special = _positions([not m for m in made])

@@ -470,17 +470,10 @@ KINDS = ("caption = image tokens", "caption = a grid side", "caption = frames", 
          "caption = head_dim", "caption = channels", "batch = tokens", "tokens = channels", "tokens = heads",
          "tokens = head_dim", "tokens = time embedding")
 CASES = [(name, kind) for name, truth in TRUTHS.items() for kind in KINDS if targets(truth, kind)]
-# Known gaps, each a failure routekit has today at these sizes (strict: a fix makes the test say so).
-OPEN = {
-    ("diffusers Chroma (single-stream stack)", "caption = image tokens"):
-        "the single-stream stack's image positions are not laid out when the caption is as long as the image "
-        "(apply asks for keep=)",
-}
 LATER = ("caption = image tokens", "tokens = channels", "tokens = time embedding", "batch = tokens")
 
 
-@pytest.mark.parametrize(("name", "kind"), [pytest.param(*case, marks=pytest.mark.xfail(reason=OPEN[case], strict=True))
-                                           if case in OPEN else case for case in CASES])
+@pytest.mark.parametrize(("name", "kind"), CASES)
 @settings(max_examples=1, deadline=None, phases=(Phase.explicit, Phase.generate),
           suppress_health_check=list(HealthCheck))
 @given(data=st.data())
