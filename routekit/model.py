@@ -29,11 +29,11 @@ from .errors import ConfigError, InputError, NonFiniteError, TraceError
 from .findings import GraphReport
 from .guards import assigned_attributes
 from .hooks import Hooks
+from .placing import STATE
 from .plan import make_plan
 from .probe import Probe
 from .programs import Programs, build_program
 from .record import record
-from .rewrite import STATE
 from .routing import RouteSelect
 from .state import eager, preserved_state, training_mode, unwrap_compiled
 from .trace import Trace, trace, user_location

@@ -22,6 +22,7 @@ from tiny import D
 from torch import nn
 
 import routekit as rk
+import routekit.placing
 import routekit.rewrite
 import routekit.routing
 from backbones import dit
@@ -133,7 +134,7 @@ def test_a_route_that_gathers_the_wrong_tokens_is_caught(monkeypatch):
     def other_samples(x, index):
         return gather_tokens(x, index.roll(1, dims=0))
 
-    monkeypatch.setattr(routekit.rewrite, "gather_tokens", other_samples)
+    monkeypatch.setattr(routekit.placing, "gather_tokens", other_samples)
     model, routed, args = routed_owner()
     with pytest.raises(rk.TrainingChanged, match="input 'x'|input 0"):
         rk.verify(model, routed, args)
@@ -149,7 +150,7 @@ def test_a_side_input_left_ungathered_is_caught(monkeypatch):
         for node in graph.nodes:
             if node.op == "call_module" and node.target.startswith("blocks.") and len(node.args) > 1:
                 mask = node.args[1]
-                if mask.op == "call_function" and mask.target is routekit.rewrite.route_side:
+                if mask.op == "call_function" and mask.target is routekit.placing.route_side:
                     node.update_arg(1, mask.args[0])
         return placed
 
@@ -305,7 +306,7 @@ def test_a_transformers_lm_with_its_cache_on_verifies_and_a_wrong_gather_in_it_i
     assert model.config.use_cache
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args)
     assert "kept" in rk.verify(model, routed, args).checks
-    monkeypatch.setattr(routekit.rewrite, "gather_tokens", lambda x, index: gather_tokens(x, index.roll(1, dims=0)))
+    monkeypatch.setattr(routekit.placing, "gather_tokens", lambda x, index: gather_tokens(x, index.roll(1, dims=0)))
     with pytest.raises(rk.TrainingChanged, match="input"):
         rk.verify(model, rk.apply(model, rk.Route(start=1, end=2), example_inputs=args), args)
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from routekit.kernels import merge
-from routekit.kernels.launch import AggregateLaunch, aggregate_launch, sample_split
+from routekit.kernels.launch import AggregateLaunch, launch_list, sample_split
 from routekit.kernels.merge import add3
 from routekit.kernels.naive import DarInputError, Sources, check_dar_inputs
 from routekit.kernels.tables import contiguous, pointer_table, table_of
@@ -451,7 +451,7 @@ def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_
     ``weighted_sums.weighted_sum_triton`` (its sources join this mix).
     """
     sources, out_dtype, rows = _checked(sources, query, out_dtype)
-    launch = _launch_list(sources[0].shape[-1], rows, launch)
+    launch = launch_list(sources[0].shape[-1], rows, launch)
     mix, state = _checked_prefix(prefix, sources[0])
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources)
                                               or (mix is not None and (mix.requires_grad or state.requires_grad)))
@@ -461,27 +461,6 @@ def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_
     if torch.compiler.is_compiling():
         return aggregate_op(sources, query, eps, out_dtype, keep_o32, launch, mix, state)[0]
     return _EagerMix.apply(query, eps, out_dtype, keep_o32, launch, mix, state, *sources)
-
-
-_DEFAULT_LAUNCHES: dict[tuple[int, int], list[int]] = {}
-
-
-@torch.compiler.assume_constant_result
-def _default_launch(d: int, rows: int) -> list[int]:
-    """``aggregate_launch(d, rows)`` as the op takes it, made once per shape: a constant to torch.compile, which
-    would otherwise trace the rule (and build its dataclasses) at every aggregation of a model."""
-    if (d, rows) not in _DEFAULT_LAUNCHES:
-        _DEFAULT_LAUNCHES[d, rows] = aggregate_launch(d, rows).as_list()
-    return _DEFAULT_LAUNCHES[d, rows]
-
-
-def _launch_list(d: int, rows: int, launch: AggregateLaunch | None) -> list[int]:
-    """The launch an aggregation runs (``launch``, else the default for its shape) as the op takes it."""
-    if launch is not None:
-        return launch.as_list()  # an AggregateLaunch is valid by construction
-    if isinstance(rows, int):  # a symbolic row count (a compiled model's dynamic batch) cannot be a constant
-        return _default_launch(d, rows)
-    return aggregate_launch(d, rows).as_list()
 
 
 def _compiling() -> bool:
@@ -503,6 +482,6 @@ def merge_with_stats_triton(sources: Sources, query: Tensor, eps: float, prefix:
     mix, state = _checked_prefix(prefix, sources[0])
     if not _merges(state, torch.broadcast_to(query, sources[0].shape), len(sources)):
         return None
-    launch = _launch_list(sources[0].shape[-1], rows, launch)
+    launch = launch_list(sources[0].shape[-1], rows, launch)
     out, _, _, stats = aggregate_op(sources, query, eps, out_dtype, False, launch, mix, state, norm_eps)
     return out, stats

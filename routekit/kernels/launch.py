@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from routekit.errors import ConfigError
 
 # Triton's CPU interpreter runs a multi-operand tl.reduce element by element, far slower than separate
@@ -216,3 +218,24 @@ def sample_split(b: int, n: int, block_r: int, sources: int = 1, programs: int =
     splits = min(tiles, max(1, cdiv(programs, b)))
     iters = cdiv(tiles, splits)
     return cdiv(tiles, iters), iters
+
+
+_DEFAULT_LAUNCHES: dict[tuple[int, int], list[int]] = {}
+
+
+@torch.compiler.assume_constant_result
+def _default_launch(d: int, rows: int) -> list[int]:
+    """``aggregate_launch(d, rows)`` as the op takes it, made once per shape: a constant to torch.compile, which
+    would otherwise trace the rule (and build its dataclasses) at every aggregation of a model."""
+    if (d, rows) not in _DEFAULT_LAUNCHES:
+        _DEFAULT_LAUNCHES[d, rows] = aggregate_launch(d, rows).as_list()
+    return _DEFAULT_LAUNCHES[d, rows]
+
+
+def launch_list(d: int, rows: int, launch: AggregateLaunch | None) -> list[int]:
+    """The launch an aggregation runs (``launch``, else the default for its shape) as the op takes it."""
+    if launch is not None:
+        return launch.as_list()  # an AggregateLaunch is valid by construction
+    if isinstance(rows, int):  # a symbolic row count (a compiled model's dynamic batch) cannot be a constant
+        return _default_launch(d, rows)
+    return aggregate_launch(d, rows).as_list()
