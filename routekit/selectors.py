@@ -10,7 +10,8 @@ the wrong tokens.
 Built in: `random` (TREAD's: an independent uniform subset per sample), `importance` (tokens ranked by
 the L1 norm of their features, mixed with chance), and grid selectors that keep whole lines of the
 grid: `row`, `window` (a contiguous band of rows), `column`, and for video `frame` (whole frames) and
-`tube` (the same spatial positions in every frame).
+`tube` (the same spatial positions in every frame). `structured_with_random_offset` (SPRINT's) keeps the same
+share of every small cell of the grid.
 """
 
 from __future__ import annotations
@@ -239,6 +240,51 @@ def random_tubes(batch: int, tokens: int, rate: float, *, grid: Grid | None = No
     spots = _keep_sorted(uniform(batch, area, generator=generator, device=device), kept_count(area, rate))
     starts = torch.arange(frames, device=spots.device) * area
     return (starts[None, :, None] + spots[:, None, :]).flatten(1)
+
+
+def cell_of(grid: Grid, rate: float) -> tuple[int, int] | None:
+    """(side, kept) of `structured_with_random_offset`'s cells on `grid` at `rate`: the smallest side from 2 that
+    divides every axis of the grid and whose cell (side along every axis) keeps a whole number of its tokens, 1 or
+    more, adding up to the route's kept count; None where no side does."""
+    for side in range(2, min(grid) + 1):
+        volume = side ** len(grid)
+        kept = volume * (1 - rate)
+        cells = math.prod(grid) // volume
+        if all(g % side == 0 for g in grid) and round(kept) >= 1 and abs(kept - round(kept)) < 1e-6 \
+                and cells * round(kept) == kept_count(math.prod(grid), rate):
+            return side, round(kept)
+    return None
+
+
+@_builtin("structured_with_random_offset", needs_grid=True)
+def structured_with_random_offset(batch: int, tokens: int, rate: float, *, grid: Grid | None = None,
+                                  generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """SPRINT's structured selection: the grid cut into cells of side g along every axis (g×g on an image's grid,
+    g×g×g on a video's), each cell keeping k = g^d·(1 − rate) of its tokens, drawn uniformly without replacement,
+    independently per cell and per sample (each cell's own random offset). g is the smallest side from 2 that
+    divides every axis and leaves k a whole number (`cell_of`): at rate 0.75 one token of every 2×2 cell (SPRINT's
+    setting), at 0.5 two of every 2×2, at 0.875 two of every 4×4. Every region of the image keeps the same share of
+    its tokens, where `random` may leave a patch with none; the kept tokens form no smaller grid. A grid and rate
+    with no such cell are refused."""
+    grid = _checked_grid(grid, tokens, "structured_with_random_offset")
+    found = cell_of(grid, rate)
+    if found is None:
+        raise ConfigError(
+            f"selector 'structured_with_random_offset' keeps a whole number of tokens in every cell of side g along "
+            f"each axis of the {'×'.join(map(str, grid))} grid, and at rate {rate} no side from 2 that divides every "
+            "axis does (rate 0.75 keeps one token of every 2×2 cell); pick such a rate (0.5, 0.75, 0.875), or "
+            "selector='random'")
+    side, kept = found
+    cells = [g // side for g in grid]
+    rank = len(grid)
+    # each cell's tokens by their index in the stream: axes (c0, side, c1, side, ...) → (cells, side^d)
+    position = torch.arange(tokens, device=device).reshape([n for c in cells for n in (c, side)])
+    position = position.permute([2 * a for a in range(rank)] + [2 * a + 1 for a in range(rank)])
+    position = position.reshape(math.prod(cells), side ** rank)
+    draws = uniform(batch, *position.shape, generator=generator, device=device)
+    picked = draws.topk(kept, dim=2, sorted=False).indices  # (batch, cells, kept): each cell's offsets
+    chosen = position.expand(batch, *position.shape).gather(2, picked)
+    return chosen.flatten(1).sort(dim=1).values
 
 
 def _checked_grid(grid: Grid | None, tokens: int, name: str, rank: int | None = None) -> Grid:

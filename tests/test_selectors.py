@@ -188,6 +188,25 @@ def test_video_grids_are_read_off_a_conv3d_and_grid_selectors_keep_whole_lines(s
         assert (kept.all(2) | ~kept.any(2)).all() and (kept == kept[:, :1]).all()
 
 
+def test_sprints_structured_selection_keeps_the_same_share_of_every_cell_and_refuses_a_grid_without_cells():
+    """structured_with_random_offset at rate 0.75 on a 2×4×4 video grid: cells of 2×2×2, two tokens kept in each,
+    drawn per cell and per sample. On a 4×3×4 grid no side divides every axis: refused, naming the grid and what
+    would do."""
+    torch.manual_seed(0)
+    routed = rk.apply(Video(), rk.Route(start=1, end=2, rate=0.75, selector="structured_with_random_offset"),
+                      example_inputs=(torch.randn(3, 3, 2, 8, 8),), generator=torch.Generator().manual_seed(1))
+    assert report_of(routed).grid == (2, 4, 4)
+    routed.train()
+    routed(torch.randn(3, 3, 2, 8, 8))
+    kept = ~rk.last_route_mask(routed).reshape(3, 1, 2, 2, 2, 2, 2)  # (B, T cells, 2, H cells, 2, W cells, 2)
+    per_cell = kept.permute(0, 1, 3, 5, 2, 4, 6).flatten(4).sum(4)  # (B, cells...)
+    assert per_cell.eq(2).all()
+    assert not (kept[0] == kept[1]).all() or not (kept[1] == kept[2]).all()  # each sample draws its own
+    with pytest.raises(ConfigError, match=r"4×3×4 grid.*rate 0.75 keeps one token of every 2×2 cell"):
+        rk.apply(Video(), rk.Route(start=1, end=2, rate=0.75, selector="structured_with_random_offset"),
+                 example_inputs=(torch.randn(2, 3, 4, 6, 8),))
+
+
 class Reordered(nn.Module):
     """A patch grid whose tokens the owner may reorder before the blocks: `windows` puts each 2×2 window's four
     tokens one after another (Hiera's mask units), `columns` reads the grid column by column, `flipped` reverses
