@@ -49,8 +49,8 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
             index = selected = graph.call_module(f"{STATE}.routes.{k}", (stream_in, grid, route.keep))
             kept = graph.call_function(gather_tokens, (stream_in, index))
         full, stack = stream_in, blocks[0].stack
-        inside = {by_name[b.node] for b in blocks}
-        made = [by_name[b.node] for b in blocks]  # the route's own values (what its blocks return): read inside as they are
+        calls = [by_name[b.node] for b in blocks]  # what they return is the route's own: read inside as it is
+        inside = set(calls)  # with the owner's code between two stacks, where the route crosses them
         given = {b.node: dict(slots(by_name[b.node])) for b in blocks}  # each block's arguments before the route cuts them
         routed: dict[str, fx.Node] = {}  # one call per side input and route, however many blocks read it
         back: list[tuple[fx.Node, fx.Node, fx.Node]] = []  # (a block's output, the full stream, the index) to put back
@@ -75,7 +75,7 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
             for side in block.side_inputs:
                 cuts = route.cuts(side, stack)
                 value = slot_value(node, side.slot)
-                if not cuts or any(isinstance(v, fx.Node) and any(descends(v, m) for m in made)
+                if not cuts or any(isinstance(v, fx.Node) and any(descends(v, m) for m in calls)
                                    for v in pytree.tree_leaves(value)):  # made inside the route: its kept tokens
                     continue
                 key = repr((stack, fx.node.map_arg(value, lambda n: n.name)))
@@ -100,12 +100,13 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                     restored = graph.call_function(scatter_tokens, (whole, at, value))
                 for user in readers:
                     user.replace_input_with(value, restored)
+        of_call = {b.node: b for b in blocks}
         for block in blocks:  # an input a block hands on unchanged, read outside the route: the whole value the route cut
             handed = dict(block.handed_on)
             for item in list(by_name[block.node].users):
                 if item.op == "call_function" and item.target is operator.getitem and (item.args[1],) in handed:
                     readers = [u for u in item.users if u not in inside and not _routed_op(u)]
-                    whole = _whole(block, (item.args[1],), given, {b.node: b for b in blocks}) if readers else None
+                    whole = _whole(block, (item.args[1],), given, of_call) if readers else None
                     for user in readers:
                         user.replace_input_with(item, whole)
         placed[k] = (selected, scattered)

@@ -227,11 +227,11 @@ def _check_blocks_of(k: int, route: Route, blocks: tuple[BlockInfo, ...], report
                 "whether it holds tokens or features; trace with example inputs of another token count (one no "
                 "feature axis is as long as)"
             )
-        carried = _uncarried(block, blocks, report.mode == "graph" and not dar)
-        if carried:
+        uncarried = _uncarried(block, blocks, report.mode == "graph" and not dar)
+        if uncarried:
             raise ConfigError(
                 f"route {k} cannot contain {block.qualname}: it returns a per-token value used elsewhere "
-                f"({carried[0]}), which would have only the kept tokens"
+                f"({uncarried[0]}), which would have only the kept tokens"
             )
     for block in blocks[:-1]:  # graph mode puts such outputs back like the stream; boundary mode where the forward
         # returns them (hidden states per layer), not where the owner's code reads them (a long skip)

@@ -103,7 +103,7 @@ class _MaskedAttention(TorchFunctionMode):
             ignored = ignored.reshape(-1, *ignored.shape[-1:]) if ignored.dim() > 1 else ignored[None]
             ignored = ignored.view(key.shape[0], -1, key.shape[-2]).any(1) if key.dim() > 2 else ignored
             self.masks.calls.append(ignored)
-        return _attention(query, key, value, ignored, **rest)
+        return written_out_attention(query, key, value, **rest, ignored=ignored)
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -111,11 +111,6 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 _SDPA = inspect.signature(_sdpa)
-
-
-def _attention(query, key, value, ignored, **rest):
-    """Attention written out (`flow.written_out_attention`), with the keys `ignored` (bool (B, S)) zeroed and masked."""
-    return written_out_attention(query, key, value, **rest, ignored=ignored)
 
 
 def masked_reference(model: nn.Module, original, routes: list[tuple[str, str, Slot, int | None, torch.Tensor]],
@@ -190,13 +185,7 @@ def _leave(route: _Route, masks: _Masks, poison: bool):
             if int(route.ends.sum()) != int(route.routed.sum()):
                 masks.leaked = True  # NaN reached tokens the route keeps (or never left the ones it routes)
             return None
-        restored = out.clone()
-        restored[route.ends] = route.stream[route.routed.to(route.stream.device)].to(out.dtype)
-        if route.out_index is None:
-            return restored
-        items = list(output)
-        items[route.out_index] = restored
-        return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
+        return _restored(output, route.out_index, route.ends, route)
     return hook
 
 
@@ -211,14 +200,21 @@ def _put_back(route: _Route, name: str, index: int | None, poison: bool):
         ends = route.inner_ends.get(name)
         if ends is None or int(ends.sum()) != int(route.routed.sum()):
             return None  # tokens mixed by more than attention: the last block's check says so
-        restored = out.clone()
-        restored[ends] = route.stream[route.routed.to(route.stream.device)].to(out.dtype)
-        if index is None:
-            return restored
-        items = list(output)
-        items[index] = restored
-        return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
+        return _restored(output, index, ends, route)
     return hook
+
+
+def _restored(output: Any, index: int | None, ends: torch.Tensor, route: _Route) -> Any:
+    """A block's `output` with the stream in it (at `index`, or the output itself) holding, at the positions `ends`,
+    the routed tokens' values at the route's start."""
+    out = output if index is None else output[index]
+    restored = out.clone()
+    restored[ends] = route.stream[route.routed.to(route.stream.device)].to(out.dtype)
+    if index is None:
+        return restored
+    items = list(output)
+    items[index] = restored
+    return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:

@@ -31,11 +31,11 @@ def _g(seed: int) -> torch.Generator:
 class HandRoute:
     """A route placed by hand on `blocks` (the chain, in order) from `start` to `end`, keeping `kept` (B, K):
     the stream (each block's first argument) gathered before `start` and scattered into its value there after
-    `end`; `cut(i, args, kwargs)`, called for each block from `start` on, cuts block i's inputs made before the
-    route (and hands the blocks after it what they read whole); an output of a routed block that a block after the
-    route reads (found by identity) is put back like the stream."""
+    `end`; `cut(hand, i, args, kwargs)`, called for each block from `start` on, cuts block i's inputs made before
+    the route (and hands the blocks after it what they read whole); an output of a routed block that a block after
+    the route reads (found by identity) is put back like the stream."""
 
-    def __init__(self, blocks, start: int, end: int, kept: torch.Tensor, cut=lambda i, a, k: (a, k)):
+    def __init__(self, blocks, start: int, end: int, kept: torch.Tensor, cut=lambda hand, i, a, k: (a, k)):
         self.blocks, self.start, self.end, self.kept, self.cut = blocks, start, end, kept, cut
         self.full, self.made, self.handles = None, [], []
 
@@ -56,7 +56,7 @@ class HandRoute:
                 self.full = args[0]
                 args[0] = gather_tokens(args[0], self.kept)
             if i >= self.start:
-                args, kwargs = self.cut(i, tuple(args), kwargs)
+                args, kwargs = self.cut(self, i, tuple(args), kwargs)
                 args = list(args)
             if i > self.end:  # a value a routed block made, read after the route: put back like the stream
                 for made in self.made:
@@ -78,19 +78,20 @@ class HandRoute:
         return hook
 
 
-def _routed_and_hand(model, route: rk.Route, args: tuple, kwargs: dict, blocks, cut=lambda i, a, k: (a, k)):
-    """(routekit's training output, the hand route's) on the same kept tokens; verify passes on the routed model."""
+def _routed_and_hand(model, route: rk.Route, args: tuple, kwargs: dict, blocks, cut=lambda hand, i, a, k: (a, k)):
+    """(routekit's training output, the hand route's on the same kept tokens, what verify found on the routed
+    model)."""
     twin = copy.deepcopy(model).train()
     routed = rk.apply(model, routes=route, example_inputs=args, example_kwargs=kwargs, generator=_g(0)).train()
     torch.manual_seed(1)
     got = routed(*args, **kwargs)
-    kept = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(len(rk.last_route_mask(routed)), -1)
-    start, end = rk.inspect(routed).placed[0].start, rk.inspect(routed).placed[0].end
+    mask = rk.last_route_mask(routed)
+    kept = (~mask).nonzero()[:, 1].view(len(mask), -1)
+    placed = rk.inspect(routed).placed[0]
     torch.manual_seed(1)
-    with HandRoute(blocks(twin), start, end, kept, cut):
+    with HandRoute(blocks(twin), placed.start, placed.end, kept, cut):
         want = twin(*args, **kwargs)
-    rk.verify(routed, routed, example_inputs=args, example_kwargs=kwargs)
-    return got, want
+    return got, want, rk.verify(routed, routed, example_inputs=args, example_kwargs=kwargs)
 
 
 def _first(out) -> torch.Tensor:
@@ -105,10 +106,9 @@ def test_t5s_position_bias_handed_on_through_a_route_reaches_the_layers_after_it
     torch.manual_seed(0)
     model = transformers.T5EncoderModel(config)
     ids = torch.randint(0, 64, (2, 12), generator=_g(1))
-
     whole = []
 
-    def cut(i, args, kwargs):  # the bias the layer before the route made, at the kept tokens on both axes
+    def cut(hand, i, args, kwargs):  # the bias the layer before the route made, at the kept tokens on both axes
         args = list(args)
         if i == 3:  # after the route: whole
             args[2] = whole[0]
@@ -119,22 +119,16 @@ def test_t5s_position_bias_handed_on_through_a_route_reaches_the_layers_after_it
             args[2] = bias.gather(3, kept[:, None, None, :].expand(-1, bias.shape[1], bias.shape[2], -1))
         return tuple(args), kwargs
 
-    twin = copy.deepcopy(model).train()
-    routed = rk.apply(model, routes=rk.Route(start=1, end=2), example_inputs=(ids,), generator=_g(0)).train()
-    got = routed(ids).last_hidden_state
-    kept = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(2, -1)
-    with HandRoute(twin.encoder.block, 1, 2, kept, cut) as hand:
-        want = twin(ids).last_hidden_state
-    torch.testing.assert_close(got, want)
-    rk.verify(routed, routed, example_inputs=(ids,))
+    got, want, _ = _routed_and_hand(model, rk.Route(start=1, end=2), (ids,), {}, lambda m: m.encoder.block, cut)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
 
 
 def test_a_u_vit_route_from_its_in_blocks_into_its_out_blocks_puts_a_skip_made_inside_back_like_the_stream():
     """Route in_blocks.2 → out_blocks.0 across the mid-block: out_blocks.0 reads in_blocks.3's skip as the route
     made it; out_blocks.1, after the route, reads in_blocks.2's put back like the stream."""
     model, args, kwargs = uvit()
-    got, want = _routed_and_hand(model, rk.Route(start="in_blocks.2", end="out_blocks.0"), args, kwargs,
-                                 lambda m: [*m.in_blocks, *m.out_blocks])
+    got, want, _ = _routed_and_hand(model, rk.Route(start="in_blocks.2", end="out_blocks.0"), args, kwargs,
+                                    lambda m: [*m.in_blocks, *m.out_blocks])
     torch.testing.assert_close(got, want)
 
 
@@ -167,24 +161,18 @@ def test_hunyuan_dit_routes_across_its_long_skips(start: int, end: int):
     which does not read routekit's decisions, agrees."""
     model, kwargs = hunyuan_dit()
 
-    def cut(i, args, kwargs):
+    def cut(hand, i, args, kwargs):
         if i > end:
             return args, kwargs
+        assert (hand.kept == hand.kept[0]).all()  # the table has no batch axis, and the blocks take none: one selection
         kwargs = dict(kwargs)
         cos, sin = kwargs["image_rotary_emb"]
-        kwargs["image_rotary_emb"] = (cos[hand.kept[0]], sin[hand.kept[0]])  # one selection for the batch
+        kwargs["image_rotary_emb"] = (cos[hand.kept[0]], sin[hand.kept[0]])
         skip = kwargs.get("skip")
         if skip is not None and not any(skip is m for m in hand.made):
             kwargs["skip"] = gather_tokens(skip, hand.kept)
         return args, kwargs
 
-    twin = copy.deepcopy(model).train()
-    routed = rk.apply(model, routes=rk.Route(start=start, end=end), example_kwargs=kwargs, generator=_g(0)).train()
-    got = _first(routed(**kwargs))
-    kept = (~rk.last_route_mask(routed)).nonzero()[:, 1].view(2, -1)
-    assert (kept == kept[0]).all()  # the table has no batch axis, and the blocks take none: one selection
-    with HandRoute(twin.blocks, start, end, kept, cut) as hand:
-        want = _first(twin(**kwargs))
-    torch.testing.assert_close(got, want)
-    found = rk.verify(routed, routed, example_kwargs=kwargs)  # its reference puts inner outputs back too
-    assert "outputs match the original blocks with the routed tokens masked" in str(found)
+    got, want, found = _routed_and_hand(model, rk.Route(start=start, end=end), (), kwargs, lambda m: m.blocks, cut)
+    torch.testing.assert_close(_first(got), _first(want))
+    assert "outputs match the original blocks with the routed tokens masked" in str(found)  # inner outputs put back
