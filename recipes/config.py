@@ -15,7 +15,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 import routekit as rk
 
@@ -99,10 +110,76 @@ class EMAConfig(Section):
 
 
 class SamplerConfig(Section):
-    """How samples are drawn for grids and metrics: ODE steps and classifier-free guidance scale."""
+    """How samples are drawn for grids and metrics: ODE steps, the guidance scale and its kind.
+
+    ``guidance_kind: cfg`` is classifier-free guidance: the unconditional half is the same model given the
+    null class, both halves in one batched call. ``pdg`` is SPRINT's Path-Drop Guidance: the weak half is the
+    model with its fused routes' blocks dropped (``routekit.path_drop``) and the null class, a separate and
+    cheaper call; it needs a route with ``fuse`` (the model learnt to predict without those blocks by path
+    drop in training)."""
 
     steps: PositiveInt = 18
     guidance: Annotated[float, Field(ge=0)] = 1.0
+    guidance_kind: Literal["cfg", "pdg"] = "cfg"
+
+
+STAGE_FORM = "{step: N, rate: R} or {seconds: S, rate: R}"
+
+
+class Stage(Section):
+    """From ``step`` steps taken (or ``seconds`` training seconds) on, every route routes ``rate`` of its
+    tokens around its blocks. SPRINT pre-trains with most tokens dropped and fine-tunes briefly with none.
+
+    A stage by step is exact: a run resumed across it takes the same steps as one that was not. A stage by
+    training seconds is for runs compared at equal training time (benchmarks/convergence.py gives every
+    method the same seconds, not steps); it begins at the first log step whose training seconds reach it,
+    so where it falls depends on the clock, and a checkpoint records the step at which it began."""
+
+    step: int | None = None
+    seconds: float | None = None
+    rate: float
+
+    @field_validator("step", "seconds", "rate", mode="before")
+    @classmethod
+    def _not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        return value
+
+    @field_validator("step")
+    @classmethod
+    def _step_after_start(cls, step: int | None) -> int | None:
+        if step is not None and step < 1:
+            raise ValueError(f"a stage begins after step 0 (the routes' own rate holds until the first stage); "
+                             f"got {step}")
+        return step
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds_after_start(cls, seconds: float | None) -> float | None:
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"a stage begins after 0 training seconds (the routes' own rate holds until the "
+                             f"first stage); got {seconds}")
+        return seconds
+
+    @field_validator("rate")
+    @classmethod
+    def _rate_in_range(cls, rate: float) -> float:
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"rate is the fraction of tokens routed around the blocks and must be in [0, 1), "
+                             f"got {rate}")
+        return rate
+
+    @model_validator(mode="after")
+    def _one_start(self) -> Stage:
+        if (self.step is None) == (self.seconds is None):
+            raise ValueError(f"a stage begins at a step or at training seconds, exactly one: {STAGE_FORM}")
+        return self
+
+    @property
+    def begins(self) -> float:
+        """Where it begins, in its own unit (steps or training seconds)."""
+        return self.step if self.step is not None else self.seconds
 
 
 class EvalConfig(Section):
@@ -148,6 +225,7 @@ class TrainConfig(Section):
     model: ModelConfig
     routes: Routes = Field(default_factory=list)
     dar: DARField | None = None
+    stages: list[Stage] = Field(default_factory=list)
     objective: Annotated[EDMConfig | RFConfig, Field(discriminator="kind")] = Field(default_factory=EDMConfig)
     optimiser: OptimiserConfig = Field(default_factory=OptimiserConfig)
     batch: PositiveInt = 256
@@ -173,10 +251,46 @@ class TrainConfig(Section):
                                      f"then {after.start}..{after.end}")
         return routes
 
+    @field_validator("stages")
+    @classmethod
+    def _stages_in_order(cls, stages: list[Stage]) -> list[Stage]:
+        if len({stage.step is None for stage in stages}) > 1:
+            raise ValueError(f"stages begin all by step or all by training seconds, not both: {STAGE_FORM}")
+        for before, after in zip(stages, stages[1:]):
+            if after.begins <= before.begins:
+                unit = "step" if after.step is not None else "seconds"
+                raise ValueError(f"stages must begin in increasing order of {unit}: {before.begins} then "
+                                 f"{after.begins}")
+        return stages
+
+    @model_validator(mode="after")
+    def _needs_routes(self) -> TrainConfig:
+        """Stages change the routes' rate and PDG drops a fused route's blocks: both need those routes."""
+        if self.stages and not (self.routes == "default" or self.routes):
+            raise _field_error(("stages",), "stages change the routes' rate, and this recipe has no routes "
+                               "(routes: []): add a route, or remove stages", self.stages)
+        if self.sampler.guidance_kind == "pdg" and not self.fused:
+            raise _field_error(("sampler", "guidance_kind"), "path-drop guidance (pdg) runs the model without "
+                               "its fused routes' blocks, and this recipe has no fused route: give a route "
+                               "`fuse: sprint`, or use guidance_kind: cfg", "pdg")
+        return self
+
+    @property
+    def fused(self) -> bool:
+        """Whether some route ends in SPRINT's fusion, which path-drop guidance needs."""
+        return isinstance(self.routes, list) and any(getattr(route, "fuse", None) for route in self.routes)
+
     @property
     def routed(self) -> bool:
         """Whether routekit rewrites the model at all (vanilla configs never call rk.apply)."""
         return self.routes == "default" or bool(self.routes) or self.dar is not None
+
+
+def _field_error(where: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    """An error about one field found by a check across fields: reported at that field's path, as pydantic
+    reports its own (a plain ValueError here would be reported at the top level)."""
+    detail = InitErrorDetails(type=PydanticCustomError("value_error", message), loc=where, input=value)
+    return ValidationError.from_exception_data("TrainConfig", [detail])
 
 
 def _describe(error: ValidationError, source: str) -> ConfigError:

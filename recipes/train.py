@@ -49,7 +49,7 @@ from recipes.config import (
 from recipes.data import BatchOrder, load_dataset
 from recipes.metrics import Evaluator
 from recipes.objectives import make_objective
-from recipes.sampling import sample
+from recipes.sampling import guided_eval_flops, sample
 from routekit.model import report_of, routing_of
 
 SAMPLE_CHUNK = 250  # images per sampling call: bounds memory when guidance doubles the batch
@@ -369,6 +369,7 @@ class Trainer:
         self.order = BatchOrder(len(self.dataset.train), config.batch, config.seed,
                                 rank=self.acc.process_index, world=self.acc.num_processes)
         self.step, prior_seconds = 0, 0.0
+        self.stage_began: list[int] = []  # the step at which each stage that has begun began
         if ckpt is None:
             _seed_all(_rank_seed(config.seed, self.acc.process_index))
         elif not self.fsdp:
@@ -379,6 +380,8 @@ class Trainer:
                 prior_seconds = self._restore(ckpt, self.net, self.opt.optimizer)
             del ckpt
             self._rewind_folder(Path(resume_from), changes)
+            if self.stage_began:  # the rate the checkpoint's step trained with
+                self._set_rate(config.stages[len(self.stage_began) - 1].rate)
         self.ema_shards = ShardedEMA(self.ema, self.net) if self.fsdp else None
         self.forward = torch.compile(self.net) if config.compile else self.net
         self.objective = make_objective(config.objective)
@@ -388,6 +391,7 @@ class Trainer:
         self.longest_pause = 0.0  # wall seconds of the longest evaluation, grid or checkpoint so far
         self.evaluated_at: int | None = None
         self.last_checkpoint: Path | None = None
+        self.sample_flops: int | None = None  # of one guided evaluation per image, counted at the first evaluation
 
     def _check_folder(self, checkpoint: Path, step: int, saved: TrainConfig) -> None:
         """Refuse to continue a checkpoint in a folder whose history it does not belong to (every rank
@@ -435,6 +439,7 @@ class Trainer:
         self.sched.load_state_dict(ckpt["scheduler"])
         self.order.load_state_dict(ckpt["data"])
         self.step = ckpt["step"]
+        self.stage_began = list(ckpt.get("stages", []))
         world, rank = self.acc.num_processes, self.acc.process_index
         if len(ckpt["rng"]) == world:
             _set_rng_state(ckpt["rng"][rank])
@@ -443,6 +448,30 @@ class Trainer:
                           f"{world}: reseeding, so the continuation is not bit-identical", stacklevel=3)
             _seed_all(_rank_seed(self.config.seed + self.step, rank))
         return ckpt["train_seconds"]
+
+    def _set_rate(self, rate: float) -> None:
+        """Every route's rate, in the trained model and in its EMA (which samples with it)."""
+        rk.set_rate(self.acc.unwrap_model(self.net), rate)
+        rk.set_rate(self.ema, rate)
+        self.sample_flops = None  # counted again at the next evaluation, in case sampling's cost follows the rate
+
+    def _next_stages(self, seconds: float | None = None) -> None:
+        """Begin every stage whose start has come: one by step before the step it names is taken (so a checkpoint
+        at that step resumes into it), one by training seconds at a log step (``seconds``: where the clock is read
+        and the ranks agree), from the step after it."""
+        stages = self.config.stages
+        while len(self.stage_began) < len(stages):
+            stage = stages[len(self.stage_began)]
+            if stage.step is not None:
+                due = self.step >= stage.step
+            else:
+                due = seconds is not None and self._agreed(seconds >= stage.seconds)
+            if not due:
+                return
+            self._set_rate(stage.rate)
+            self.stage_began.append(self.step)
+            if self.main:
+                tqdm.write(f"step {self.step}: stage {len(self.stage_began)} begins, routes' rate {stage.rate}")
 
     def train_step(self) -> torch.Tensor:
         """One optimiser step on the next batch, then the EMA update; returns the (unsynchronised) loss."""
@@ -476,7 +505,7 @@ class Trainer:
             with self.acc.autocast():
                 images = sample(self.objective, self.ema, chunk, self.dataset.shape, steps=sampler.steps,
                                 guidance=sampler.guidance, null_class=self.dataset.num_classes,
-                                generator=generator)
+                                generator=generator, guidance_kind=sampler.guidance_kind)
             out.append(images.float())
         return torch.cat(out)
 
@@ -490,6 +519,12 @@ class Trainer:
             self.evaluator = Evaluator(self.dataset, self.device, self.config.data.cache_dir)
         labels = torch.arange(self.config.eval.samples, device=self.device) % self.dataset.num_classes
         record = {"step": self.step, "train_seconds": round(seconds, 3), **self.evaluator(self.generate(labels), labels)}
+        if self.sample_flops is None:  # what guidance costs: CFG and PDG compared by what they compute
+            sampler = self.config.sampler
+            self.sample_flops = guided_eval_flops(self.objective, self.ema, self.dataset.shape,
+                                                  guidance=sampler.guidance, null_class=self.dataset.num_classes,
+                                                  guidance_kind=sampler.guidance_kind, device=self.device)
+        record["guided_eval_flops"] = self.sample_flops
         record["eval_seconds"] = round(time.perf_counter() - begin, 3)  # wall time, the first one with the classifier
         self.evals.append(record)
         with (self.out / "metrics.jsonl").open("a") as handle:
@@ -519,7 +554,7 @@ class Trainer:
                  "train_seconds": self.clock.seconds(), "world": self.acc.num_processes, "rng": rng,
                  "fsdp": self.fsdp, "model": weights, "ema": self.ema.state_dict(),
                  "optimizer": optimiser, "scheduler": self.sched.state_dict(),
-                 "data": self.order.state_dict()}
+                 "data": self.order.state_dict(), "stages": self.stage_began}
         torch.save(state, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)  # atomic: a crash never leaves half a checkpoint
         for old in sorted(path.parent.glob("step_*.pt"))[:-self.config.checkpoint.keep]:
@@ -569,6 +604,7 @@ class Trainer:
         stopped, out_of_time, since = None, False, time.perf_counter()
         with _StopSignals() as signals:
             while self.step < last:
+                self._next_stages()
                 pending.append(self.train_step())
                 if self.clock.first_step is None:
                     self.clock.first_step_done()
@@ -586,6 +622,7 @@ class Trainer:
                     if self.device.type == "cuda":  # this process's peak: ranks hold equal shares under DDP and FSDP
                         record["peak_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
                     self._log(record)
+                    self._next_stages(seconds)  # before a stop's checkpoint, which then records it
                     if stopped:
                         break
                     due = next_eval_s is not None and seconds >= next_eval_s
@@ -612,7 +649,8 @@ class Trainer:
                 "out_of_time": out_of_time,
                 "loss": losses[-1] if losses else None,
                 "train_seconds": self.clock.seconds(), "first_step_seconds": self.clock.first_step,
-                "evals": self.evals, "checkpoint": self.last_checkpoint and str(self.last_checkpoint),
+                "evals": self.evals, "stages": self.stage_began,
+                "checkpoint": self.last_checkpoint and str(self.last_checkpoint),
                 "parameters": sum(p.numel() for p in self.ema.parameters()), "out_dir": str(self.out)}
 
     def _late(self, deadline: float, since: float, due: bool) -> bool:
