@@ -75,8 +75,12 @@ def test_every_shipped_config_loads_and_its_backbone_builds(path):
 
 def test_the_shipped_set_is_complete():
     names = {p.stem for p in CONFIGS}
-    variants = ["vanilla", "tread", "tread2", "dar", "dar_tread"]
+    variants = ["vanilla", "tread", "tread2", "dar", "dar_tread", "sprint"]
     assert {f"dit_{s}_{v}" for s in ("s2", "b2") for v in variants} | {"rwkv_s2_tread", "mamba_s2_tread"} <= names
+
+
+ROUTE = [{"start": 1, "end": 2}]
+FUSED = [{"start": 1, "end": 2, "rate": 0.75, "fuse": "sprint"}]
 
 
 @pytest.mark.parametrize("change, field", [
@@ -99,6 +103,19 @@ def test_the_shipped_set_is_complete():
     ({"batch": 0}, "batch"),
     ({"bf16": "sometimes"}, "bf16"),
     ({"epochs": 3}, "epochs"),
+    ({"stages": [{"step": 5, "rate": 0}]}, "stages"),  # no routes to change
+    ({"routes": ROUTE, "stages": [{"step": 5, "rate": 1.0}]}, "stages.0.rate"),
+    ({"routes": ROUTE, "stages": [{"step": 0, "rate": 0}]}, "stages.0.step"),
+    ({"routes": ROUTE, "stages": [{"seconds": 0, "rate": 0}]}, "stages.0.seconds"),
+    ({"routes": ROUTE, "stages": [{"step": True, "rate": 0}]}, "stages.0.step"),
+    ({"routes": ROUTE, "stages": [{"rate": 0}]}, "stages.0"),
+    ({"routes": ROUTE, "stages": [{"step": 5, "seconds": 9.0, "rate": 0}]}, "stages.0"),
+    ({"routes": ROUTE, "stages": [{"step": 5, "rate": 0, "fraction": 0.1}]}, "stages.0.fraction"),
+    ({"routes": ROUTE, "stages": [{"step": 5, "rate": 0.5}, {"step": 5, "rate": 0}]}, "stages"),
+    ({"routes": ROUTE, "stages": [{"step": 5, "rate": 0.5}, {"seconds": 60, "rate": 0}]}, "stages"),
+    ({"sampler": {"guidance_kind": "autoguidance"}}, "sampler.guidance_kind"),
+    ({"routes": ROUTE, "sampler": {"guidance_kind": "pdg"}}, "sampler.guidance_kind"),  # no fused route
+    ({"routes": "default", "sampler": {"guidance_kind": "pdg"}}, "sampler.guidance_kind"),
 ])
 def test_a_bad_config_names_the_bad_field(tmp_path, change, field):
     good = {"model": {"backbone": "dit", "size": "S/2"}}
@@ -122,6 +139,26 @@ def test_routes_and_dar_are_routekits_own_with_its_defaults():
     assert config.routes == [rk.Route(start=1, end=2, keep=(0, -1)), rk.Route(start=4, end=6, rate=0.25, selector="row")]
     assert config.dar == rk.DAR(query="static_t", chunk=None, timestep="t_embedder")
     assert parse_config({"model": {"backbone": "dit"}, "dar": {}}).dar == rk.DAR()
+    again = parse_config(yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json"))))
+    assert again == config and differences(config, again) == {}  # what config.yaml and checkpoints hold
+
+
+def test_stage_and_guidance_errors_say_what_is_valid():
+    """A stage without its start shows both valid forms; out of order names the two starts; PDG without a fused
+    route says how to get one."""
+    def message(change):
+        with pytest.raises(ConfigError) as raised:
+            parse_config({"model": {"backbone": "dit"}, **change})
+        return str(raised.value)
+
+    assert "{step: N, rate: R} or {seconds: S, rate: R}" in message({"routes": ROUTE, "stages": [{"rate": 0}]})
+    assert "increasing order of step: 5 then 3" in message(
+        {"routes": ROUTE, "stages": [{"step": 5, "rate": 0.5}, {"step": 3, "rate": 0}]})
+    assert "fuse: sprint" in message({"routes": ROUTE, "sampler": {"guidance_kind": "pdg"}})
+    assert "routes: []" in message({"stages": [{"seconds": 1.0, "rate": 0}]})
+    config = parse_config({"model": {"backbone": "dit"}, "routes": FUSED, "sampler": {"guidance_kind": "pdg"},
+                           "stages": [{"step": 3, "rate": 0.5}, {"step": 7, "rate": 0}]})
+    assert config.fused and [stage.step for stage in config.stages] == [3, 7]
     again = parse_config(yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json"))))
     assert again == config and differences(config, again) == {}  # what config.yaml and checkpoints hold
 
@@ -285,6 +322,90 @@ def test_guidance_extrapolates_from_the_null_class():
         torch.testing.assert_close(out[:, 0], expected)
 
 
+def test_path_drop_guidance_extrapolates_from_the_weak_pass():
+    """weak + w (cond - weak): the weak half is the null class inside the path-drop context, in its own call;
+    w = 1 is the conditional model alone, with no weak call."""
+    dropped, calls = [False], []
+
+    class PathDrop:
+        def __enter__(self):
+            dropped[0] = True
+
+        def __exit__(self, *exc):
+            dropped[0] = False
+
+    def estimate(x, t, y):  # a path-dropped call adds 100, so the weak half is told apart from plain uncond
+        calls.append((len(y), dropped[0]))
+        return x + y.double().reshape(-1, 1) + 100 * dropped[0]
+
+    labels, x = torch.tensor([0, 3]), torch.zeros(2, 1, dtype=torch.float64)
+    for w in (0.0, 1.0, 4.0):
+        calls.clear()
+        out = sampling.path_drop_guided(estimate, labels, w, null_class=10, weak=PathDrop)(x, torch.tensor(0.5))
+        weak = 110.0
+        torch.testing.assert_close(out[:, 0], weak + w * (labels.double() - weak))
+        assert calls == ([(2, False)] if w == 1 else [(2, False), (2, True)])
+
+
+def _fused_model(depth: int = 4, **route):
+    """A tiny DiT with a SPRINT route over blocks 1..2, its weights drawn away from adaLN-Zero's zeros so
+    that both paths change the output."""
+    from backbones import dit
+
+    torch.manual_seed(0)
+    model = dit.build("S/2", depth=depth, hidden=32, heads=2, patch=4, input_size=16, in_channels=1,
+                      num_classes=3)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    example = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
+    fused = rk.Route(**{"start": 1, "end": 2, "rate": 0.75, "fuse": "sprint", **route})
+    return rk.apply(model, routes=[fused], example_inputs=example).eval()
+
+
+@pytest.mark.parametrize("kind", ["edm", "rf"])
+def test_pdg_sampling_equals_its_hand_written_combination(kind):
+    """One sampler step with PDG on a fused model: the full conditional pass and the path-dropped null-class
+    pass, combined as weak + w (cond - weak), by hand."""
+    model = _fused_model()
+    labels, w = torch.tensor([0, 1, 2]), 3.0
+    objective = EDM(EDMConfig()) if kind == "edm" else RectifiedFlow(RFConfig())
+    out = sampling.sample(objective, model, labels, (1, 16, 16), steps=1, guidance=w, null_class=3,
+                          generator=torch.Generator().manual_seed(0), guidance_kind="pdg")
+    noise = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    null = torch.full_like(labels, 3)
+    with torch.no_grad():
+        if kind == "edm":  # Heun's single step, to sigma 0, is Euler's
+            sigma = objective.config.sigma_max * torch.ones(())
+            x = noise * sigma
+            cond = objective.denoise(model, x, sigma.expand(3), labels)
+            with rk.path_drop(model):
+                weak = objective.denoise(model, x, sigma.expand(3), null)
+            expected = x + (0 - sigma) * ((x - (weak + w * (cond - weak))) / sigma)
+        else:  # Euler from t = 1 to 0: x0 = noise - v(noise, 1)
+            t = torch.ones(3)
+            cond = objective.velocity(model, noise, t, labels)
+            with rk.path_drop(model):
+                weak = objective.velocity(model, noise, t, null)
+            expected = noise - (weak + w * (cond - weak))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert not torch.equal(weak, cond)  # the weak pass is another function: the guidance does something
+    cfg = sampling.sample(objective, model, labels, (1, 16, 16), steps=1, guidance=w, null_class=3,
+                          generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(cfg, out)
+
+
+def test_pdg_costs_fewer_flops_than_cfg():
+    """One guided evaluation per image: CFG is two full passes, PDG one full pass and one without the route's
+    two blocks of four; guidance 1 is one full pass either way."""
+    model = _fused_model()
+    edm = EDM(EDMConfig())
+    count = lambda w, kind: sampling.guided_eval_flops(edm, model, (1, 16, 16), guidance=w, null_class=3,
+                                                      guidance_kind=kind)
+    full = count(1.0, "cfg")
+    assert full > 0 and count(1.0, "pdg") == full and count(2.0, "cfg") == 2 * full
+    assert full < count(2.0, "pdg") < 2 * full
+
+
 def test_sample_is_deterministic_in_its_generator():
     from backbones import dit
 
@@ -388,6 +509,9 @@ VARIANTS = {  # shipped recipes with routes scaled to a 4-block model
     "dar_tread": ("dit_s2_dar_tread", {"routes": [{"start": 1, "end": 2, "rate": 0.5}]}),
     "rwkv_row": ("rwkv_s2_tread", {"routes": [{"start": 1, "end": 2, "rate": 0.5, "selector": "row"}]}),
     "mamba_row": ("mamba_s2_tread", {"routes": [{"start": 1, "end": 2, "rate": 0.5, "selector": "row"}]}),
+    # split at step 2: a stage beginning after it (resumed across the switch), or at it (resumed into it)
+    "sprint": ("dit_s2_sprint", {"routes": FUSED, "stages": [{"step": 3, "rate": 0}]}),
+    "sprint_at_split": ("dit_s2_sprint", {"routes": FUSED, "stages": [{"step": 2, "rate": 0.25}]}),
 }
 
 
@@ -404,6 +528,68 @@ def test_resume_takes_the_bit_identical_next_step(tmp_path, variant):
     rest = resume(first["checkpoint"], progress=False)
     assert rest["start_step"] == 2 and rest["step"] == 4
     assert rest["losses"] == whole["losses"][2:]  # exact float equality, step by step
+    final_whole = torch.load(whole["checkpoint"], weights_only=False)
+    final_rest = torch.load(rest["checkpoint"], weights_only=False)
+    for key in ("model", "ema"):
+        assert all(torch.equal(final_whole[key][k], final_rest[key][k]) for k in final_whole[key])
+
+
+def _spy_set_rate(monkeypatch) -> list[tuple]:
+    """Record every ``rk.set_rate`` call (the rate, and whether the model was in training mode: the trained model
+    or its EMA) and every training step, in order; the calls still go through."""
+    events: list[tuple] = []
+    real, step = rk.set_rate, Trainer.train_step
+
+    def set_rate(model, rate, route=None):
+        events.append(("rate", rate, model.training))
+        return real(model, rate, route)
+
+    def train_step(self):
+        events.append(("step", self.step + 1))
+        return step(self)
+
+    monkeypatch.setattr(rk, "set_rate", set_rate)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    return events
+
+
+def test_a_stage_by_step_sets_the_rate_before_the_step_after_it(tmp_path, monkeypatch):
+    """``{step: 2, rate: 0}``: steps 1 and 2 train at the route's own rate, then the model and its EMA are set to
+    rate 0 once, before step 3; the checkpoint and the result record where the stage began, and a resume from
+    a later checkpoint sets that rate again before its first step."""
+    events = _spy_set_rate(monkeypatch)
+    config = tiny("dit_s2_sprint", tmp_path, routes=FUSED, stages=[{"step": 2, "rate": 0}])
+    stats = train(config, tmp_path / "run", progress=False)
+    assert events == [("step", 1), ("step", 2), ("rate", 0.0, True), ("rate", 0.0, False), ("step", 3), ("step", 4)]
+    assert stats["stages"] == [2] and torch.load(stats["checkpoint"], weights_only=False)["stages"] == [2]
+    events.clear()
+    resume(stats["checkpoint"], overrides={"steps": 5}, progress=False)
+    assert events == [("rate", 0.0, True), ("rate", 0.0, False), ("step", 5)]
+
+
+def test_a_stage_by_training_seconds_begins_at_the_log_step_that_reaches_it(tmp_path, monkeypatch):
+    """On a clock the test drives (a step takes 0.1 s; the first step is not training time): a stage at 0.25 s
+    begins after step 4 (0.3 s), the first log step that reaches it; a checkpoint after it records the step, and
+    resuming it continues bit for bit as the run that was not interrupted."""
+    now = [0.0]
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    events, step = _spy_set_rate(monkeypatch), Trainer.train_step
+
+    def timed(self):
+        result = step(self)
+        now[0] += 0.1
+        return result
+
+    monkeypatch.setattr(Trainer, "train_step", timed)
+    config = tiny("dit_s2_sprint", tmp_path, routes=FUSED, stages=[{"seconds": 0.25, "rate": 0}], steps=6)
+    whole = train(config, tmp_path / "whole", progress=False)
+    assert whole["stages"] == [4]
+    assert [e for e in events if e[0] == "rate" or e[1] in (4, 5)] == [
+        ("step", 4), ("rate", 0.0, True), ("rate", 0.0, False), ("step", 5)]
+    first = train(config, tmp_path / "split", max_steps=5, progress=False)
+    assert torch.load(first["checkpoint"], weights_only=False)["stages"] == [4]
+    rest = resume(first["checkpoint"], progress=False)
+    assert rest["stages"] == [4] and rest["losses"] == whole["losses"][5:]
     final_whole = torch.load(whole["checkpoint"], weights_only=False)
     final_rest = torch.load(rest["checkpoint"], weights_only=False)
     for key in ("model", "ema"):
@@ -586,6 +772,7 @@ def test_cli_writes_metrics_samples_and_checkpoints(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [4, 5]
     assert all(r["fd"] >= 0 and 0 <= r["accuracy"] <= 1 and r["classifier_test_accuracy"] > 0.9 for r in records)
+    assert records[0]["guided_eval_flops"] > 0  # guidance 1.5: both halves of one evaluation, per image
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_0000004.png", "step_0000005.png"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004.pt", "step_0000005.pt"]
     assert list((tmp_path / "cache").glob("classifier_synthetic_*.pt"))
