@@ -344,7 +344,7 @@ RESUMABLE = frozenset({
 })
 """Fields a resumed run may change: how long it goes on, how often it logs, evaluates, draws grids and
 writes checkpoints, and where cached files live. Every other field decides what a training step computes
-(model, routes, dar, objective, optimiser, batch, seed, data, ema, precision, compile) or what an
+(model, routes, stages, dar, objective, optimiser, batch, seed, data, ema, precision, compile) or what an
 evaluation measures (eval.samples, sampler, sample.per_class), so changing it would silently make a
 different run that carries the old one's name and history."""
 

@@ -5,11 +5,12 @@
     accelerate launch -m recipes.train recipes/configs/dit_s2_tread.yaml ...
 
 A checkpoint holds everything the next step depends on (configuration, weights, EMA, optimiser, scheduler,
-data position and every rank's RNG states), so a resumed run takes the bit-identical next step. It
-continues with the checkpoint's configuration: a YAML given with --resume must agree with it, and only
-cadence fields (recipes.config.RESUMABLE) may change, each by --set. SIGTERM or SIGINT stops training
-after the current step with a checkpoint (exit status 128 + the signal number: 143, 130). Only the main
-process writes files; each rank draws its own noise and its own routes from a rank-specific seed.
+data position, the steps at which stages began and every rank's RNG states), so a resumed run takes the
+bit-identical next step. It continues with the checkpoint's configuration: a YAML given with --resume must
+agree with it, and only cadence fields (recipes.config.RESUMABLE) may change, each by --set. SIGTERM or
+SIGINT stops training after the current step with a checkpoint (exit status 128 + the signal number: 143,
+130). Only the main process writes files; each rank draws its own noise and its own routes from a
+rank-specific seed.
 """
 
 from __future__ import annotations
