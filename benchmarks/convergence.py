@@ -1,7 +1,7 @@
 """Convergence per training second, seeded, across backbones: does routing's speed-up survive training?
 
-The study is a fixed plan of runs. DiT-B/2 on MNIST-5k with vanilla, TREAD, DAR and DAR + TREAD, three seeds,
-420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 360 s
+The study is a fixed plan of runs. DiT-B/2 on MNIST-5k with vanilla, TREAD, DAR, DAR + TREAD and SPRINT, three
+seeds, 420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 360 s
 each. One run (backbone, method, seed) is one process of at most 9 minutes on one GPU (`--wall-s`), its start,
 first step (torch.compile's compilation) and evaluations included, so the study grows one run at a time. Every
 run trains a shipped recipe (recipes/configs/<backbone>_<method>.yaml) for the same number of training seconds
@@ -34,8 +34,10 @@ measure is the same, so every result carries a fingerprint, and the report (and 
 refuses runs of one backbone that disagree in any part of it, naming the files and the part:
 
 - ``recipe`` and ``method``: hashes of the resolved TrainConfig (its dump, less the seed and the cache folder):
-  ``recipe`` of all but routes and dar, the same for every run of a backbone (what vanilla and TREAD share),
-  ``method`` of routes and dar, the same for every seed of a method; the message names the differing fields;
+  ``recipe`` of all but routes, dar and stages, the same for every run of a backbone (what vanilla and TREAD
+  share), ``method`` of routes, dar and stages, the same for every seed of a method; the message names the
+  differing fields. A field the config gains later (``stages``) is hashed only where a recipe sets it, so the
+  runs made before it keep their hashes;
 - ``code``: a hash of each file the training numerics come from: recipes/*.py (the training loop, objective,
   data order, sampler and metrics) and the backbone's module with the backbones/ modules it imports. A byte
   hash also moves for an edit that leaves the numerics alone (an import moved); ``same_code.json`` beside the
@@ -84,8 +86,10 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
 from benchmarks.common import REPO, RESULTS, TINY, figure, machine, scan_kernel, write  # noqa: E402
 from recipes.config import TrainConfig, differences, load_config, parse_config, with_overrides  # noqa: E402
 
-METHODS = ("vanilla", "tread", "dar", "dar_tread")
-LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DAR + TREAD"}
+# SPRINT: a route with a fused end at rate 0.75 (recipes/configs/dit_b2_sprint.yaml); planned before its recipe
+# exists, so --list and the report name its runs as missing until they are made
+METHODS = ("vanilla", "tread", "dar", "dar_tread", "sprint")
+LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DAR + TREAD", "sprint": "SPRINT"}
 # A run's wall-clock limit: 570 s, not 540, as DAR's first (compiling) step takes ~70 s against vanilla's ~40,
 # and at 540 its run stopped at 401 of its 420 training seconds.
 WALL_S = 570.0
@@ -224,7 +228,11 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-METHOD_FIELDS = ("routes", "dar")  # what a method changes in a recipe
+METHOD_FIELDS = ("routes", "dar", "stages")  # what a method changes in a recipe (stages: SPRINT's rates by step)
+# Fields TrainConfig gained after runs were made: hashed only where a recipe sets them (not at their default), so
+# the dump, and so both hashes, of every run made before a field existed stay what they were; a config without
+# the field at all hashes the same way.
+LATER_FIELDS = ("stages",)
 UNCOMPARED = ("seed", "data.cache_dir")  # what differs between seeds, or says only where files live
 
 
@@ -233,7 +241,10 @@ def recipe_digests(config: TrainConfig) -> dict[str, str]:
     backbone), and ``method``, the method's fields (the same for every seed of a method)."""
     data = config.model_dump(mode="json")
     del data["seed"], data["data"]["cache_dir"]
-    method = {key: data.pop(key) for key in METHOD_FIELDS}
+    for key in LATER_FIELDS:
+        data.pop(key, None)
+    data.update(config.model_dump(mode="json", include=set(LATER_FIELDS), exclude_defaults=True))
+    method = {key: data.pop(key) for key in METHOD_FIELDS if key in data}
     return {"recipe": _sha(json.dumps(data, sort_keys=True).encode()),
             "method": _sha(json.dumps(method, sort_keys=True).encode())}
 
@@ -367,13 +378,19 @@ def _canonical_code(code: dict[str, str], same_code: list[dict]) -> dict[str, st
     return {path: first.get((path, digest), digest) for path, digest in code.items()}
 
 
+def _listed(names: Iterable[str]) -> str:
+    """``a, b and c``."""
+    *rest, last = names
+    return f"{', '.join(rest)} and {last}" if rest else last
+
+
 def conflicts(results: list[dict], same_code: list[dict] = ()) -> list[str]:
     """One line per fingerprint part on which runs of one backbone disagree, naming the files on each side, and
     for a recipe the fields; code hashes declared equal in ``same_code`` agree. Empty when they may be merged."""
     lines = []
     for group in dict.fromkeys(r["group"] for r in results):
         runs = [r for r in results if r["group"] == group]
-        line = _recipe_conflict(runs, "recipe", "recipe (all but routes and dar)")
+        line = _recipe_conflict(runs, "recipe", f"recipe (all but {_listed(METHOD_FIELDS)})")
         if line:
             lines.append(f"{group}: {line}")
         for part, fix in GROUP_PARTS.items():
@@ -386,7 +403,8 @@ def conflicts(results: list[dict], same_code: list[dict] = ()) -> list[str]:
             if len(sides) > 1:
                 lines.append(f"{group}: " + _describe(f"code {path}", sides))
         for method in dict.fromkeys(r["method"] for r in runs):
-            line = _recipe_conflict([r for r in runs if r["method"] == method], "method", f"{method}'s routes and dar")
+            line = _recipe_conflict([r for r in runs if r["method"] == method], "method",
+                                    f"{method}'s {_listed(METHOD_FIELDS)}")
             if line:
                 lines.append(f"{group}: {line}")
     return lines

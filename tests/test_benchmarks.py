@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pydantic
 import pytest
 import torch
 
@@ -269,7 +271,7 @@ def test_convergence_next_runs_the_plan_in_order_and_the_report_says_what_is_mis
     assert json.loads((tmp_path / "convergence.json").read_text())["missing"][0] == "dit_b2/tread/0"
     convergence_main(monkeypatch, "--run", "dit_b2/tread/1", *folders)
     data = labelled(tmp_path, "convergence", "python benchmarks/convergence.py --run dit_b2/tread/1 --quick")
-    assert (data["done"], data["planned"]) == (2, 20)
+    assert (data["done"], data["planned"]) == (2, 23)
     assert data["missing"][:2] == ["dit_b2/tread/0", "dit_b2/dar/0"] and "dit_b2/tread/1" not in data["missing"]
     results = tmp_path / "results"
     assert sorted(str(p.relative_to(results)) for p in results.rglob("*.json")) == [
@@ -284,7 +286,7 @@ def test_convergence_next_runs_the_plan_in_order_and_the_report_says_what_is_mis
     assert {"backbones/rwkv.py", "backbones/dit.py", "backbones/ops/wkv.py", "backbones/ops/grid.py",
             "backbones/ops/__init__.py"} <= set(convergence.code_digests("rwkv"))
     text = (tmp_path / "convergence.md").read_text()
-    assert "**2 of 20 planned runs exist.**" in text and "dit_b2/dar/0" in text and "TREAD on DiT-B/2" in text
+    assert "**2 of 23 planned runs exist.**" in text and "dit_b2/dar/0" in text and "TREAD on DiT-B/2" in text
     with pytest.raises(SystemExit, match="tread_seed1.json exists"):
         convergence_main(monkeypatch, "--run", "dit_b2/tread/1", *folders)
 
@@ -326,7 +328,7 @@ def test_convergence_report_says_in_numbers_where_each_method_wins_and_loses(tmp
     assert f"vanilla's FD in ≤ 0.70× vanilla's seconds): {reached / 0.5:.2f}×, not met." in text
     assert "DAR on DiT-B/2 loses per training second: FD 20 vs vanilla 10" in text
     assert "different routekit sources" in text and "r2: dit_b2/tread_seed0.json" in text
-    assert "3 of 20 planned runs exist" in text and (tmp_path / "convergence.png").exists()
+    assert "3 of 23 planned runs exist" in text and (tmp_path / "convergence.png").exists()
 
 
 def test_convergence_report_calls_a_method_a_winner_only_where_every_seed_says_so(tmp_path):
@@ -364,7 +366,7 @@ def test_convergence_refuses_to_merge_runs_whose_recipe_or_training_code_differ(
     assert message.startswith("refusing to merge")
     assert "dit_b2: code recipes/train.py differs: dit_b2/vanilla_seed0.json (" in message
     assert "vs dit_b2/tread_seed0.json (\"0000\")" in message
-    assert "dit_b2: recipe (all but routes and dar) differs" in message and "[batch: 16 vs 32]" in message
+    assert "dit_b2: recipe (all but routes, dar and stages) differs" in message and "[batch: 16 vs 32]" in message
     assert "rwkv_b2" not in message
 
 
@@ -406,13 +408,55 @@ def test_convergence_merges_a_run_saved_before_its_config_gained_a_field(tmp_pat
     assert convergence.report(plan)["done"] == 3
 
 
+def staged_config() -> type:
+    """TrainConfig with SPRINT's ``stages`` (rates by step, empty by default), as the recipes will have it."""
+    return pydantic.create_model("StagedConfig", __base__=convergence.TrainConfig,
+                                 stages=(list[dict[str, Any]], pydantic.Field(default_factory=list)))
+
+
+def test_convergence_hashes_of_the_committed_runs_hold_when_the_config_gains_stages():
+    """Every committed run hashes the same read by today's config and by one with ``stages`` at its default, and
+    as it was saved wherever its saved recipe has every field of today's (DAR + TREAD's first seed predates DAR's
+    ``regions``: the test above): gaining the field strands no run."""
+    staged = staged_config()
+    results = sorted((REPO / "benchmarks" / "results" / "convergence").glob("*/*_seed*.json"))
+    assert len(results) >= 20
+    for path in results:
+        saved = json.loads(path.read_text())
+        today = convergence.parse_config(saved["config"])
+        digests = convergence.recipe_digests(today)
+        assert convergence.recipe_digests(staged.model_validate(saved["config"])) == digests, path
+        if today.model_dump(mode="json") == saved["config"]:
+            assert digests == {k: saved["fingerprint"][k] for k in ("recipe", "method")}, path
+
+
+def test_convergence_hashes_stages_with_the_method_where_a_recipe_sets_them(tmp_path):
+    """A recipe's ``stages`` belong to its method: set, they move the method's hash and leave the recipe's (which
+    every run of a backbone shares), so a SPRINT run merges with vanilla's; two seeds of one method that disagree
+    on them are refused, naming the field."""
+    staged = staged_config()
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    config = convergence.run_config(plan.find("dit_b2/tread/0"), plan).model_dump(mode="json")
+    plain = convergence.recipe_digests(staged.model_validate(config))
+    stages = [{"step": 0, "rate": 0.75}, {"step": 100, "rate": 0.0}]
+    sprint = convergence.recipe_digests(staged.model_validate({**config, "stages": stages}))
+    assert sprint["recipe"] == plain["recipe"] and sprint["method"] != plain["method"]
+    runs = [{"file": f"seed{seed}.json", "config": {**config, "stages": stages[:2 - seed]}} for seed in (0, 1)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(convergence, "parse_config", staged.model_validate)
+        line = convergence._recipe_conflict(runs, "method", "sprint's routes, dar and stages")
+        assert convergence._recipe_conflict(runs, "recipe", "recipe") is None
+    assert line.startswith("sprint's routes, dar and stages differs: seed0.json (")
+    assert line.endswith(f"[stages: {stages!r} vs {stages[:1]!r}]")
+
+
 def test_convergence_report_without_runs_names_every_planned_run_as_missing(tmp_path):
     plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
     (tmp_path / "convergence.png").write_text("a stale picture")
     data = convergence.report(plan)
-    assert (data["done"], len(data["missing"])) == (0, 20) and not (tmp_path / "convergence.png").exists()
+    assert (data["done"], len(data["missing"])) == (0, 23) and not (tmp_path / "convergence.png").exists()
     text = (tmp_path / "convergence.md").read_text()
-    assert "**0 of 20 planned runs exist.**" in text and "No headline yet" in text and "| 1 | dit_b2/vanilla/0 |" in text
+    assert "**0 of 23 planned runs exist.**" in text and "No headline yet" in text and "| 1 | dit_b2/vanilla/0 |" in text
 
 
 def test_fsdp_check_quick_runs_the_reference_and_the_second_run_through_accelerate(tmp_path):
