@@ -150,6 +150,11 @@ class Run:
         """Its result, relative to the results folder: ``dit_b2/tread_seed0.json``."""
         return Path(self.group.name) / f"{self.method}_seed{self.seed}.json"
 
+    @property
+    def recipe(self) -> Path:
+        """The shipped recipe it trains: ``recipes/configs/dit_b2_tread.yaml``."""
+        return REPO / "recipes" / "configs" / f"{self.group.name}_{self.method}.yaml"
+
 
 @dataclass(frozen=True)
 class Study:
@@ -216,8 +221,12 @@ def study(quick: bool, results: Path | None = None, out: Path | None = None, run
 
 def run_config(run: Run, plan: Study) -> TrainConfig:
     """The shipped recipe for the run's method with its seed; the benchmark schedules the evaluations, so every
-    periodic side job is off, and the step count is out of reach (the budget ends training)."""
-    config = load_config(REPO / "recipes" / "configs" / f"{run.group.name}_{run.method}.yaml")
+    periodic side job is off, and the step count is out of reach (the budget ends training). A run planned before
+    its recipe exists (SPRINT's) is refused by name, before anything is loaded."""
+    if not run.recipe.exists():
+        raise SystemExit(f"{run.name}: its recipe {run.recipe.relative_to(REPO)} does not exist yet; the plan lists "
+                         "the run, which cannot train until the recipe is added")
+    config = load_config(run.recipe)
     overrides: dict[str, Any] = {"steps": 10_000_000, "eval.every": 0, "sample.every": 0, "checkpoint.every": 0,
                                  "checkpoint.final": False, "seed": run.seed, **plan.overrides}
     if plan.quick:  # tiny widths at the size's depth, so the recipes' routes fit
@@ -815,7 +824,8 @@ def plan_table(plan: Study, done: dict[str, dict]) -> list[str]:
                       f"commit {result['machine']['commit'][:7]}"
                       + (", out of time" if result["out_of_time"] else ""))
         else:
-            status = "**next**" if missing and run == missing[0] else "missing"
+            status = ("**next**" if missing and run == missing[0] else "missing") + (
+                "" if run.recipe.exists() else f" (no recipe yet: {run.recipe.relative_to(REPO)})")
         lines.append(f"| {number} | {run.name} | {run.group.budget_s:g} | {run.group.evals} (every "
                      f"{run.group.eval_every_s:g} s) | {run.group.planned_wall_s:.0f} | {status} |")
     return lines

@@ -2,6 +2,7 @@
 writes JSON + markdown (+ PNG) that name the machine, the commit and the exact command; what a table
 reports is what its inputs hold. No test here asserts a speed."""
 
+import dataclasses
 import json
 import math
 import os
@@ -519,6 +520,18 @@ def test_convergence_hashes_stages_with_the_method_where_a_recipe_sets_them(tmp_
         assert convergence._recipe_conflict(runs, "recipe", "recipe") is None
     assert line.startswith("sprint's routes, dar and stages differs: seed0.json (")
     assert line.endswith(f"[stages: {stages!r} vs {stages[:1]!r}]")
+
+
+def test_convergence_refuses_to_train_a_planned_run_whose_recipe_does_not_exist_yet(tmp_path):
+    """A method planned before its recipe exists (SPRINT's) is listed as missing with the recipe it waits for, and
+    a run of it is refused by name before anything loads."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    run = convergence.Run(plan.groups[0], "unwritten", 0)
+    with pytest.raises(SystemExit, match=r"dit_b2/unwritten/0: its recipe recipes/configs/dit_b2_unwritten.yaml does"):
+        convergence.run_config(run, plan)
+    plan = dataclasses.replace(plan, groups=(dataclasses.replace(plan.groups[0], methods=("vanilla", "unwritten")),))
+    assert convergence.plan_table(plan, {})[3].endswith(
+        "| missing (no recipe yet: recipes/configs/dit_b2_unwritten.yaml) |")
 
 
 def test_convergence_report_without_runs_names_every_planned_run_as_missing(tmp_path):
