@@ -1,7 +1,7 @@
 """Convergence per training second, seeded, across backbones: does routing's speed-up survive training?
 
-The study is a fixed plan of runs. DiT-B/2 on MNIST-5k with vanilla, TREAD, DAR and DAR + TREAD, three seeds,
-420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 360 s
+The study is a fixed plan of runs. DiT-B/2 on MNIST-5k with vanilla, TREAD, DAR, DAR + TREAD and SPRINT, three
+seeds, 420 training seconds each; Diffusion-RWKV B/2 and DiM (Mamba-2) B/2 with vanilla and TREAD, two seeds, 360 s
 each. One run (backbone, method, seed) is one process of at most 9 minutes on one GPU (`--wall-s`), its start,
 first step (torch.compile's compilation) and evaluations included, so the study grows one run at a time. Every
 run trains a shipped recipe (recipes/configs/<backbone>_<method>.yaml) for the same number of training seconds
@@ -16,6 +16,12 @@ weights every budget_s / evals training seconds: Fréchet distance in the featur
     python -m benchmarks.convergence --report               # merge the results that exist; name what is missing
     python -m benchmarks.convergence --quick --next         # the same plan shrunk: tiny models, synthetic data,
                                                             # half a second of training each, on a CPU
+
+The report reads each run by the training seconds it takes to reach fixed quality levels (LEVELS: FD 10 and 3,
+accuracy 0.5 and 0.9) where the curves fall steeply, and each method's share of vanilla's seconds there; the
+values at the end stand beside them, but by then DiT-B/2's curves lie on the data set's floor, where seeds differ by
+more than methods do. A backbone whose runs never leave chance accuracy is reported as the first minutes of
+training, not as a result.
 
 A GPU machine without internet needs what `make gpu-carry` gathers (.whl/ and .cache/: carry both). A run writes
 benchmarks/results/convergence/<backbone>/<method>_seed<seed>.json (commit it as soon as it exists: the report
@@ -34,8 +40,10 @@ measure is the same, so every result carries a fingerprint, and the report (and 
 refuses runs of one backbone that disagree in any part of it, naming the files and the part:
 
 - ``recipe`` and ``method``: hashes of the resolved TrainConfig (its dump, less the seed and the cache folder):
-  ``recipe`` of all but routes and dar, the same for every run of a backbone (what vanilla and TREAD share),
-  ``method`` of routes and dar, the same for every seed of a method; the message names the differing fields;
+  ``recipe`` of all but routes, dar and stages, the same for every run of a backbone (what vanilla and TREAD
+  share), ``method`` of routes, dar and stages, the same for every seed of a method; the message names the
+  differing fields. A field the config gains later (``stages``) is hashed only where a recipe sets it, so the
+  runs made before it keep their hashes;
 - ``code``: a hash of each file the training numerics come from: recipes/*.py (the training loop, objective,
   data order, sampler and metrics) and the backbone's module with the backbones/ modules it imports. A byte
   hash also moves for an edit that leaves the numerics alone (an import moved); ``same_code.json`` beside the
@@ -84,8 +92,10 @@ if __package__ in (None, ""):  # run as a file: make the repo's packages importa
 from benchmarks.common import REPO, RESULTS, TINY, figure, machine, scan_kernel, write  # noqa: E402
 from recipes.config import TrainConfig, differences, load_config, parse_config, with_overrides  # noqa: E402
 
-METHODS = ("vanilla", "tread", "dar", "dar_tread")
-LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DAR + TREAD"}
+# SPRINT: a route with a fused end at rate 0.75 (recipes/configs/dit_b2_sprint.yaml); planned before its recipe
+# exists, so --list and the report name its runs as missing until they are made
+METHODS = ("vanilla", "tread", "dar", "dar_tread", "sprint")
+LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DAR + TREAD", "sprint": "SPRINT"}
 # A run's wall-clock limit: 570 s, not 540, as DAR's first (compiling) step takes ~70 s against vanilla's ~40,
 # and at 540 its run stopped at 401 of its 420 training seconds.
 WALL_S = 570.0
@@ -139,6 +149,11 @@ class Run:
     def file(self) -> Path:
         """Its result, relative to the results folder: ``dit_b2/tread_seed0.json``."""
         return Path(self.group.name) / f"{self.method}_seed{self.seed}.json"
+
+    @property
+    def recipe(self) -> Path:
+        """The shipped recipe it trains: ``recipes/configs/dit_b2_tread.yaml``."""
+        return REPO / "recipes" / "configs" / f"{self.group.name}_{self.method}.yaml"
 
 
 @dataclass(frozen=True)
@@ -206,8 +221,12 @@ def study(quick: bool, results: Path | None = None, out: Path | None = None, run
 
 def run_config(run: Run, plan: Study) -> TrainConfig:
     """The shipped recipe for the run's method with its seed; the benchmark schedules the evaluations, so every
-    periodic side job is off, and the step count is out of reach (the budget ends training)."""
-    config = load_config(REPO / "recipes" / "configs" / f"{run.group.name}_{run.method}.yaml")
+    periodic side job is off, and the step count is out of reach (the budget ends training). A run planned before
+    its recipe exists (SPRINT's) is refused by name, before anything is loaded."""
+    if not run.recipe.exists():
+        raise SystemExit(f"{run.name}: its recipe {run.recipe.relative_to(REPO)} does not exist yet; the plan lists "
+                         "the run, which cannot train until the recipe is added")
+    config = load_config(run.recipe)
     overrides: dict[str, Any] = {"steps": 10_000_000, "eval.every": 0, "sample.every": 0, "checkpoint.every": 0,
                                  "checkpoint.final": False, "seed": run.seed, **plan.overrides}
     if plan.quick:  # tiny widths at the size's depth, so the recipes' routes fit
@@ -224,7 +243,11 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-METHOD_FIELDS = ("routes", "dar")  # what a method changes in a recipe
+METHOD_FIELDS = ("routes", "dar", "stages")  # what a method changes in a recipe (stages: SPRINT's rates by step)
+# Fields TrainConfig gained after runs were made: hashed only where a recipe sets them (not at their default), so
+# the dump, and so both hashes, of every run made before a field existed stay what they were; a config without
+# the field at all hashes the same way.
+LATER_FIELDS = ("stages",)
 UNCOMPARED = ("seed", "data.cache_dir")  # what differs between seeds, or says only where files live
 
 
@@ -233,7 +256,10 @@ def recipe_digests(config: TrainConfig) -> dict[str, str]:
     backbone), and ``method``, the method's fields (the same for every seed of a method)."""
     data = config.model_dump(mode="json")
     del data["seed"], data["data"]["cache_dir"]
-    method = {key: data.pop(key) for key in METHOD_FIELDS}
+    for key in LATER_FIELDS:
+        data.pop(key, None)
+    data.update(config.model_dump(mode="json", include=set(LATER_FIELDS), exclude_defaults=True))
+    method = {key: data.pop(key) for key in METHOD_FIELDS if key in data}
     return {"recipe": _sha(json.dumps(data, sort_keys=True).encode()),
             "method": _sha(json.dumps(method, sort_keys=True).encode())}
 
@@ -367,13 +393,19 @@ def _canonical_code(code: dict[str, str], same_code: list[dict]) -> dict[str, st
     return {path: first.get((path, digest), digest) for path, digest in code.items()}
 
 
+def _listed(names: Iterable[str]) -> str:
+    """``a, b and c``."""
+    *rest, last = names
+    return f"{', '.join(rest)} and {last}" if rest else last
+
+
 def conflicts(results: list[dict], same_code: list[dict] = ()) -> list[str]:
     """One line per fingerprint part on which runs of one backbone disagree, naming the files on each side, and
     for a recipe the fields; code hashes declared equal in ``same_code`` agree. Empty when they may be merged."""
     lines = []
     for group in dict.fromkeys(r["group"] for r in results):
         runs = [r for r in results if r["group"] == group]
-        line = _recipe_conflict(runs, "recipe", "recipe (all but routes and dar)")
+        line = _recipe_conflict(runs, "recipe", f"recipe (all but {_listed(METHOD_FIELDS)})")
         if line:
             lines.append(f"{group}: {line}")
         for part, fix in GROUP_PARTS.items():
@@ -386,7 +418,8 @@ def conflicts(results: list[dict], same_code: list[dict] = ()) -> list[str]:
             if len(sides) > 1:
                 lines.append(f"{group}: " + _describe(f"code {path}", sides))
         for method in dict.fromkeys(r["method"] for r in runs):
-            line = _recipe_conflict([r for r in runs if r["method"] == method], "method", f"{method}'s routes and dar")
+            line = _recipe_conflict([r for r in runs if r["method"] == method], "method",
+                                    f"{method}'s {_listed(METHOD_FIELDS)}")
             if line:
                 lines.append(f"{group}: {line}")
     return lines
@@ -528,33 +561,72 @@ def at(result: dict, x_key: str, x: float, y_key: str) -> float:
     return float(np.interp(x, xs, ys))
 
 
-def seconds_to_reach(result: dict, target: float) -> float | None:
-    """The training seconds at which the run's FD first reaches target, interpolated (log FD) between the
-    evaluation before and the first at or below it; None when no evaluation reaches it."""
+# The quality levels the report times every run to (how: `seconds_to_level`). They sit on the steep part of the
+# curves: on DiT-B/2 (MNIST-5k) FD falls from ~200 to ~1 and accuracy rises from chance to 0.9 within two minutes
+# of training, and there a method that learns faster arrives seconds earlier in every seed. FD 10 and accuracy
+# 0.5: the samples have become digits; FD 3 and accuracy 0.9: nearly as good as they get here. Further on, the
+# curves flatten onto the data set's floor (FD ~1, where one run's own evaluations move by a fifth) and accuracy's
+# ceiling, and a time of arrival there, or a value at the end, is mostly noise.
+LEVELS: tuple[tuple[str, float], ...] = (("fd", 10.0), ("fd", 3.0), ("accuracy", 0.5), ("accuracy", 0.9))
+# A group none of whose runs ever scores an accuracy above this (chance is 0.1 on ten classes) stops training before
+# its models draw digits: its figures describe only the first minutes of training, and the report says so.
+CHANCE_BOUND = 0.2
+
+
+def level_name(key: str, level: float) -> str:
+    """``FD ≤ 10``, ``accuracy ≥ 0.9``: which way a level is reached."""
+    return f"FD ≤ {level:g}" if key == "fd" else f"accuracy ≥ {level:g}"
+
+
+def seconds_to_level(result: dict, key: str, level: float) -> float | None:
+    """The training seconds at which the run first reaches level: FD at or below it, accuracy at or above it.
+    Between the last evaluation short of it and the first that reaches it, the value is taken to move linearly in
+    training seconds (FD linearly in its logarithm, as in `at`: it falls by factors). Where the first evaluation
+    already reaches it, that evaluation's seconds: the crossing came no later, and no earlier one was measured.
+    None where no evaluation reaches it."""
+    scale = math.log if key == "fd" else float
     evals = result["evals"]
     for i, e in enumerate(evals):
-        if e["fd"] <= target:
+        if (e[key] <= level) if key == "fd" else (e[key] >= level):
             if i == 0:
                 return e["train_seconds"]
             before = evals[i - 1]
-            share = (math.log(before["fd"]) - math.log(target)) / (math.log(before["fd"]) - math.log(e["fd"]))
+            share = (scale(before[key]) - scale(level)) / (scale(before[key]) - scale(e[key]))
             return before["train_seconds"] + share * (e["train_seconds"] - before["train_seconds"])
     return None
 
 
+def _levels(runs: list[dict], vanilla: dict[int, dict]) -> list[dict]:
+    """Per level of LEVELS: each seed's seconds to it (None: not reached), their spread over the seeds that
+    reached it and how many did, how many already at the first evaluation, and against vanilla's run of the same
+    seed (same data order) how many arrived sooner and how many later (a run that never arrives is later than
+    one that does)."""
+    found = []
+    for key, level in LEVELS:
+        mine = [seconds_to_level(r, key, level) for r in runs]
+        pairs = [(s, seconds_to_level(vanilla[r["seed"]], key, level)) for r, s in zip(runs, mine) if r["seed"] in vanilla]
+        found.append({
+            "key": key, "level": level, "name": level_name(key, level), "per_seed": mine,
+            "seconds": spread(s for s in mine if s is not None), "reached": sum(s is not None for s in mine),
+            "at_first_evaluation": sum(s == r["evals"][0]["train_seconds"] for r, s in zip(runs, mine)),
+            "pairs": len(pairs),
+            "sooner": sum(s is not None and (v is None or s < v) for s, v in pairs),
+            "later": sum(v is not None and (s is None or v < s) for s, v in pairs)})
+    return found
+
+
 def summarise_group(group: Group, results: list[dict]) -> dict:
-    """Per method: throughput, FD and accuracy at the training second every run of the group reached, the
-    seconds to reach vanilla's FD there, and FD at equal steps against vanilla's run of the same seed."""
+    """Per method: throughput, the training seconds to each quality level (LEVELS) and their ratio to vanilla's,
+    FD and accuracy at the training second every run of the group reached, and FD at equal steps against vanilla's
+    run of the same seed. ``early``: no run of the group ever scored above CHANCE_BOUND."""
     results = [r for r in results if r["group"] == group.name]
     when = min(r["evals"][-1]["train_seconds"] for r in results)
     vanilla = {r["seed"]: r for r in results if r["method"] == "vanilla"}
-    target = statistics.fmean(at(r, "train_seconds", when, "fd") for r in vanilla.values()) if vanilla else None
     methods = {}
     for method in group.methods:
         runs = [r for r in results if r["method"] == method]
         if not runs:
             continue
-        reach = [seconds_to_reach(r, target) for r in runs] if target is not None else []
         pairs = [(r, vanilla[r["seed"]]) for r in runs if r["seed"] in vanilla]
         steps = [min(r["evals"][-1]["step"], v["evals"][-1]["step"]) for r, v in pairs]
         fd_at_step = [at(r, "step", s, "fd") for (r, _), s in zip(pairs, steps)]
@@ -565,23 +637,26 @@ def summarise_group(group: Group, results: list[dict]) -> dict:
             "first_step_seconds": spread(r["first_step_seconds"] for r in runs),
             "wall_seconds": spread(r["wall_seconds"] for r in runs),
             "out_of_time": [r["file"] for r in runs if r["out_of_time"]],
+            "levels": _levels(runs, vanilla),
             "fd": spread(at(r, "train_seconds", when, "fd") for r in runs),
             "accuracy": spread(at(r, "train_seconds", when, "accuracy") for r in runs),
-            "seconds_to_target": spread(s for s in reach if s is not None),
-            "reached": sum(s is not None for s in reach),
+            "best_accuracy": spread(max(e["accuracy"] for e in r["evals"]) for r in runs),
             "lower_fd_than_vanilla": sum(at(r, "train_seconds", when, "fd") < at(v, "train_seconds", when, "fd")
                                          for r, v in pairs),
             "pairs": len(pairs),
             "equal_steps": {"step": spread(steps), "fd": spread(fd_at_step), "vanilla_fd": spread(vanilla_at_step),
                             "ratio": spread(a / b for a, b in zip(fd_at_step, vanilla_at_step)),
                             "lower": sum(a < b for a, b in zip(fd_at_step, vanilla_at_step))} if pairs else None}
-    # the speed-up compares first arrivals at one FD: vanilla's curve need not fall monotonically (its FD at the
-    # common second may be one it first reached earlier), so its own arrival, not the common second, is the base
-    base = methods.get("vanilla", {}).get("seconds_to_target") or {}
+    # × vanilla's seconds only where every seed of both arrived: a mean over the seeds that made it would leave out
+    # the slowest, and flatter whichever method lost more of them
+    base = methods.get("vanilla")
     for m in methods.values():
-        hit = m["seconds_to_target"]
-        m["speedup"] = base["mean"] / hit["mean"] if base.get("mean") and hit and hit["mean"] else None
-    return {"title": group.title, "seconds": when, "target_fd": target, "methods": methods}
+        for mine, theirs in zip(m["levels"], base["levels"] if base else [None] * len(LEVELS)):
+            whole = theirs and mine["reached"] == len(m["seeds"]) and theirs["reached"] == len(base["seeds"])
+            mine["ratio"] = mine["seconds"]["mean"] / theirs["seconds"]["mean"] if whole else None
+    best = max(e["accuracy"] for r in results for e in r["evals"])
+    return {"title": group.title, "seconds": when, "best_accuracy": best, "early": best < CHANCE_BOUND,
+            "methods": methods}
 
 
 def _num(value: float) -> str:
@@ -603,6 +678,25 @@ def _ratio(value: float) -> str:
     return f"{value:.2f}"
 
 
+def _arrival(level: dict, seeds: int, unit: str = "") -> str:
+    """A method's seconds to a level: mean (min–max) over the seeds that reached it, with their count where some
+    did not; '≤' where a seed reached it at the first evaluation; 'not reached' where none did."""
+    if not level["reached"]:
+        return f"not reached (0 of {seeds} seed{'s' if seeds > 1 else ''})"
+    text = ("≤ " if level["at_first_evaluation"] else "") + _fmt(level["seconds"], _secs) + unit
+    return text if level["reached"] == seeds else f"{text}, {level['reached']} of {seeds} seeds"
+
+
+def _against(mine: dict, theirs: dict, seeds: int, base_seeds: int) -> str:
+    """``FD ≤ 10: 203 (187–226) s vs vanilla's 260 (260–261) s (0.78×)``."""
+    return (f"{mine['name']}: {_arrival(mine, seeds, ' s')} vs vanilla's {_arrival(theirs, base_seeds, ' s')}"
+            + (f" ({_times(mine)})" if mine["ratio"] is not None else ""))
+
+
+def _times(level: dict) -> str:
+    return "-" if level["ratio"] is None else f"{level['ratio']:.2f}×"
+
+
 def _verdict(lower: int, pairs: int) -> str:
     """'wins' or 'loses' where every seed pair says so (lower, or higher, than vanilla's run of the same seed), else
     'is not settled': a verdict on the means alone would call one lucky seed a win."""
@@ -611,17 +705,47 @@ def _verdict(lower: int, pairs: int) -> str:
     return "wins" if lower == pairs else "loses" if lower == 0 else "is not settled"
 
 
+def _level_verdict(m: dict) -> str:
+    """Per training second: 'wins' where every seed reaches every level sooner than vanilla's run of the same seed,
+    'loses' where every one arrives later, else 'is not settled'."""
+    pairs = sum(level["pairs"] for level in m["levels"])
+    if not pairs:
+        return _verdict(0, 0)
+    sooner, later = sum(level["sooner"] for level in m["levels"]), sum(level["later"] for level in m["levels"])
+    return "wins" if sooner == pairs else "loses" if later == pairs else "is not settled"
+
+
 def _seeds(lower: int, pairs: int) -> str:
     return f"lower in {lower} of {pairs} seed{'s' if pairs > 1 else ''}"
 
 
+def _reached_levels(group: dict) -> str:
+    """'none reaches any level (...)', or which levels some run of the group reaches."""
+    reached = [name for name in (level_name(k, v) for k, v in LEVELS)
+               if any(level["name"] == name and level["reached"] for m in group["methods"].values()
+                      for level in m["levels"])]
+    if not reached:
+        return f"none reaches any level ({', '.join(level_name(k, v) for k, v in LEVELS)})"
+    return f"of the levels only {', '.join(reached)} {'is' if len(reached) == 1 else 'are'} reached"
+
+
+def _early(group: dict) -> str:
+    """The plain sentence for a group that stopped before any run left chance accuracy."""
+    return (f"{group['title']}: only the first minutes of training. Of its runs {_reached_levels(group)}, "
+            f"and no run's accuracy rises above {CHANCE_BOUND:g} at any evaluation (best "
+            f"{group['best_accuracy']:.3g}; chance is 0.1 on ten classes): training stops before the models draw "
+            "digits, so these figures say how training starts, not how well a method trains.")
+
+
 def findings(summary: dict) -> list[str]:
-    """Each method against vanilla on each backbone, in words: where it wins and where it loses, per training
-    second and per step. Computed from the summary, nothing written by hand."""
+    """Each method against vanilla on each backbone, in words: the seconds to each level and their ratio to
+    vanilla's, the values at the end, per step. Computed from the summary, nothing written by hand."""
     lines = []
     for group in summary["groups"].values():
         base = group["methods"].get("vanilla")
         when = group["seconds"]
+        if group["early"]:
+            lines.append(_early(group))
         for method, m in group["methods"].items():
             if method == "vanilla":
                 continue
@@ -629,44 +753,44 @@ def findings(summary: dict) -> list[str]:
             if base is None:
                 lines.append(f"{label}: no vanilla run yet, nothing to compare with.")
                 continue
-            lower = m["lower_fd_than_vanilla"]
-            text = (f"{label} {_verdict(lower, m['pairs'])} per training second: FD {_fmt(m['fd'])} vs vanilla "
-                    f"{_fmt(base['fd'])} at {_secs(when)} s, {_seeds(lower, m['pairs'])}")
-            if m["reached"]:
-                text += (f"; it reaches vanilla's FD in {_fmt(m['seconds_to_target'], _secs)} s (vanilla first in "
-                         f"{_fmt(base['seconds_to_target'], _secs)} s), {m['speedup']:.2f}× as fast as vanilla "
-                         f"({m['reached']} of {len(m['seeds'])} seeds reach it)")
+            lower, n = m["lower_fd_than_vanilla"], len(m["seeds"])
+            end = (f"FD {_fmt(m['fd'])} vs vanilla {_fmt(base['fd'])}, {_seeds(lower, m['pairs'])}; "
+                   f"accuracy {_fmt(m['accuracy'])} vs vanilla {_fmt(base['accuracy'])}")
+            if group["early"]:
+                text = f"{label}, first minutes only: at {_secs(when)} s, {end}."
             else:
-                text += f"; no seed of it reaches vanilla's FD within {_secs(when)} s ({len(m['seeds'])} run)"
-            text += f". Accuracy {_fmt(m['accuracy'])} vs vanilla {_fmt(base['accuracy'])}."
-            if method == "tread":
-                text += " " + _tread_bar(m)
+                arrivals = "; ".join(_against(mine, theirs, n, len(base["seeds"]))
+                                     + f", sooner in {mine['sooner']} of {mine['pairs']} seeds"
+                                     for mine, theirs in zip(m["levels"], base["levels"]))
+                text = f"{label} {_level_verdict(m)} per training second: {arrivals}. At {_secs(when)} s: {end}."
+                if method == "tread":
+                    text += " " + _tread_bar(m)
             steps = m["equal_steps"]
             if steps:
-                text += (f" Per step it {_verdict(steps['lower'], m['pairs'])}: FD {_fmt(steps['fd'])} vs vanilla "
+                verdict = "in these minutes" if group["early"] else f"it {_verdict(steps['lower'], m['pairs'])}"
+                text += (f" Per step {verdict}: FD {_fmt(steps['fd'])} vs vanilla "
                          f"{_fmt(steps['vanilla_fd'])} at equal steps (step {_fmt(steps['step'], _secs)}), "
                          f"ratio {_fmt(steps['ratio'], _ratio)}, {_seeds(steps['lower'], m['pairs'])}.")
             lines.append(text)
     return lines
 
 
-TREAD_BAR = 0.7  # the study's question: does TREAD reach vanilla's FD in at most this share of its seconds?
+TREAD_BAR = 0.7  # the study's question: does TREAD reach each level in at most this share of vanilla's seconds?
 
 
 def _tread_bar(m: dict) -> str:
-    """TREAD against the study's bar, every seed counted: one that never reaches vanilla's FD fails it."""
-    n = len(m["seeds"])
-    if not m["reached"]:
-        return f"The study's bar (vanilla's FD in ≤ {TREAD_BAR:.2f}× vanilla's seconds): not met, no seed reaches it."
-    share = 1 / m["speedup"]
-    met = share <= TREAD_BAR and m["reached"] == n
-    missed = "" if m["reached"] == n else f", and {n - m['reached']} of {n} seeds never reach it"
-    return (f"The study's bar (vanilla's FD in ≤ {TREAD_BAR:.2f}× vanilla's seconds): {share:.2f}×{missed}, "
-            f"{'met' if met else 'not met'}.")
+    """TREAD against the study's bar at each level, every seed counted: a level some seed never reaches fails it."""
+    shares = ", ".join(f"{level['name']} {_times(level)}" for level in m["levels"])
+    met = [level["name"] for level in m["levels"] if level["ratio"] is not None and level["ratio"] <= TREAD_BAR]
+    where = ("met at every level" if len(met) == len(m["levels"]) else f"met at {', '.join(met)} only" if met
+             else "met at no level")
+    return (f"The study's bar (each level in ≤ {TREAD_BAR:.2f}× vanilla's seconds, every seed reaching it): "
+            f"{shares}; {where}.")
 
 
 def headline(summary: dict, plan: Study) -> str:
-    """The sentence the README quotes: TREAD against vanilla on each backbone that has both, with seed counts."""
+    """The sentence the README quotes: TREAD against vanilla on each backbone that has both, the seconds to each
+    level with their ratio, or, where the runs stop at chance accuracy, that they show only the first minutes."""
     parts = []
     for group in summary["groups"].values():
         tread, base = group["methods"].get("tread"), group["methods"].get("vanilla")
@@ -674,19 +798,20 @@ def headline(summary: dict, plan: Study) -> str:
             continue
         n, when = len(tread["seeds"]), group["seconds"]
         seeds = f"{n} seed{'s' if n > 1 else ''} of TREAD, {len(base['seeds'])} of vanilla"
-        if tread["reached"]:
-            reached = "all reach it" if tread["reached"] == n else f"{tread['reached']} of {n} reach it"
-            parts.append(f"on {group['title']}, TREAD reaches the FD vanilla has after {_secs(when)} training seconds "
-                         f"({_num(base['fd']['mean'])}) in {_fmt(tread['seconds_to_target'], _secs)} s, vanilla first "
-                         f"in {_fmt(base['seconds_to_target'], _secs)} s: {tread['speedup']:.2f}× as fast "
-                         f"({seeds}; {reached})")
-        else:
-            parts.append(f"on {group['title']}, TREAD does not reach vanilla's FD within {_secs(when)} training "
-                         f"seconds: FD {_fmt(tread['fd'])} vs {_fmt(base['fd'])} ({seeds})")
+        if group["early"]:
+            parts.append(f"on {group['title']} every run is still at chance accuracy when it stops (best "
+                         f"{group['best_accuracy']:.3g}) and {_reached_levels(group)}, so its figures measure only the "
+                         f"first minutes of training (FD at {_secs(when)} s: TREAD {_fmt(tread['fd'])}, vanilla "
+                         f"{_fmt(base['fd'])}; {seeds})")
+            continue
+        arrivals = ", ".join(_against(mine, theirs, n, len(base["seeds"]))
+                             for mine, theirs in zip(tread["levels"], base["levels"]))
+        parts.append(f"on {group['title']} ({seeds}), TREAD's {arrivals}")
     if not parts:
         return "No headline yet: no backbone has both a vanilla and a TREAD run."
     where = "--quick: tiny models on synthetic data, no evidence" if plan.quick else "MNIST-5k, one H200 per run"
-    return f"Convergence per training second ({where}): " + "; ".join(parts) + "."
+    return (f"Convergence per training second ({where}), training seconds to fixed quality levels, TREAD against "
+            "vanilla (× vanilla's seconds): " + "; ".join(parts) + ".")
 
 
 def plan_table(plan: Study, done: dict[str, dict]) -> list[str]:
@@ -699,25 +824,36 @@ def plan_table(plan: Study, done: dict[str, dict]) -> list[str]:
                       f"commit {result['machine']['commit'][:7]}"
                       + (", out of time" if result["out_of_time"] else ""))
         else:
-            status = "**next**" if missing and run == missing[0] else "missing"
+            status = ("**next**" if missing and run == missing[0] else "missing") + (
+                "" if run.recipe.exists() else f" (no recipe yet: {run.recipe.relative_to(REPO)})")
         lines.append(f"| {number} | {run.name} | {run.group.budget_s:g} | {run.group.evals} (every "
                      f"{run.group.eval_every_s:g} s) | {run.group.planned_wall_s:.0f} | {status} |")
     return lines
 
 
-def group_table(group: dict) -> list[str]:
+def level_table(group: dict) -> list[str]:
+    """Per method: the training seconds to each level with their ratio to vanilla's, and the values at the end."""
     when = group["seconds"]
-    lines = [f"| method | seeds | steps | steps/s | first step (s) | wall (s) | FD at {_secs(when)} s | accuracy at "
-             f"{_secs(when)} s | s to vanilla's FD | reached | speed-up | FD at equal steps / vanilla's |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | seeds | " + " | ".join(f"s to {level_name(k, v)}" for k, v in LEVELS)
+             + f" | FD at {_secs(when)} s | accuracy at {_secs(when)} s |",
+             "|---|---|" + "---:|" * (len(LEVELS) + 2)]
     for method, m in group["methods"].items():
-        hit = m["seconds_to_target"]
-        speedup = f"{m['speedup']:.2f}×" if m["speedup"] else "-"
+        cells = [_arrival(level, len(m["seeds"])) + (f"; {_times(level)}" if level["ratio"] is not None else "")
+                 for level in m["levels"]]
+        lines.append(f"| {LABELS[method]} | {', '.join(map(str, m['seeds']))} | {' | '.join(cells)} | "
+                     f"{_fmt(m['fd'])} | {_fmt(m['accuracy'])} |")
+    return lines
+
+
+def group_table(group: dict) -> list[str]:
+    """Per method: steps and their rate, the first step, wall time, and FD at equal steps against vanilla's."""
+    lines = ["| method | seeds | steps | steps/s | first step (s) | wall (s) | FD at equal steps / vanilla's |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for method, m in group["methods"].items():
         ratio = _fmt(m["equal_steps"]["ratio"], _ratio) if m["equal_steps"] else "-"
         lines.append(f"| {LABELS[method]} | {', '.join(map(str, m['seeds']))} | {_fmt(m['steps'], _secs)} | "
                      f"{_fmt(m['steps_per_s'], lambda v: f'{v:.2f}')} | {_fmt(m['first_step_seconds'], _secs)} | "
-                     f"{_fmt(m['wall_seconds'], _secs)} | {_fmt(m['fd'])} | {_fmt(m['accuracy'])} | "
-                     f"{_fmt(hit, _secs)} | {m['reached']}/{len(m['seeds'])} | {speedup} | {ratio} |")
+                     f"{_fmt(m['wall_seconds'], _secs)} | {ratio} |")
     return lines
 
 
@@ -754,22 +890,31 @@ def markdown(data: dict, plan: Study) -> str:
         lines += ["## Findings", "", *(f"- {line}" for line in data["findings"]), ""]
     for name, group in summary["groups"].items():
         spec = next(g for g in plan.groups if g.name == name)
-        lines += [f"## {group['title']}", "",
+        lines += [f"## {group['title']}", "", *([f"**{_early(group)}**", ""] if group["early"] else []),
                   f"{spec.budget_s:g} training seconds per run, {spec.evals} evaluations (every {spec.eval_every_s:g} s). "
-                  f"FD and accuracy are read at {_secs(group['seconds'])} s, the training second every run below reached"
-                  + (f"; vanilla's FD there (its mean over seeds) is {_num(group['target_fd'])}." if group["target_fd"]
-                     else "."), "", *group_table(group), ""]
+                  f"Training seconds to each level, mean (min–max) over seeds, and × vanilla's; FD and accuracy at "
+                  f"the end are read at {_secs(group['seconds'])} s, the training second every run below reached.", "",
+                  *level_table(group), "", *group_table(group), ""]
     lines += ["## How it is measured", "",
               "- Training seconds exclude evaluation and the first step (compilation); every curve is also drawn "
               "against steps. FD: Fréchet distance in the feature classifier's 128-d features to the held-out test "
               "split (lower is better); accuracy: the classifier agrees with the sampled class; EMA weights, guidance "
               "and ODE steps as in each recipe; the same classifier (pinned), labels and sampling noise for every run.",
               "- Values are the mean across seeds with (min–max) when there are several. A run's value at a training "
-              "second or step is interpolated between its evaluations (FD in log space). Seconds to vanilla's FD: "
-              "where the run's FD first reaches vanilla's mean FD at the common second; speed-up: vanilla's own "
-              "first arrival there divided by the run's (vanilla's FD need not fall monotonically). FD at equal "
-              "steps / vanilla's: against vanilla's run of the same seed (same data order), "
-              "at the fewer of the two runs' steps.", ""]
+              "second or step is interpolated between its evaluations (FD in log space).",
+              "- Seconds to a level: the training second at which a run first reaches it (FD at or below it, "
+              "accuracy at or above it), interpolated between the evaluation before and the first that reaches it, "
+              "linearly in training seconds (FD linearly in its logarithm, as it falls by factors; accuracy "
+              "linearly). '≤' where a run already reaches it at its first evaluation (the crossing came no later); "
+              "'not reached' where no evaluation does, and a mean over the seeds that did, with their count, where "
+              "some did not. × vanilla's: the method's mean seconds over vanilla's, given only where every seed of "
+              "both reached the level. Sooner: against vanilla's run of the same seed (same data order). The levels "
+              f"({', '.join(level_name(k, v) for k, v in LEVELS)}) sit where the curves fall steeply (why: LEVELS "
+              "in benchmarks/convergence.py); a method is said to win per training second where every seed reaches "
+              f"every level sooner than vanilla's. A backbone none of whose runs ever scores above {CHANCE_BOUND:g} "
+              "accuracy (chance: 0.1) is said to show only the first minutes of training.",
+              "- FD at equal steps / vanilla's: against vanilla's run of the same seed (same data order), at the "
+              "fewer of the two runs' steps.", ""]
     extra = notes(results, data["same_code"])
     if extra:
         lines += ["## Notes", "", *extra, ""]
@@ -791,7 +936,8 @@ def _band(runs: list[dict], x_key: str, y_key: str) -> tuple[np.ndarray, np.ndar
 
 
 def plot(data: dict, path: Path) -> None:
-    """Per backbone (a row): FD and accuracy against training seconds and against steps, a band across seeds."""
+    """Per backbone (a row): FD and accuracy against training seconds and against steps, a band across seeds, and
+    the levels the report times (dashed)."""
     groups = list(data["summary"]["groups"])
     columns = [("train_seconds", "fd"), ("step", "fd"), ("train_seconds", "accuracy"), ("step", "accuracy")]
     with figure(path, len(groups), 4, figsize=(18, 4 * len(groups)), squeeze=False) as (fig, axes):
@@ -810,6 +956,11 @@ def plot(data: dict, path: Path) -> None:
                 axis = axes[row, col]
                 if x_key == "train_seconds":  # where the report reads every run
                     axis.axvline(when, color="gray", linestyle=":", linewidth=1)
+                for key, level in LEVELS:  # the levels the report times every run to
+                    if key == y_key:
+                        axis.axhline(level, color="gray", linestyle="--", linewidth=0.8)
+                        axis.text(1.0, level, f" {level:g}", transform=axis.get_yaxis_transform(), fontsize=8,
+                                  color="gray", va="center")
                 axis.set_xlabel("training seconds" if x_key == "train_seconds" else "steps")
                 axis.set_ylabel(f"{title}: " + ("FD (log)" if y_key == "fd" else "accuracy on samples"))
                 if y_key == "fd":

@@ -4,13 +4,16 @@
     routed.train()  # blocks 2..depth-4 see half the tokens (TREAD)
     routed.eval()   # the original forward, bit for bit
 
+SPRINT's sparse-dense fusion ends a route with `Route(..., fuse="sprint")`; `path_drop` runs such a model without
+the route's blocks (Path-Drop Guidance's weak pass); `set_rate` changes a route's rate between training stages.
+
 The package exports what a user calls; the rest lives in its own module: the plan a routed model carries
 (`routekit.model.report_of`, `routekit.decision.Plan`), the analysis (`routekit.findings.GraphReport`), the
 selector registry (`routekit.selectors`: `selector_names`, `uniform` for selectors of your own) and FSDP2's
 unit list (`routekit.sharding.fsdp_units`).
 """
 
-from .config import DAR, Route
+from .config import DAR, Fusion, Route
 from .errors import (
     AnalysisError,
     ConfigError,
@@ -24,14 +27,17 @@ from .errors import (
     TrainingChanged,
     VerificationError,
 )
+from .guidance import path_drop
 from .inspection import inspect
 from .model import FallbackWarning, apply, force_keep, last_route_mask, strip
 from .selectors import register_selector
 from .sharding import shard
+from .stages import set_rate
 from .verify import verify
 
 __all__ = [
-    "DAR", "Route", "apply", "force_keep", "inspect", "last_route_mask", "register_selector", "shard", "strip", "verify",
+    "DAR", "Fusion", "Route", "apply", "force_keep", "inspect", "last_route_mask", "path_drop", "register_selector",
+    "set_rate", "shard", "strip", "verify",
     "AnalysisError", "ConfigError", "FallbackWarning", "InferenceChanged", "InputError", "NonFiniteError",
     "RoutekitError", "RouteWarning", "SelectorError", "TraceError", "TrainingChanged", "VerificationError",
 ]

@@ -35,6 +35,35 @@ class _Config(BaseModel):
             raise ConfigError(f"invalid {type(self).__name__}: {problems}") from None
 
 
+class Fusion(_Config):
+    """SPRINT's end of a route (Park et al., "Sparse-Dense Residual Fusion for Efficient Diffusion Transformers").
+
+    Where TREAD's end puts the routed tokens back with their value at the route's start, a fused end puts the
+    blocks' output (the *deep* path) back at the kept positions, fills the others with a learned mask token, and
+    fuses that with the stream as it entered the route (the *dense* path) by one linear layer over their
+    concatenation, `Linear(cat([deep, dense]))` (2D → D), for every token, in training and in eval: a fused
+    route changes the model, as DAR does, and its parameters are the model's (`routekit.sprint.<k>.*`).
+
+    `path_drop`: in training, the share of samples whose whole deep output is replaced by mask tokens (SPRINT's
+    0.1): what teaches the model the weak pass `routekit.path_drop` runs at sampling (Path-Drop Guidance).
+    `init`: "sprint" starts the fusion as SPRINT pre-trains it (xavier-uniform weight, zero bias); "preserve"
+    starts it as the identity on the deep path (weight [I | 0], zero bias), so that a pretrained model fused at
+    rate 0 computes what it did (bit for bit in eval, where matmuls are exact on x·1 + y·0: CPU, bf16/fp32
+    without TF32), the start for fine-tuning one. The mask token starts at N(0, 0.02²) either way and trains.
+    """
+
+    path_drop: float = 0.1
+    init: Literal["sprint", "preserve"] = "sprint"
+
+    @field_validator("path_drop", mode="before")
+    @classmethod
+    def _share(cls, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            raise ValueError(f"path_drop is the share of samples whose deep path is dropped in training, in [0, 1) "
+                             f"(SPRINT's is 0.1); got {v!r}")
+        return float(v)
+
+
 class Route(_Config):
     """A TREAD token route: blocks `start..end` (inclusive) see only the kept tokens.
 
@@ -53,6 +82,10 @@ class Route(_Config):
     stream; negative positions count from the end); the selector picks among the other tokens and
     `rate` applies to those. None: the special tokens analysis finds (`inspect` lists them) are kept;
     [] routes every token alike.
+
+    `fuse`: how the route ends. None: TREAD's (the routed tokens rejoin with their start value). "sprint" or
+    `Fusion(path_drop=..., init=...)`: SPRINT's sparse-dense fusion (see `Fusion`), e.g.
+    `Route(start=2, end=-3, rate=0.75, fuse="sprint")`; such a route changes the model in eval too.
     """
 
     start: int | str
@@ -60,6 +93,17 @@ class Route(_Config):
     rate: float = 0.5
     selector: str = "random"
     keep: tuple[int, ...] | None = None
+    fuse: Fusion | None = None
+
+    @field_validator("fuse", mode="before")
+    @classmethod
+    def _fusion(cls, v):
+        if v == "sprint":
+            return Fusion()
+        if v is None or isinstance(v, (Fusion, dict)):
+            return v
+        raise ValueError(f"fuse is None (TREAD's end), 'sprint' or routekit.Fusion(path_drop=..., init=...); "
+                         f"got {v!r:.80}")
 
     @field_validator("start", "end", "rate", mode="before")
     @classmethod
@@ -195,7 +239,7 @@ def coerce_routes(routes, depth: int) -> list[Route]:
 def _warn_unlikely(routes: list[Route], depth: int) -> None:
     """A `RouteWarning` for a route that routes nothing, or one over the whole stack."""
     for k, r in enumerate(routes):
-        if r.rate == 0:
+        if r.rate == 0 and r.fuse is None:  # a fused route at rate 0 still fuses: SPRINT's fine-tuning stage
             warnings.warn(f"route {k} ({r.start}→{r.end}) has rate=0: it routes no token, and training costs what it "
                           "did; TREAD routes half (rate=0.5)", RouteWarning, stacklevel=4)
         ends = (r.start, r.end)

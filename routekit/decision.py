@@ -87,6 +87,17 @@ class Plan:
         return self.measured_grid is not None or any(p.keep for p in self.placed)
 
     @property
+    def fused(self) -> tuple[int, ...]:
+        """The routes (by number) that end with SPRINT's fusion (`Route.fuse`), not TREAD's restore."""
+        return tuple(k for k, r in enumerate(self.placed) if r.route.fuse is not None)
+
+    @property
+    def changes_model(self) -> bool:
+        """Whether the routed model computes something else than the original in eval too: DAR's aggregations, or
+        a fused route's end (both hold parameters the model trains). Its eval runs a program of its own."""
+        return self.dar is not None or bool(self.fused)
+
+    @property
     def routes(self) -> list[Route]:
         """The routes as the user gave them."""
         return [p.route for p in self.placed]

@@ -27,6 +27,7 @@ from .dar import DarState
 from .decision import Plan
 from .errors import ConfigError, InputError, NonFiniteError, TraceError
 from .findings import GraphReport
+from .fusion import FusedEnd
 from .guards import assigned_attributes
 from .hooks import Hooks
 from .placing import STATE
@@ -88,14 +89,19 @@ def observe(model: nn.Module, args: tuple, kwargs: dict, *, mode: Mode = "auto",
 # ---- the routing installed on a model ------------------------------------------------------------------------
 
 class RoutekitState(nn.Module):
-    """Everything routekit adds to a model, under one name: route selectors and DAR's queries. A submodule of the
-    model only with DAR (whose queries are parameters the model trains and saves); with routes alone a plain
-    attribute, so the model's modules, `state_dict` and `repr` are the user's."""
+    """Everything routekit adds to a model, under one name: route selectors, fused routes' ends (`sprint`, by
+    route number) and DAR's queries. A submodule of the model only where it holds parameters the model trains
+    and saves (DAR, fused routes); with TREAD's routes alone a plain attribute, so the model's modules,
+    `state_dict` and `repr` are the user's."""
 
-    def __init__(self, plan: Plan, dar: DarState | None = None):
+    def __init__(self, plan: Plan, dar: DarState | None = None, like: nn.Module | None = None):
         super().__init__()
         grid = plan.grid if plan.grid_given else None
         self.routes = nn.ModuleList([RouteSelect(r.route, r.keep, grid, r.shared) for r in plan.placed])
+        if plan.fused:
+            self.sprint = nn.ModuleDict({
+                str(k): FusedEnd(plan.placed[k].route.fuse, plan.report.stack_of(plan.placed[k].end).stream.shape[-1],
+                                 like=like) for k in plan.fused})
         if dar is not None:
             self.dar = dar
         self.register_load_state_dict_post_hook(_optional)
@@ -128,8 +134,8 @@ class Routing:
 
     def __call__(self, *args, **kwargs):
         model, plan = self.model, self.plan
-        if self.suspended or (not model.training and plan.dar is None):
-            return self.original(*args, **kwargs)  # routes are training-only: the original forward
+        if self.suspended or (not model.training and not plan.changes_model):
+            return self.original(*args, **kwargs)  # TREAD's routes are training-only: the original forward
         out = self.executor(model, args, kwargs)
         if self.check_finite:
             _check_finite(out, plan)
@@ -144,7 +150,9 @@ class Routing:
 
     def __repr__(self) -> str:
         routes = ", ".join(f"{r.start}→{r.end}" for r in self.plan.placed) or "none"
-        return f"<routekit routing of {type(self.model).__name__}: routes {routes}{', DAR' if self.plan.dar else ''}>"
+        fused = f", fused {', '.join(map(str, self.plan.fused))}" if self.plan.fused else ""
+        return (f"<routekit routing of {type(self.model).__name__}: routes {routes}{fused}"
+                f"{', DAR' if self.plan.dar else ''}>")
 
 
 def routing_of(model: Any) -> Routing | None:
@@ -183,10 +191,12 @@ def install(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tuple
     dar = None
     if plan.dar is not None:
         dar = DarState(plan.dar.config, plan.dar.points, plan.report.stream.shape[2], like=model)
-    state = RoutekitState(plan, dar)
+    state = RoutekitState(plan, dar, like=model)
     for select in state.routes:
         select.generator = generator
-    if dar is not None:
+    for end in getattr(state, "sprint", {}).values():
+        end.generator = generator
+    if plan.changes_model:
         model.add_module(STATE, state)
     else:  # no parameters: an attribute, not a submodule (the model's modules and state_dict stay the user's)
         object.__setattr__(model, STATE, state)
@@ -201,8 +211,9 @@ def install(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tuple
             executor.program(model, *example, seed=build_program(tr, plan, model, True))
         else:
             executor.attach(model, list(state.routes), routing.original)
-    if tr is not None and plan.dar is not None:
-        # DAR's eval forward is a program too (routes alone evaluate with the original forward): built now, so a
+    if tr is not None and plan.changes_model:
+        # the eval forward of a model DAR or a fused route changed is a program too (TREAD's routes alone evaluate
+        # with the original forward): built now, so a
         # trace that fails says so at apply, and a first evaluation under torch.compile(fullgraph=True), where
         # building it would be a graph break, finds it ready
         with training_mode(model, False):
@@ -290,11 +301,13 @@ def _unwrapped(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise InputError(f"routekit.apply takes an nn.Module, got {type(model).__name__}")
     routing = routing_of(model)
-    if routing is not None and routing.plan.dar is not None:
+    if routing is not None and routing.plan.changes_model:
+        what = "DAR, which changed the model (its aggregations and their queries)" if routing.plan.dar else \
+            "fused routes, which changed the model (their mask tokens and fusions)"
         raise ConfigError(
-            f"this {type(model).__name__} has DAR, which changed the model (its aggregations and their queries): "
-            "applying again would drop them; call routekit.strip(model, drop_dar=True) first to start from the "
-            "model without DAR"
+            f"this {type(model).__name__} has {what}: applying again would drop them; to change a route's rate "
+            "between training stages call routekit.set_rate(model, rate); to start over, "
+            "routekit.strip(model, drop_learned=True) first"
         )
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise InputError(
@@ -379,16 +392,20 @@ def _check_finite(out, plan: Plan) -> None:
             )
 
 
-def strip(routed: nn.Module, *, drop_dar: bool = False) -> nn.Module:
+def strip(routed: nn.Module, *, drop_learned: bool = False) -> nn.Module:
     """Take the routes off a model `apply` routed, in place, and return it: its forward is the original again,
-    in every mode. A model trained with DAR computes something else without its aggregations: that is refused
-    unless `drop_dar=True` says to drop them (and their trained queries)."""
+    in every mode. A model trained with DAR or fused routes computes something else without them: that is
+    refused unless `drop_learned=True` says to drop them (DAR's queries, the fusions and mask tokens)."""
     model, routing = routed_model(routed, "strip")
-    if routing.plan.dar is not None and not drop_dar:
+    plan = routing.plan
+    if plan.changes_model and not drop_learned:
+        what = f"DAR ({plan.dar.points} aggregations in place of its residual adds)" if plan.dar else \
+            f"fused routes ({', '.join(f'{plan.placed[k].start}→{plan.placed[k].end}' for k in plan.fused)}: " \
+            "SPRINT's mask tokens and fusions)"
         raise ConfigError(
-            f"this model has DAR ({routing.plan.dar.points} aggregations in place of its residual adds): "
-            "without them it computes something else, so strip would drop what it learned; keep the routed model "
-            "(its eval runs DAR), or pass strip(model, drop_dar=True) to get the model without DAR anyway"
+            f"this model has {what}: without them it computes something else, so strip would drop what it "
+            "learned; keep the routed model (its eval runs them), or pass strip(model, drop_learned=True) to get the "
+            "original model anyway"
         )
     uninstall(model)
     return routed

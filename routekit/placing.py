@@ -16,15 +16,20 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .decision import Plan, RoutePlan
+from .errors import ConfigError
 from .findings import BlockInfo, Gather
 from .graphs import between, descends, slot_value, slots
-from .routing import gather_tokens, joined_index, joined_stream, route_side, scatter_tokens, static_tokens
+from .routing import every_token, gather_tokens, joined_index, joined_stream, route_side, scatter_tokens, static_tokens
 
-STATE = "routekit"  # the one submodule routekit adds to a model: route selectors and DAR's parameters
+STATE = "routekit"  # the one submodule routekit adds to a model: route selectors, fused ends, DAR's parameters
 
 
-def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> dict[int, tuple[fx.Node, fx.Node]]:
-    """Insert `routes` into `graph` in place; route k calls the module `routekit.routes.k`.
+def place_routes(graph: fx.Graph, plan: Plan, selected: bool, dropping: bool = False) -> dict[int, tuple[fx.Node, fx.Node]]:
+    """Insert the plan's routes into `graph` in place; route k calls the module `routekit.routes.k`.
+
+    `selected`: every route, with the tokens its selector keeps (training). Otherwise only the fused routes
+    (`Route.fuse`), keeping every token: their end changes the model, so it runs in eval too. `dropping`: the
+    fused routes run without their blocks (`routekit.path_drop`), their end fusing mask tokens with the stream.
 
     A route that crosses from one stack into the next goes on through the owner's code between them, on the kept
     tokens: that code joins them with what it adds (text in front), the next stack's index is the kept positions
@@ -34,19 +39,28 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
     the kept tokens where a block of the route reads it, and is put back like the stream elsewhere: its routed
     tokens at their value at the route's start, as TREAD defines what a route hands on.
 
-    Returns, per route, its (index, scatter) nodes, where DAR hooks its history in.
+    Returns, per route placed with its selector, its (index, end) nodes, where DAR hooks its history in.
     """
     report = plan.report
     placed = {}
     by_name = {n.name: n for n in graph.nodes}
     grid_node = by_name.get(report.grid_node) if report.grid_node and not plan.grid_given else None
-    for k, route in enumerate(routes):
+    for k, route in enumerate(plan.placed):
+        fused = route.route.fuse is not None
+        if fused and dropping:
+            _drop_blocks(graph, k, route, report, by_name)
+            continue
+        if not selected and not fused:
+            continue
         blocks = report.blocks[route.start:route.end + 1]
         first = by_name[blocks[0].node]
         stream_in = slot_value(first, report.stack_of(route.start).stream_slot)
         with graph.inserting_before(first):
             grid = grid_node if grid_node is not None else plan.measured_grid
-            index = selected = graph.call_module(f"{STATE}.routes.{k}", (stream_in, grid, route.keep))
+            if selected:
+                index = chosen = graph.call_module(f"{STATE}.routes.{k}", (stream_in, grid, route.keep))
+            else:
+                index = chosen = graph.call_function(every_token, (stream_in,))
             kept = graph.call_function(gather_tokens, (stream_in, index))
         full, stack = stream_in, blocks[0].stack
         calls = [by_name[b.node] for b in blocks]  # what they return is the route's own: read inside as it is
@@ -91,8 +105,11 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                 back.append((by_name[block.stream_out], full, index))
         out = by_name[blocks[-1].stream_out]
         with graph.inserting_after(out):
-            scattered = graph.call_function(scatter_tokens, (full, index, out))
-        out.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
+            if fused:  # SPRINT's end: the deep path at the kept tokens, fused with the stream at the start
+                end = graph.call_module(f"{STATE}.sprint.{k}", (full, out, index))
+            else:  # TREAD's: the routed tokens rejoin with their value at the start
+                end = graph.call_function(scatter_tokens, (full, index, out))
+        out.replace_all_uses_with(end, delete_user_cb=lambda user, end=end: user is not end)
         for value, whole, at in back:  # read outside the route: put back like the stream
             readers = [u for u in value.users if u not in inside and not _routed_op(u)]
             if readers:
@@ -109,8 +126,44 @@ def place_routes(graph: fx.Graph, plan: Plan, routes: tuple[RoutePlan, ...]) -> 
                     whole = _whole(block, (item.args[1],), given, of_call) if readers else None
                     for user in readers:
                         user.replace_input_with(item, whole)
-        placed[k] = (selected, scattered)
+        if selected:
+            placed[k] = (chosen, end)
     return placed
+
+
+def _drop_blocks(graph: fx.Graph, k: int, route: RoutePlan, report, by_name: dict[str, fx.Node]) -> None:
+    """Fused route `k` without its blocks (`routekit.path_drop`): its end fuses mask tokens with the stream as it
+    entered the route, and every node computed from the blocks' calls goes, so they do not run. Refused where
+    something else reads what the blocks make (a joint block's text stream, a long skip, hidden states the
+    forward returns): without the blocks it does not exist."""
+    blocks = report.blocks[route.start:route.end + 1]
+    if blocks[0].stack != blocks[-1].stack:
+        raise ConfigError(
+            f"path_drop runs the model without route {k}'s blocks, and the route crosses from {blocks[0].qualname}'s "
+            f"stack into {blocks[-1].qualname}'s, where the owner joins tokens of its own (text) to the stream: "
+            "without the blocks that join is not made; Path-Drop Guidance needs a route within one stack")
+    first = by_name[blocks[0].node]
+    stream_in = slot_value(first, report.stack_of(route.start).stream_slot)
+    out = by_name[blocks[-1].stream_out]
+    with graph.inserting_after(out):
+        end = graph.call_module(f"{STATE}.sprint.{k}", (stream_in,))
+    out.replace_all_uses_with(end, delete_user_cb=lambda user: user is not end)
+    made = {first}  # what the blocks make: every node computed from the first one's call
+    for node in graph.nodes:
+        if any(n in made for n in node.all_input_nodes):
+            made.add(node)
+    for node in reversed(list(graph.nodes)):
+        if node in made and not node.users and node.op != "output":
+            graph.erase_node(node)
+    left = [b.qualname for b in blocks if b.node in {n.name for n in graph.nodes}]
+    if left:
+        raise ConfigError(
+            f"path_drop runs the model without route {k}'s blocks ({blocks[0].qualname} … {blocks[-1].qualname}), "
+            f"but the forward reads more of {left[0]}'s output than the stream the route's end replaces (a joint "
+            "block's text stream, a long skip into a later block, hidden states it returns), which without the "
+            "blocks does not exist. SPRINT's path drop replaces the deep path of the stream alone, so its weak pass "
+            "is defined for a span whose blocks hand on the stream alone (a joint model's text, processed by the "
+            "span in training, would skip it here)")
 
 
 def _whole(block: BlockInfo, path: tuple, given: dict, routed: dict) -> Any:
@@ -129,8 +182,9 @@ def _whole(block: BlockInfo, path: tuple, given: dict, routed: dict) -> Any:
 
 def _routed_op(node: fx.Node) -> bool:
     """A node a route inserted (its gathers, scatters, joins), which reads the route's values on purpose."""
-    return node.op == "call_function" and node.target in (gather_tokens, scatter_tokens, route_side, joined_stream,
-                                                          joined_index, static_tokens)
+    return (node.op == "call_function" and node.target in (gather_tokens, scatter_tokens, route_side, joined_stream,
+                                                           joined_index, static_tokens)) or \
+        (node.op == "call_module" and node.target.startswith(f"{STATE}.sprint."))
 
 
 def _set_slot(node: fx.Node, slot, value: fx.Node) -> None:

@@ -66,8 +66,27 @@ def make_plan(report: GraphReport, routes: list[Route], residual: DAR | None, pr
         planned.append(RoutePlan(route, start, end, keep, answer.kept, shared=answer.shared, shrink=shrink,
                                  stacks=stacks, kept_in=report.joined_counts(start, end, answer.kept),
                                  fixed_in=report.joined_counts(start, end, len(keep)), bodies=answer.bodies))
+    _check_fused(report, routes, residual)
     dar = _dar_plan(residual, report, planned) if residual is not None else None
     return Plan(report, tuple(planned), dar, grid, given, _block_flops(report, planned, probe))
+
+
+def _check_fused(report: GraphReport, routes: list[Route], residual: DAR | None) -> None:
+    """Fused routes (`Route.fuse`, SPRINT's end) need graph mode, and do not go with DAR."""
+    fused = [k for k, r in enumerate(routes) if r.fuse is not None]
+    if not fused:
+        return
+    k = fused[0]
+    if residual is not None:
+        raise ConfigError(
+            f"route {k} ends with SPRINT's fusion (fuse=...), and residual=DAR(...) aggregates every sublayer output "
+            "across the route's end, which the fusion replaces: use one of them (routes with fuse=None, TREAD's end, "
+            "go with DAR)")
+    if report.mode != "graph":
+        raise ConfigError(
+            f"route {k} ends with SPRINT's fusion (fuse=...), which runs in eval as well as in training and needs "
+            f"graph mode, but {report.model}.forward does not trace ({report.fallback or 'mode=boundary was asked for'}); "
+            "route it with fuse=None (TREAD's end runs in boundary mode), or make the forward traceable")
 
 
 def _block_flops(report: GraphReport, planned: list[RoutePlan], probe: Prober) -> tuple[tuple[int, int, int], ...]:

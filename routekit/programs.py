@@ -56,11 +56,12 @@ class Program:
         return pytree.tree_unflatten(list(self.fn(module, *tensors, *self.constants)), self.out_spec)
 
 
-def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, routes: bool | None = None) -> Program:
-    """The plan written into the trace (routes if `training`, unless `routes` says otherwise; DAR either way),
-    as a Python function."""
+def build_program(tr: Trace, plan: Plan, model: nn.Module, training: bool, routes: bool | None = None,
+                  dropping: bool = False) -> Program:
+    """The plan written into the trace (routes if `training`, unless `routes` says otherwise; DAR and fused
+    routes' ends either way; `dropping`: fused routes without their blocks), as a Python function."""
     with_routes = training if routes is None else routes
-    rewritten = rewrite(tr, plan, model, with_routes)
+    rewritten = rewrite(tr, plan, model, with_routes, dropping)
     values = constants_to_inputs(rewritten.graph, rewritten.constants)
     label = f"{plan.report.model} {'train' if training else 'eval'} graph"
     called = frozenset(n.target for n in rewritten.graph.nodes if n.op == "call_module").union(
@@ -84,10 +85,11 @@ class Programs:
         self.programs: dict = {}
         self.retraced: dict[str, int] = {}  # what broke, per attribute: programs traced again because of it
         self.original = None  # the model's forward before the routes: what a call that skips a routed block runs
+        self.dropping = 0  # > 0: fused routes run without their blocks (`routekit.path_drop`)
 
     def __getstate__(self):  # programs hold generated code: traced again after unpickling
         return {"plan": self.plan, "signature": self.signature, "programs": {}, "retraced": {},
-                "original": self.original}
+                "original": self.original, "dropping": 0}
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
         check_sharding(routed, self.called())
@@ -115,7 +117,7 @@ class Programs:
         already built."""
         bound, spec = _bound(self.signature, args, kwargs)
         tensors = call_inputs(bound, spec)
-        bucket = self.programs.setdefault((routed.training, spec.key()), {})
+        bucket = self.programs.setdefault((routed.training, self.dropping > 0, spec.key()), {})
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, torch.Tensor))
         batch = tuple((shape[1:], dtype) for shape, dtype in shapes)
         found = bucket.get(None) or bucket.get(("batch", batch)) or bucket.get(("shapes", shapes))
@@ -126,9 +128,10 @@ class Programs:
             found = None
         if found is None:
             try:
-                found = seed if seed is not None else _build_outside_compile(self.plan, routed, args, kwargs)
+                found = seed if seed is not None else \
+                    _build_outside_compile(self.plan, routed, args, kwargs, self.dropping > 0)
             except Skipped as err:
-                if self.plan.dar is not None or self.original is None:
+                if self.plan.changes_model or self.original is None:
                     raise
                 # a call that skips a block (SD3's `skip_layers` for skip-layer guidance) has no route to bind to:
                 # it runs the original forward, as eval does, and says so once per kind of call
@@ -160,15 +163,15 @@ def _bound(signature: inspect.Signature, args: tuple, kwargs: dict):
 
 
 def _build(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, routes: bool | None = None,
-           fresh: bool = False) -> Program:
+           fresh: bool = False, dropping: bool = False) -> Program:
     """The plan bound to this call (`bind.bind`: the call traced, the decision bound to its trace), written in."""
     tr, bound = bind(plan, routed, args, kwargs, fresh=fresh)
-    return build_program(tr, bound, routed, routed.training, routes)
+    return build_program(tr, bound, routed, routed.training, routes, dropping)
 
 
-def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict) -> Program:
+def _build_outside_compile(plan: Plan, routed: nn.Module, args: tuple, kwargs: dict, dropping: bool) -> Program:
     """`_build`, never under Dynamo: a call with a new signature or shapes inside a compiled region traces
     eagerly (a graph break there), and the compiled code calls the program it returns."""
     if torch.compiler.is_compiling():
-        return torch.compiler.disable(_build)(plan, routed, args, kwargs)
-    return _build(plan, routed, args, kwargs)
+        return torch.compiler.disable(_build)(plan, routed, args, kwargs, dropping=dropping)
+    return _build(plan, routed, args, kwargs, dropping=dropping)

@@ -54,13 +54,14 @@ class Rewritten:
     assumed: Assumptions = field(default_factory=Assumptions)
 
 
-def rewrite(tr: Trace, plan: Plan, model: nn.Module, training: bool) -> Rewritten:
-    """The graph a routed model runs: with the plan's routes when `training`, and DAR's aggregations if planned."""
+def rewrite(tr: Trace, plan: Plan, model: nn.Module, training: bool, dropping: bool = False) -> Rewritten:
+    """The graph a routed model runs: with the plan's routes when `training` (else its fused routes alone, keeping
+    every token), DAR's aggregations if planned; `dropping`: fused routes without their blocks (`path_drop`)."""
     graph = copy.deepcopy(tr.graph)
     first = next(n for n in graph.nodes if n.name == plan.report.blocks[0].node)
     v0 = slot_value(first, plan.report.stream_slot)  # the stream entering the first block, before any route
     routes = plan.placed if training else ()
-    placed = place_routes(graph, plan, routes)
+    placed = place_routes(graph, plan, training, dropping)
     result = Rewritten(graph, dict(tr.constants), list(tr.specialised), tr.assumed)
     if plan.dar is not None:
         place_dar(result, plan, model, v0, routes, placed)

@@ -64,6 +64,12 @@ def _dense_order(x: torch.Tensor) -> list[int] | None:
     return order if x.permute(order).is_contiguous() else None
 
 
+def every_token(stream: torch.Tensor) -> torch.Tensor:
+    """The index (B, N) of every token of `stream`: a fused route's selection in eval, where it keeps them all
+    and only its end (SPRINT's fusion) changes what the model computes."""
+    return torch.arange(stream.shape[1], device=stream.device).expand(stream.shape[0], -1)
+
+
 def static_tokens(value: Any, axes: tuple[tuple[tuple, tuple[int, ...]], ...] = (((), (1,)),)) -> Any:
     """`value` with its token axes marked static for torch.compile (`axes`: (path, axes) of each tensor in it): a
     block compiled on its own meets two token counts, all and the kept ones, and Dynamo would otherwise compile

@@ -3,13 +3,15 @@
 Three checks; the first raises `InferenceChanged`, the training checks `TrainingChanged`, each with what differs:
 
 1. eval: the routed model in eval is the original model: the same traced graph, node for node, and
-   bit-identical outputs under the same seed. A DAR model changes the model, so its eval is held to the
-   DAR graph that a fresh trace builds now (a program built at `apply` must not have gone stale).
+   bit-identical outputs under the same seed. DAR and fused routes (SPRINT's end) change the model, so its
+   eval is held to its own graph as a fresh trace builds it now (a program built at `apply` must not have
+   gone stale).
 2. train at rate 0: the routed model's own training program, with every route keeping every token,
    reproduces the original forward in train mode (the model as the routed model holds it now, same
    seed) bit for bit: routes are pure gathers and scatters, nothing else in the graph may differ. With
    DAR, to rounding, against DAR without routes: route boundaries split chunk sums, and the tolerance is a few
-   units in the last place of the output's dtype. Where a block inlined by DAR was specialised to the kept
+   units in the last place of the output's dtype. With fused routes, bit for bit against the model's own
+   full-token program (what its eval runs), with the path drop off. Where a block inlined by DAR was specialised to the kept
    count, the routed program is traced again at rate 0, and the result says so.
 3. the kept tokens: at the first route's start, with its real rate, the route's first block gets the
    original stream gathered at the kept tokens, and computes what the original block computes on the
@@ -116,15 +118,16 @@ def verify(model: nn.Module, routed: nn.Module, example_inputs: tuple | torch.Te
     train = kept = reference = None
     with preserved_state(model, tensors), preserved_state(routed, tensors), eager():
         nodes, outputs = _eval(model, routed, args, kwargs, seed)
-        # a DAR model computes otherwise, its layers' outputs too: the libraries' extra outputs are not the original's
-        variants = _eval_variants(routed, args, kwargs, seed) if plan.dar is None else ()
+        # a changed model computes otherwise, its layers' outputs too: the libraries' extra outputs are not the original's
+        variants = _eval_variants(routed, args, kwargs, seed) if not plan.changes_model else ()
         if plan.placed:
-            with torch.enable_grad():  # as training runs: a forward may branch on it (checkpointing its blocks)
+            with torch.enable_grad(), _no_path_drop(routed):  # as training runs: a forward may branch on it
                 train = _train_at_rate_zero(routed, args, kwargs, seed)
                 kept = _kept_tokens(routed, args, kwargs, seed) if plan.dar is None else (
                     "not run: DAR inlines the blocks into one graph, so no block call is there to compare")
-            reference = _reference(routed, args, kwargs, seed) if plan.dar is None else (
-                "not run: DAR changes the model, and the reference runs the original blocks")
+            reference = _reference(routed, args, kwargs, seed) if not plan.changes_model else (
+                f"not run: {'DAR' if plan.dar else 'a fused route'} changes the model, and the reference runs the "
+                "original model's blocks and route ends")
     note = (f"{', '.join(compiled[:3])}{' ...' if len(compiled) > 3 else ''} compiled: run eagerly on both sides"
             if compiled else None)
     return Verified(plan.report.mode, outputs, nodes, variants, train, kept, reference, note)
@@ -155,11 +158,12 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, seed: int, what: str, err
 def _eval(model: nn.Module, routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> tuple[int | None, int]:
     plan = report_of(routed)
     with training_mode(model, False), training_mode(routed, False), torch.no_grad():
-        if plan.dar is not None:
+        if plan.changes_model:
+            what = "DAR" if plan.dar else "fused"
             want = _run(lambda *a, **k: routing_of(routed).executor.run_fresh(routed, a, k), args, kwargs, seed,
-                        "the DAR graph traced afresh")
-            _compare(want, _run(routed, args, kwargs, seed, "the routed model in eval"), "the DAR model's eval program",
-                     "the DAR graph traced afresh")
+                        f"the {what} graph traced afresh")
+            _compare(want, _run(routed, args, kwargs, seed, "the routed model in eval"),
+                     f"the {what} model's eval program", f"the {what} graph traced afresh")
             return None, len(flatten(want)[0])
         original = None
         if model is routed:  # routed in place: held to its own forward as it was before `apply`
@@ -211,6 +215,21 @@ def _eval_variants(routed: nn.Module, args: tuple, kwargs: dict, seed: int) -> t
 
 
 @contextlib.contextmanager
+def _no_path_drop(routed: nn.Module):
+    """Within the block, fused routes drop no sample's deep path in training: verify's training checks compare
+    two runs of one model, and a path drop draws which samples lose it from the selector's generator."""
+    ends = list(getattr(routing_of(routed).state, "sprint", {}).values())
+    shares = [end.path_drop for end in ends]
+    for end in ends:
+        end.path_drop = 0.0
+    try:
+        yield
+    finally:
+        for end, share in zip(ends, shares):
+            end.path_drop = share
+
+
+@contextlib.contextmanager
 def _every_token(routed: nn.Module):
     """Within the block, every route of `routed` keeps every token (its selectors at rate 0): verify's rate-0
     run of the routed model's own training program."""
@@ -247,7 +266,7 @@ def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int)
                 got = _run(lambda *a, **k: executor.run_fresh(routed, a, k, plan=zero), args, kwargs, seed,
                            "the routed training graph traced at rate 0", TrainingChanged)
             how = " (traced at rate 0: a block's code is specialised to the kept count)"
-        if plan.dar is not None:
+        if plan.changes_model:  # its own program without routes: DAR's, or fused ends on every token
             reference = lambda *a, **k: executor.run_fresh(routed, a, k, routes=False)  # noqa: E731
         else:
             reference = _original(routed)
@@ -256,6 +275,9 @@ def _train_at_rate_zero(routed: nn.Module, args: tuple, kwargs: dict, seed: int)
         _compare(want, got, "DAR without routes", "routed DAR at rate 0", close=True, error=TrainingChanged,
                  precision=_computed_in(routed))
         return f"rate 0{how} matches DAR without routes (to rounding)"
+    if plan.fused:
+        _compare(want, got, "fused routes on every token", "routed training graph at rate 0", error=TrainingChanged)
+        return "rate 0 bit-identical to the fused routes on every token"
     _compare(want, got, "original in train mode", "routed training graph at rate 0", error=TrainingChanged)
     return "rate 0 bit-identical"
 

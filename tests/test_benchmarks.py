@@ -2,6 +2,7 @@
 writes JSON + markdown (+ PNG) that name the machine, the commit and the exact command; what a table
 reports is what its inputs hold. No test here asserts a speed."""
 
+import dataclasses
 import json
 import math
 import os
@@ -9,7 +10,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pydantic
 import pytest
 import torch
 
@@ -269,7 +272,7 @@ def test_convergence_next_runs_the_plan_in_order_and_the_report_says_what_is_mis
     assert json.loads((tmp_path / "convergence.json").read_text())["missing"][0] == "dit_b2/tread/0"
     convergence_main(monkeypatch, "--run", "dit_b2/tread/1", *folders)
     data = labelled(tmp_path, "convergence", "python benchmarks/convergence.py --run dit_b2/tread/1 --quick")
-    assert (data["done"], data["planned"]) == (2, 20)
+    assert (data["done"], data["planned"]) == (2, 23)
     assert data["missing"][:2] == ["dit_b2/tread/0", "dit_b2/dar/0"] and "dit_b2/tread/1" not in data["missing"]
     results = tmp_path / "results"
     assert sorted(str(p.relative_to(results)) for p in results.rglob("*.json")) == [
@@ -284,13 +287,14 @@ def test_convergence_next_runs_the_plan_in_order_and_the_report_says_what_is_mis
     assert {"backbones/rwkv.py", "backbones/dit.py", "backbones/ops/wkv.py", "backbones/ops/grid.py",
             "backbones/ops/__init__.py"} <= set(convergence.code_digests("rwkv"))
     text = (tmp_path / "convergence.md").read_text()
-    assert "**2 of 20 planned runs exist.**" in text and "dit_b2/dar/0" in text and "TREAD on DiT-B/2" in text
+    assert "**2 of 23 planned runs exist.**" in text and "dit_b2/dar/0" in text and "TREAD on DiT-B/2" in text
     with pytest.raises(SystemExit, match="tread_seed1.json exists"):
         convergence_main(monkeypatch, "--run", "dit_b2/tread/1", *folders)
 
 
-def fake_result(plan, name: str, points: list[tuple[int, float, float]], **fingerprint) -> None:
-    """Write a result for the named run of plan as run_one would, with evaluations (step, seconds, FD)."""
+def fake_result(plan, name: str, points: list[tuple], **fingerprint) -> None:
+    """Write a result for the named run of plan as run_one would, with evaluations (step, seconds, FD) or
+    (step, seconds, FD, accuracy); accuracy 0.5 where not given."""
     run = plan.find(name)
     config = convergence.run_config(run, plan)
     steps, seconds = points[-1][0], points[-1][1]
@@ -301,48 +305,118 @@ def fake_result(plan, name: str, points: list[tuple[int, float, float]], **finge
         "fingerprint": {**convergence.fingerprint(run, config, "CPU", None, "e1"), **fingerprint},
         "config": config.model_dump(mode="json"), "steps": steps, "train_seconds": seconds, "steps_per_s": steps / seconds,
         "first_step_seconds": 0.1, "wall_seconds": 2.0,
-        "evals": [{"step": step, "train_seconds": t, "fd": fd, "accuracy": 0.5} for step, t, fd in points]}
+        "evals": [{"step": step, "train_seconds": t, "fd": fd, "accuracy": accuracy[0] if accuracy else 0.5}
+                  for step, t, fd, *accuracy in points]}
     path = plan.results / run.file
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
 
 
-def test_convergence_report_says_in_numbers_where_each_method_wins_and_loses(tmp_path):
-    """The findings are computed: TREAD reaches vanilla's FD sooner (interpolated in log FD) but is worse at equal
-    steps; DAR loses per training second; a run on another routekit source is merged and named."""
+def evals(*points: tuple[float, float, float]) -> dict:
+    """A result with evaluations at (training seconds, FD, accuracy)."""
+    return {"evals": [{"train_seconds": t, "fd": fd, "accuracy": accuracy} for t, fd, accuracy in points]}
+
+
+def test_seconds_to_a_level_are_read_between_the_evaluations_that_straddle_it():
+    """FD is interpolated linearly in its logarithm, accuracy linearly, both linearly in training seconds, between
+    the last evaluation short of the level and the first that reaches it; reaching the level exactly counts."""
+    run = evals((10, 100.0, 0.1), (20, 1.0, 0.6), (30, 2.0, 0.95))
+    assert convergence.seconds_to_level(run, "fd", 10.0) == pytest.approx(15.0)  # halfway in log FD
+    assert convergence.seconds_to_level(run, "fd", 3.0) == pytest.approx(10 + 10 * math.log(100 / 3) / math.log(100))
+    assert convergence.seconds_to_level(run, "accuracy", 0.5) == pytest.approx(18.0)
+    assert convergence.seconds_to_level(run, "accuracy", 0.9) == pytest.approx(20 + 10 * 0.3 / 0.35)
+    assert convergence.seconds_to_level(run, "fd", 1.0) == 20  # exactly at an evaluation
+    assert convergence.seconds_to_level(run, "fd", 1.5) == pytest.approx(10 + 10 * math.log(100 / 1.5) / math.log(100))
+
+
+def test_seconds_to_a_level_are_the_first_arrival_the_first_evaluation_or_none():
+    """A run that rises back above a level has still reached it at its first crossing; one whose first evaluation is
+    already past the level reached it no later than then (the report marks it '≤'); one that never gets there has
+    no seconds, and a run that moves away from the level never reaches it either."""
+    run = evals((10, 100.0, 0.1), (20, 1.0, 0.6), (30, 50.0, 0.3))
+    assert convergence.seconds_to_level(run, "fd", 10.0) == pytest.approx(15.0)
+    assert convergence.seconds_to_level(run, "accuracy", 0.5) == pytest.approx(18.0)
+    assert convergence.seconds_to_level(run, "fd", 200.0) == 10
+    assert convergence.seconds_to_level(run, "accuracy", 0.1) == 10
+    assert convergence.seconds_to_level(run, "fd", 0.5) is None
+    assert convergence.seconds_to_level(run, "accuracy", 0.9) is None
+    assert convergence.seconds_to_level(evals((10, 5.0, 0.5), (20, 8.0, 0.4)), "fd", 3.0) is None
+
+
+def test_convergence_report_times_each_level_and_compares_with_vanilla(tmp_path):
+    """The findings are computed: TREAD reaches every level sooner than vanilla (two at its first evaluation,
+    marked '≤'), with its share of vanilla's seconds and the study's bar at each level; DAR reaches none, which is
+    said, with no ratio, and loses; the end values and equal steps stand beside them; a run on another routekit
+    source is merged and named."""
     plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
-    fake_result(plan, "dit_b2/vanilla/0", [(10, 0.25, 100.0), (20, 0.5, 10.0)])
-    fake_result(plan, "dit_b2/tread/0", [(15, 0.25, 50.0), (30, 0.5, 5.0)], routekit="r2")
-    fake_result(plan, "dit_b2/dar/0", [(8, 0.25, 200.0), (16, 0.5, 20.0)])
+    fake_result(plan, "dit_b2/vanilla/0", [(10, 0.25, 100.0, 0.1), (20, 0.5, 1.0, 0.9)])
+    fake_result(plan, "dit_b2/tread/0", [(15, 0.25, 5.0, 0.5), (30, 0.5, 1.0, 0.95)], routekit="r2")
+    fake_result(plan, "dit_b2/dar/0", [(8, 0.25, 200.0, 0.1), (16, 0.5, 20.0, 0.3)])
     data = convergence.report(plan)
     group = data["summary"]["groups"]["dit_b2"]
-    assert group["seconds"] == 0.5 and group["target_fd"] == pytest.approx(10.0)
-    tread = group["methods"]["tread"]
-    reached = 0.25 + 0.25 * math.log(5) / math.log(10)  # 50 -> 5 in log FD passes 10 at this share
-    assert tread["seconds_to_target"]["mean"] == pytest.approx(reached)
-    assert tread["equal_steps"]["ratio"]["mean"] == pytest.approx(50 * 10 ** (-1 / 3) / 10)  # at step 20
+    assert group["seconds"] == 0.5 and not group["early"]
+    vanilla, tread, dar = (group["methods"][m]["levels"] for m in ("vanilla", "tread", "dar"))
+    assert [level["name"] for level in tread] == ["FD ≤ 10", "FD ≤ 3", "accuracy ≥ 0.5", "accuracy ≥ 0.9"]
+    fd3 = 0.25 + 0.25 * math.log(5 / 3) / math.log(5)  # 5 -> 1 in log FD passes 3 at this share
+    vanilla_fd3, accuracy9 = 0.25 + 0.25 * math.log(100 / 3) / math.log(100), 0.25 + 0.25 * 0.4 / 0.45
+    assert [level["seconds"]["mean"] for level in tread] == pytest.approx([0.25, fd3, 0.25, accuracy9])
+    assert [level["ratio"] for level in tread] == pytest.approx([0.25 / 0.375, fd3 / vanilla_fd3, 0.25 / 0.375,
+                                                                 accuracy9 / 0.5])
+    assert [level["at_first_evaluation"] for level in tread] == [1, 0, 1, 0]
+    assert all(level["ratio"] == 1.0 for level in vanilla)
+    assert all(level["reached"] == 0 and level["ratio"] is None and level["later"] == 1 for level in dar)
+    assert group["methods"]["tread"]["equal_steps"]["ratio"]["mean"] == pytest.approx(5 ** (2 / 3))  # at step 20
     text = (tmp_path / "convergence.md").read_text()
-    assert f"{0.5 / reached:.2f}× as fast" in text and "Per step it loses" in text
-    assert f"vanilla's FD in ≤ 0.70× vanilla's seconds): {reached / 0.5:.2f}×, not met." in text
-    assert "DAR on DiT-B/2 loses per training second: FD 20 vs vanilla 10" in text
+    assert "TREAD on DiT-B/2 wins per training second: FD ≤ 10: ≤ 0.25 s vs vanilla's 0.375 s (0.67×), sooner in 1 " \
+           "of 1 seeds; FD ≤ 3: " in text and "Per step it loses" in text
+    assert "met at FD ≤ 10, accuracy ≥ 0.5 only." in text
+    assert "DAR on DiT-B/2 loses per training second: FD ≤ 10: not reached (0 of 1 seed) vs vanilla's 0.375 s, " \
+           "sooner in 0 of 1 seeds" in text and "At 0.5 s: FD 20 vs vanilla 1, lower in 0 of 1 seed" in text
+    assert "| TREAD | 0 | ≤ 0.25; 0.67× |" in text and "| DAR | 0 | not reached (0 of 1 seed) |" in text
+    assert "TREAD's FD ≤ 10: ≤ 0.25 s vs vanilla's 0.375 s (0.67×)" in data["headline"]
     assert "different routekit sources" in text and "r2: dit_b2/tread_seed0.json" in text
-    assert "3 of 20 planned runs exist" in text and (tmp_path / "convergence.png").exists()
+    assert "3 of 23 planned runs exist" in text and (tmp_path / "convergence.png").exists()
 
 
 def test_convergence_report_calls_a_method_a_winner_only_where_every_seed_says_so(tmp_path):
-    """Seed 0 of DAR beats vanilla, seed 1 does not: the means favour DAR, the verdict is 'not settled' (it said
-    'wins', and 'Per step it wins' at a ratio of 1.00); where both seeds beat vanilla, it wins."""
+    """Seed 0 of DAR reaches every level before vanilla's seed 0, seed 1 after vanilla's seed 1 or never: the
+    verdict is 'not settled', a level one seed never reaches says how many did and gives no ratio (a mean over the
+    seeds that got there would flatter it); where both seeds of TREAD arrive sooner at every level, it wins."""
     plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
     for seed in (0, 1):
-        fake_result(plan, f"dit_b2/vanilla/{seed}", [(10, 0.25, 100.0), (20, 0.5, 10.0)])
-        fake_result(plan, f"dit_b2/tread/{seed}", [(10, 0.25, 90.0), (20, 0.5, 9.0)])
-    fake_result(plan, "dit_b2/dar/0", [(10, 0.25, 100.0), (20, 0.5, 2.0)])
-    fake_result(plan, "dit_b2/dar/1", [(10, 0.25, 100.0), (20, 0.5, 11.0)])
-    convergence.report(plan)
+        fake_result(plan, f"dit_b2/vanilla/{seed}", [(10, 0.25, 100.0, 0.1), (20, 0.5, 1.0, 0.9)])
+        fake_result(plan, f"dit_b2/tread/{seed}", [(10, 0.25, 50.0, 0.3), (20, 0.5, 1.0, 0.95)])
+    fake_result(plan, "dit_b2/dar/0", [(10, 0.25, 10.0, 0.5), (20, 0.5, 1.0, 0.95)])
+    fake_result(plan, "dit_b2/dar/1", [(10, 0.25, 100.0, 0.1), (20, 0.5, 5.0, 0.6)])
+    data = convergence.report(plan)
+    fd3 = data["summary"]["groups"]["dit_b2"]["methods"]["dar"]["levels"][1]
+    assert fd3["per_seed"] == [pytest.approx(0.25 + 0.25 * math.log(10 / 3) / math.log(10)), None]
+    assert (fd3["reached"], fd3["ratio"], fd3["sooner"], fd3["later"]) == (1, None, 1, 1)
     text = (tmp_path / "convergence.md").read_text()
-    assert "DAR on DiT-B/2 is not settled per training second: FD 6.5 (2–11) vs vanilla 10 (10–10) at 0.5 s, " \
-           "lower in 1 of 2 seeds" in text and "Per step it is not settled" in text
-    assert "TREAD on DiT-B/2 wins per training second" in text and "Per step it wins" in text
+    assert "DAR on DiT-B/2 is not settled per training second" in text
+    assert "FD ≤ 3: 0.381 s, 1 of 2 seeds vs vanilla's 0.44 (0.44–0.44) s, sooner in 1 of 2 seeds;" in text
+    assert "TREAD on DiT-B/2 wins per training second" in text
+
+
+def test_convergence_report_says_a_backbone_still_at_chance_shows_only_the_first_minutes(tmp_path):
+    """A backbone none of whose runs ever scores above 0.2 accuracy is reported as the first minutes of training,
+    in the headline, the findings and its section, with no verdict per second or per step; one run above 0.2 is
+    enough for a backbone to be read as any other."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    fake_result(plan, "rwkv_b2/vanilla/0", [(10, 0.25, 1600.0, 0.1), (20, 0.5, 400.0, 0.1)])
+    fake_result(plan, "rwkv_b2/tread/0", [(15, 0.25, 1400.0, 0.1), (30, 0.5, 80.0, 0.19)])
+    data = convergence.report(plan)
+    group = data["summary"]["groups"]["rwkv_b2"]
+    assert group["early"] and group["best_accuracy"] == 0.19
+    assert "every run is still at chance accuracy when it stops (best 0.19) and none reaches any level" in data["headline"]
+    assert "so its figures measure only the first minutes of training" in data["headline"]
+    text = (tmp_path / "convergence.md").read_text()
+    assert text.count("Diffusion-RWKV B/2: only the first minutes of training. Of its runs none reaches any level") == 2
+    assert "TREAD on Diffusion-RWKV B/2, first minutes only: at 0.5 s, FD 80 vs vanilla 400" in text
+    assert "wins" not in text and "loses" not in text and "Per step in these minutes" in text
+    fake_result(plan, "rwkv_b2/tread/0", [(15, 0.25, 1400.0, 0.1), (30, 0.5, 80.0, 0.25)])
+    data = convergence.report(plan)
+    assert not data["summary"]["groups"]["rwkv_b2"]["early"] and "first minutes" not in data["headline"]
 
 
 def test_convergence_refuses_to_merge_runs_whose_recipe_or_training_code_differ(tmp_path):
@@ -364,7 +438,7 @@ def test_convergence_refuses_to_merge_runs_whose_recipe_or_training_code_differ(
     assert message.startswith("refusing to merge")
     assert "dit_b2: code recipes/train.py differs: dit_b2/vanilla_seed0.json (" in message
     assert "vs dit_b2/tread_seed0.json (\"0000\")" in message
-    assert "dit_b2: recipe (all but routes and dar) differs" in message and "[batch: 16 vs 32]" in message
+    assert "dit_b2: recipe (all but routes, dar and stages) differs" in message and "[batch: 16 vs 32]" in message
     assert "rwkv_b2" not in message
 
 
@@ -406,13 +480,67 @@ def test_convergence_merges_a_run_saved_before_its_config_gained_a_field(tmp_pat
     assert convergence.report(plan)["done"] == 3
 
 
+def staged_config() -> type:
+    """TrainConfig with SPRINT's ``stages`` (rates by step, empty by default), as the recipes will have it."""
+    return pydantic.create_model("StagedConfig", __base__=convergence.TrainConfig,
+                                 stages=(list[dict[str, Any]], pydantic.Field(default_factory=list)))
+
+
+def test_convergence_hashes_of_the_committed_runs_hold_when_the_config_gains_stages():
+    """Every committed run hashes the same read by today's config and by one with ``stages`` at its default, and
+    as it was saved wherever its saved recipe has every field of today's (DAR + TREAD's first seed predates DAR's
+    ``regions``: the test above): gaining the field strands no run."""
+    staged = staged_config()
+    results = sorted((REPO / "benchmarks" / "results" / "convergence").glob("*/*_seed*.json"))
+    assert len(results) >= 20
+    for path in results:
+        saved = json.loads(path.read_text())
+        today = convergence.parse_config(saved["config"])
+        digests = convergence.recipe_digests(today)
+        assert convergence.recipe_digests(staged.model_validate(saved["config"])) == digests, path
+        if today.model_dump(mode="json") == saved["config"]:
+            assert digests == {k: saved["fingerprint"][k] for k in ("recipe", "method")}, path
+
+
+def test_convergence_hashes_stages_with_the_method_where_a_recipe_sets_them(tmp_path):
+    """A recipe's ``stages`` belong to its method: set, they move the method's hash and leave the recipe's (which
+    every run of a backbone shares), so a SPRINT run merges with vanilla's; two seeds of one method that disagree
+    on them are refused, naming the field."""
+    staged = staged_config()
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    config = convergence.run_config(plan.find("dit_b2/tread/0"), plan).model_dump(mode="json")
+    plain = convergence.recipe_digests(staged.model_validate(config))
+    stages = [{"step": 0, "rate": 0.75}, {"step": 100, "rate": 0.0}]
+    sprint = convergence.recipe_digests(staged.model_validate({**config, "stages": stages}))
+    assert sprint["recipe"] == plain["recipe"] and sprint["method"] != plain["method"]
+    runs = [{"file": f"seed{seed}.json", "config": {**config, "stages": stages[:2 - seed]}} for seed in (0, 1)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(convergence, "parse_config", staged.model_validate)
+        line = convergence._recipe_conflict(runs, "method", "sprint's routes, dar and stages")
+        assert convergence._recipe_conflict(runs, "recipe", "recipe") is None
+    assert line.startswith("sprint's routes, dar and stages differs: seed0.json (")
+    assert line.endswith(f"[stages: {stages!r} vs {stages[:1]!r}]")
+
+
+def test_convergence_refuses_to_train_a_planned_run_whose_recipe_does_not_exist_yet(tmp_path):
+    """A method planned before its recipe exists (SPRINT's) is listed as missing with the recipe it waits for, and
+    a run of it is refused by name before anything loads."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    run = convergence.Run(plan.groups[0], "unwritten", 0)
+    with pytest.raises(SystemExit, match=r"dit_b2/unwritten/0: its recipe recipes/configs/dit_b2_unwritten.yaml does"):
+        convergence.run_config(run, plan)
+    plan = dataclasses.replace(plan, groups=(dataclasses.replace(plan.groups[0], methods=("vanilla", "unwritten")),))
+    assert convergence.plan_table(plan, {})[3].endswith(
+        "| missing (no recipe yet: recipes/configs/dit_b2_unwritten.yaml) |")
+
+
 def test_convergence_report_without_runs_names_every_planned_run_as_missing(tmp_path):
     plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
     (tmp_path / "convergence.png").write_text("a stale picture")
     data = convergence.report(plan)
-    assert (data["done"], len(data["missing"])) == (0, 20) and not (tmp_path / "convergence.png").exists()
+    assert (data["done"], len(data["missing"])) == (0, 23) and not (tmp_path / "convergence.png").exists()
     text = (tmp_path / "convergence.md").read_text()
-    assert "**0 of 20 planned runs exist.**" in text and "No headline yet" in text and "| 1 | dit_b2/vanilla/0 |" in text
+    assert "**0 of 23 planned runs exist.**" in text and "No headline yet" in text and "| 1 | dit_b2/vanilla/0 |" in text
 
 
 def test_fsdp_check_quick_runs_the_reference_and_the_second_run_through_accelerate(tmp_path):

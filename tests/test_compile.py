@@ -258,7 +258,7 @@ def test_a_dar_model_compiles_to_one_graph_in_training_and_in_its_first_evaluati
     model = dit.build("S/2", depth=4, hidden=32, heads=2, input_size=8, num_classes=10)
     args = dit.example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
     routed = rk.apply(model, rk.Route(start=1, end=2), residual=dar, example_inputs=args)
-    assert {training for training, _ in routing_of(routed).executor.programs} == {True, False}
+    assert {training for training, _, _ in routing_of(routed).executor.programs} == {True, False}
     compiled = torch.compile(routed, fullgraph=True, backend="aot_eager")
     compiled.train()(*args).square().mean().backward()
     with torch.no_grad():

@@ -285,7 +285,7 @@ def randomise_queries(routed: nn.Module, seed: int, scale: float = 1.0) -> None:
 
 def program_source(routed: nn.Module, train: bool) -> str:
     """The generated Python of the routed model's program for its one call signature in that mode."""
-    (bucket,) = [b for (mode, _), b in routing_of(routed).executor.programs.items() if mode == train]
+    (bucket,) = [b for (mode, _, _), b in routing_of(routed).executor.programs.items() if mode == train]
     (program,) = bucket.values()
     return "".join(linecache.getlines(program.fn.__code__.co_filename))
 
@@ -917,12 +917,12 @@ def test_dar_preserve_starts_from_the_pretrained_model_bit_for_bit_and_learns_it
     assert kept.routekit.dar.gate.grad.abs().sum() > 0
 
 
-def test_strip_of_a_dar_model_refuses_unless_told_to_drop_dar():
+def test_strip_of_a_dar_model_refuses_unless_told_to_drop_what_it_learned():
     model, args = _pretrained_dit()
     routed = rk.apply(model, routes=rk.Route(start=1, end=2), residual=rk.DAR(), example_inputs=args)
-    with pytest.raises(rk.ConfigError, match=r"has DAR .*drop_dar=True"):
+    with pytest.raises(rk.ConfigError, match=r"has DAR .*drop_learned=True"):
         rk.strip(routed)
-    assert rk.strip(routed, drop_dar=True) is model
+    assert rk.strip(routed, drop_learned=True) is model
     assert rk.strip(rk.apply(model, routes=rk.Route(start=1, end=2), example_inputs=args)) is model  # routes only
 
 

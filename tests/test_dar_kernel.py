@@ -873,7 +873,7 @@ def test_a_dit_streams_its_chunks_through_the_triton_kernels_as_through_the_refe
 
     want = outputs(routed("torch"))
     fused = routed("triton")
-    (bucket,) = [b for (train, _), b in routing_of(fused).executor.programs.items() if train]
+    (bucket,) = [b for (train, _, _), b in routing_of(fused).executor.programs.items() if train]
     (program,) = bucket.values()
     assert "shared_part" in "".join(linecache.getlines(program.fn.__code__.co_filename))
     torch._dynamo.reset()

@@ -363,9 +363,9 @@ def test_applying_again_replaces_the_routes_and_a_dar_model_says_to_strip_first(
         rk.apply(routed, routes=rk.Route(start=2, end=99), example_inputs=example_inputs(LINEAR))
     assert [(r.start, r.end) for r in report_of(routed).placed] == [(2, 3)]
     dar = rk.apply(routed, residual=rk.DAR(kernel="torch"), example_inputs=example_inputs(LINEAR))
-    with pytest.raises(rk.ConfigError, match=r"has DAR.*strip\(model, drop_dar=True\)"):
+    with pytest.raises(rk.ConfigError, match=r"has DAR.*strip\(model, drop_learned=True\)"):
         rk.apply(dar, routes=rk.Route(start=0, end=1), example_inputs=example_inputs(LINEAR))
-    rk.apply(rk.strip(dar, drop_dar=True), routes=rk.Route(start=2, end=3), example_inputs=example_inputs(LINEAR))
+    rk.apply(rk.strip(dar, drop_learned=True), routes=rk.Route(start=2, end=3), example_inputs=example_inputs(LINEAR))
 
 
 @pytest.mark.parametrize("args, kwargs, words", [

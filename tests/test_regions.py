@@ -29,7 +29,7 @@ def tiny_dit(depth: int = 4) -> nn.Module:
 
 
 def train_graph(routed: nn.Module):
-    (bucket,) = [b for (mode, _), b in routing_of(routed).executor.programs.items() if mode]
+    (bucket,) = [b for (mode, _, _), b in routing_of(routed).executor.programs.items() if mode]
     (program,) = bucket.values()
     return program
 

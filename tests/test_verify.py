@@ -107,8 +107,8 @@ def dropping(block: str):
     """A rewrite that also drops `block`'s call from the training graph: a change verify must catch."""
     original = routekit.rewrite.place_routes
 
-    def place_routes(graph, plan, routes):
-        placed = original(graph, plan, routes)
+    def place_routes(graph, plan, selected, dropping=False):
+        placed = original(graph, plan, selected, dropping)
         call = next(n for n in graph.nodes if n.op == "call_module" and n.target == block)
         call.replace_all_uses_with(call.args[0])
         graph.erase_node(call)
@@ -145,8 +145,8 @@ def test_a_side_input_left_ungathered_is_caught(monkeypatch):
     fail or broadcast silently inside the block."""
     original = routekit.rewrite.place_routes
 
-    def forgetting_side_inputs(graph, plan, routes):
-        placed = original(graph, plan, routes)
+    def forgetting_side_inputs(graph, plan, selected, dropping=False):
+        placed = original(graph, plan, selected, dropping)
         for node in graph.nodes:
             if node.op == "call_module" and node.target.startswith("blocks.") and len(node.args) > 1:
                 mask = node.args[1]
@@ -281,7 +281,7 @@ def test_a_dar_apply_adds_its_queries_and_changes_nothing_else():
     after = snapshot(model)
     assert set(after["state"]) - set(before["state"]) == {"routekit.dar.query"}
     assert all(torch.equal(before["state"][k], after["state"][k]) for k in before["state"])
-    rk.strip(routed, drop_dar=True)
+    rk.strip(routed, drop_learned=True)
     assert_same(before, snapshot(model))
     torch.manual_seed(5)
     want = twin(*args)
