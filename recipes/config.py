@@ -278,7 +278,7 @@ class TrainConfig(Section):
     @property
     def fused(self) -> bool:
         """Whether some route ends in SPRINT's fusion, which path-drop guidance needs."""
-        return isinstance(self.routes, list) and any(getattr(route, "fuse", None) for route in self.routes)
+        return isinstance(self.routes, list) and any(route.fuse is not None for route in self.routes)
 
     @property
     def routed(self) -> bool:

@@ -120,6 +120,7 @@ def guided_eval_flops(objective: Objective, net: nn.Module, shape: tuple[int, ..
     field = _field(objective, net, labels, guidance, null_class, guidance_kind)
     x = torch.zeros(1, *shape, device=device)
     t = torch.ones((), device=device)  # sigma 1 for EDM, t 1 for RF: a valid noise level for both
+    field(x, t)  # a program's first call may build it (path_drop's does, running the model): not a step's cost
     with flop_counter_mode() as counter:
         field(x, t)
     return counter.get_total_flops()

@@ -457,9 +457,9 @@ class Trainer:
         self.sample_flops = None  # counted again at the next evaluation, in case sampling's cost follows the rate
 
     def _next_stages(self, seconds: float | None = None) -> None:
-        """Begin every stage whose start has come: one by step before the step it names is taken (so a checkpoint
-        at that step resumes into it), one by training seconds at a log step (``seconds``: where the clock is read
-        and the ranks agree), from the step after it."""
+        """Begin every stage whose start has come, between two steps: one by step once that many steps are taken
+        (a checkpoint at that step resumes into it), one by training seconds only at a log step (``seconds``: where
+        the clock is read and the ranks agree). Called before every step and at every log step."""
         stages = self.config.stages
         while len(self.stage_began) < len(stages):
             stage = stages[len(self.stage_began)]
