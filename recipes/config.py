@@ -24,6 +24,7 @@ from pydantic import (
     Tag,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -121,6 +122,16 @@ class SamplerConfig(Section):
     steps: PositiveInt = 18
     guidance: Annotated[float, Field(ge=0)] = 1.0
     guidance_kind: Literal["cfg", "pdg"] = "cfg"
+
+    @model_serializer(mode="wrap")
+    def _kind_only_where_set(self, dump: Any) -> dict[str, Any]:
+        """``guidance_kind`` is written only where it is not the default: the section then dumps as it did
+        before the field existed, so the configurations that runs, checkpoints and the convergence benchmark's
+        fingerprints recorded before it read back, compare and hash as they were."""
+        data = dump(self)
+        if self.guidance_kind == "cfg":
+            data.pop("guidance_kind")
+        return data
 
 
 STAGE_FORM = "{step: N, rate: R} or {seconds: S, rate: R}"

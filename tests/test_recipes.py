@@ -27,6 +27,7 @@ from recipes import data, metrics, sampling
 from recipes import train as train_module
 from recipes.config import (
     RESUMABLE,
+    UNSET,
     ConfigError,
     EDMConfig,
     RFConfig,
@@ -161,6 +162,9 @@ def test_stage_and_guidance_errors_say_what_is_valid():
     assert config.fused and [stage.step for stage in config.stages] == [3, 7]
     again = parse_config(yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json"))))
     assert again == config and differences(config, again) == {}  # what config.yaml and checkpoints hold
+    cfg = with_overrides(config, {"sampler.guidance_kind": "cfg"})  # the default: written as before it existed
+    assert cfg.model_dump()["sampler"] == {"steps": 18, "guidance": 1.0}
+    assert differences(cfg, config) == {"sampler.guidance_kind": (UNSET, "pdg")}
 
 
 def test_a_bad_route_reports_routekits_own_message():
