@@ -299,11 +299,19 @@ class _StopSignals:
 
 class _Clock:
     """Training seconds = wall time in the loop minus evaluation, sampling and checkpointing, minus the
-    first step (compilation, allocator warm-up), which is reported separately."""
+    first step (compilation, allocator warm-up) and the first step of each stage (the training programs made
+    again at the new rate: under torch.compile a recompilation), which are reported separately."""
 
     def __init__(self, prior: float, device: torch.device):
         self.device, self.prior, self.paused = device, prior, 0.0
         self.start = self.first_step = None
+        self.stage_steps: list[float] = []  # seconds of each stage's first step, left out
+
+    def stage_step_done(self, began: float) -> None:
+        """A stage's first step, begun at ``began`` (a ``sync`` reading), is left out like the first step."""
+        seconds = self.sync() - began
+        self.paused += seconds
+        self.stage_steps.append(seconds)
 
     def sync(self) -> float:
         if self.device.type == "cuda":
@@ -371,6 +379,7 @@ class Trainer:
                                 rank=self.acc.process_index, world=self.acc.num_processes)
         self.step, prior_seconds = 0, 0.0
         self.stage_began: list[int] = []  # the step at which each stage that has begun began
+        self.stage_fresh = False  # a stage began and its first step (which rebuilds the programs) is still to come
         if ckpt is None:
             _seed_all(_rank_seed(config.seed, self.acc.process_index))
         elif not self.fsdp:
@@ -471,6 +480,7 @@ class Trainer:
                 return
             self._set_rate(stage.rate)
             self.stage_began.append(self.step)
+            self.stage_fresh = True
             if self.main:
                 tqdm.write(f"step {self.step}: stage {len(self.stage_began)} begins, routes' rate {stage.rate}")
 
@@ -606,9 +616,13 @@ class Trainer:
         with _StopSignals() as signals:
             while self.step < last:
                 self._next_stages()
+                rebuilds = self.stage_fresh and self.clock.first_step is not None  # a resume's first step is left out anyway
+                began, self.stage_fresh = self.clock.sync() if rebuilds else None, False
                 pending.append(self.train_step())
                 if self.clock.first_step is None:
                     self.clock.first_step_done()
+                elif rebuilds:
+                    self.clock.stage_step_done(began)
                 bar.update(1)
                 at_log = self.step % config.log_every == 0 or self.step == last
                 stopped = self._stop_signal(signals.received, at_log)
@@ -650,7 +664,7 @@ class Trainer:
                 "out_of_time": out_of_time,
                 "loss": losses[-1] if losses else None,
                 "train_seconds": self.clock.seconds(), "first_step_seconds": self.clock.first_step,
-                "evals": self.evals, "stages": self.stage_began,
+                "evals": self.evals, "stages": self.stage_began, "stage_step_seconds": self.clock.stage_steps,
                 "checkpoint": self.last_checkpoint and str(self.last_checkpoint),
                 "parameters": sum(p.numel() for p in self.ema.parameters()), "out_dir": str(self.out)}
 
@@ -699,7 +713,9 @@ def train(config: TrainConfig, out_dir: str | Path, *, max_steps: int | None = N
           progress: bool = True) -> dict[str, Any]:
     """Start the recipe in out_dir (see ``Trainer.run`` for the stopping rules); returns final stats:
     step, this call's per-step losses, training seconds, evaluations, the last checkpoint, the name of
-    the signal that stopped it early (``stopped``, else None) and whether the deadline did (``out_of_time``)."""
+    the signal that stopped it early (``stopped``, else None), whether the deadline did (``out_of_time``),
+    the steps at which stages began (``stages``) and the seconds of each stage's first step this call took,
+    left out of the training seconds (``stage_step_seconds``)."""
     trainer = Trainer(config, out_dir, progress=progress)
     return trainer.run(max_steps=max_steps, budget_s=budget_s, eval_every_s=eval_every_s, deadline=deadline)
 

@@ -573,8 +573,9 @@ def test_a_stage_by_step_sets_the_rate_before_the_step_after_it(tmp_path, monkey
 
 def test_a_stage_by_training_seconds_begins_at_the_log_step_that_reaches_it(tmp_path, monkeypatch):
     """On a clock the test drives (a step takes 0.1 s; the first step is not training time): a stage at 0.25 s
-    begins after step 4 (0.3 s), the first log step that reaches it; a checkpoint after it records the step, and
-    resuming it continues bit for bit as the run that was not interrupted."""
+    begins after step 4 (0.3 s), the first log step that reaches it, and its first step is left out of the
+    training seconds, as the run's first is; a checkpoint after it records the step, and resuming it continues
+    bit for bit as the run that was not interrupted."""
     now = [0.0]
     monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     events, step = _spy_set_rate(monkeypatch), Trainer.train_step
@@ -588,6 +589,8 @@ def test_a_stage_by_training_seconds_begins_at_the_log_step_that_reaches_it(tmp_
     config = tiny("dit_s2_sprint", tmp_path, routes=FUSED, stages=[{"seconds": 0.25, "rate": 0}], steps=6)
     whole = train(config, tmp_path / "whole", progress=False)
     assert whole["stages"] == [4]
+    # steps 1 (the first) and 5 (the stage's first, which rebuilds the programs) are not training time
+    assert whole["stage_step_seconds"] == [pytest.approx(0.1)] and whole["train_seconds"] == pytest.approx(0.4)
     assert [e for e in events if e[0] == "rate" or e[1] in (4, 5)] == [
         ("step", 4), ("rate", 0.0, True), ("rate", 0.0, False), ("step", 5)]
     first = train(config, tmp_path / "split", max_steps=5, progress=False)
