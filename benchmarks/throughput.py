@@ -5,11 +5,14 @@ mode it reports the median and 90th-percentile step time, speed-up over vanilla,
 and the speed-up FLOPs alone would give (torch.utils.flop_counter on one step). The hand-written
 route (random tokens for DiT, whole rows for the scan backbones) is written here, independently of
 routekit, as the bar routekit must meet. The DAR variants (chunks of 4) replace the residual adds, alone
-or with the default route.
+or with the default route. ``sprint`` is SPRINT's split (Park et al.): the first 2 and last 2 blocks on every
+token, the middle on a quarter of them (rate 0.75), the span's end fused with its start (``Route(fuse="sprint")``).
 
     python benchmarks/throughput.py --backbone dit --sizes XL/2 --batches 256 --modes compile
     python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants vanilla dar_static_c4
     python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants dar_regions_c4 vanilla
+    python benchmarks/throughput.py --sizes XL/2 --batches 256 --modes compile --variants vanilla sprint \
+        --interleave --name throughput_sprint
     python benchmarks/throughput.py --backbone rwkv mamba --sizes B/2 --batches 256 --modes eager
     python benchmarks/throughput.py --sizes B/2 XL/2 --batches 32 --modes blocks     # per-block compile
     python benchmarks/throughput.py --sizes B/2 --batches 16 64 --modes graphs --variants vanilla routekit
@@ -102,7 +105,7 @@ class HandRouted(nn.Module):
 # DAR rows: (query, with the default TREAD route?, regional compilation?), all with chunk size 4
 DAR_VARIANTS = {"dar_static_c4": ("static", False, False), "dar_dynamic_c4": ("dynamic", False, False),
                 "dar_tread": ("static", True, False), "dar_regions_c4": ("static", False, True)}
-VARIANTS = ("vanilla", "routekit", "manual", *DAR_VARIANTS)
+VARIANTS = ("vanilla", "routekit", "manual", "sprint", *DAR_VARIANTS)
 
 
 MODES = ("eager", "compile", "blocks", "graphs")
@@ -127,6 +130,9 @@ def build(backbone: str, size: str, variant: str, device: str, tiny: bool = Fals
     example = module.example_inputs(model, example_batch, device=device)
     if variant == "routekit":
         return rk.apply(model, routes=[route], example_inputs=example)
+    if variant == "sprint":  # SPRINT's split of SiT-XL/2's 28 blocks: 2 on every token, 24 on a quarter, 2 again
+        fused = rk.Route(start=2, end=model.depth - 3, rate=0.75, selector=route.selector, fuse="sprint")
+        return rk.apply(model, routes=[fused], example_inputs=example)
     query, routes, regions = DAR_VARIANTS[variant]
     return rk.apply(model, routes=[route] if routes else None, residual=rk.DAR(query=query, chunk=4, regions=regions),
                     example_inputs=example)

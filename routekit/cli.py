@@ -14,7 +14,7 @@ from .errors import RoutekitError
 
 
 def _routes(text: str | None):
-    """`default`, or `start:end[:rate[:selector]]` separated by commas."""
+    """`default`, or `start:end[:rate[:selector[:sprint]]]` separated by commas (`sprint`: SPRINT's fused end)."""
     if text in (None, "", "none"):
         return None
     if text == "default":
@@ -22,8 +22,9 @@ def _routes(text: str | None):
     routes = []
     for part in text.split(","):
         fields = part.split(":")
-        if not 2 <= len(fields) <= 4:
-            raise RoutekitError(f"--routes {part!r}: expected start:end[:rate[:selector]], e.g. 2:8 or 2:8:0.5:random")
+        if not 2 <= len(fields) <= 5 or (len(fields) == 5 and fields[4] != "sprint"):
+            raise RoutekitError(f"--routes {part!r}: expected start:end[:rate[:selector[:sprint]]], e.g. 2:8, "
+                                "2:8:0.5:random or 2:-3:0.75:random:sprint (SPRINT's fused end)")
         try:
             kw = {"start": int(fields[0]), "end": int(fields[1])}
             if len(fields) > 2:
@@ -33,6 +34,8 @@ def _routes(text: str | None):
                                 "e.g. 2:8:0.5") from None
         if len(fields) > 3:
             kw["selector"] = fields[3]
+        if len(fields) > 4:
+            kw["fuse"] = "sprint"
         routes.append(Route(**kw))
     return routes
 
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--inputs", metavar="MODULE:FN", help="FN(model, batch) gives the example call's inputs "
                      "(default: the model module's own example_inputs)")
     ins.add_argument("--batch", type=int, default=2, help="the batch --inputs or example_inputs is asked for")
-    ins.add_argument("--routes", default=None, help="'default' or start:end[:rate[:selector]],...")
+    ins.add_argument("--routes", default=None, help="'default' or start:end[:rate[:selector[:sprint]]],...")
     ins.add_argument("--stack", default=None, help="the block container to route, where several chains exist")
     ins.add_argument("--grid", default=None, help="the token grid H,W (or T,H,W) where none is found")
     ins.add_argument("--dar", default=None, help="plan DAR too: static, static_t or dynamic[:chunk]")

@@ -280,7 +280,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     route_group = p.add_mutually_exclusive_group()
     route_group.add_argument("--routes", default="default",
                              help="'default' (2 → depth-4, rate 0.5), 'none' (the baseline) or "
-                                  "start:end[:rate[:selector]],... (blocks counted over the whole chain, e.g. 2:-2)")
+                                  "start:end[:rate[:selector[:sprint]]],... (blocks counted over the whole chain, "
+                                  "e.g. 2:-2)")
     route_group.add_argument("--tread-config", help="SimpleTuner's tread_config, as JSON or a JSON file")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=1, help="samples per process and step")

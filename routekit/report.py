@@ -98,6 +98,9 @@ def format_plan(plan: Any) -> str:
             f"  route {k}: blocks {rp.start}→{rp.end}, rate {route.rate}, selector {route.selector!r}{keep}: "
             f"{kept} of {r.stack_of(rp.start).tokens} tokens go through{across}"
         )
+        if route.fuse is not None:
+            lines.append(f"           ends with SPRINT's fusion (path_drop {route.fuse.path_drop}, init "
+                         f"{route.fuse.init!r}): in eval too, on every token")
         if rp.shared:
             lines.append("           one selection for the batch: a block reads a table without a batch axis that it "
                          "cannot take one per sample")

@@ -32,12 +32,16 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, axis: int, index: torch.Tensor) -> torch.Tensor:
-    """x (B, ..., N at `axis`, ...) → the same with K at `axis`: each sample's positions `index` (B, K), in the
-    order of `x`'s strides. A block's kernels may take another path for another memory layout (oneDNN's
-    convolution rounds differently for a channels-last input on some CPUs; Dynamo recompiles for new strides):
-    the kept tokens reach the blocks laid out as the whole stream would, so a route changes which tokens the
-    blocks see and nothing else, and a route keeping every token reproduces the original bit for bit."""
-    order = _dense_order(x)
+    """x (B, ..., N at `axis`, ...) → the same with K at `axis`: each sample's positions `index` (B, K).
+
+    Where every token is kept (K = N: a route at rate 0, a fused route in eval), laid out in the order of `x`'s
+    strides: a block's kernels may take another path for another memory layout (oneDNN's convolution rounds
+    differently for a channels-last input on some CPUs), so the blocks see the stream laid out as they would
+    without the route, and the route reproduces the original bit for bit. Where tokens are dropped, contiguous,
+    as a hand-written gather gives them: the blocks see a new tensor either way, and a transposed stream (a patch
+    embedding's `flatten(2).transpose(1, 2)`, which DiM's scan blocks read) runs its matmuls and convolutions
+    slower than a contiguous one."""
+    order = _dense_order(x) if index.shape[1] == x.shape[axis] else None
     if order is None:
         return _take(x, axis, index, 0)
     inverse = sorted(range(x.dim()), key=order.__getitem__)
@@ -162,7 +166,7 @@ def _gather_axis(x: torch.Tensor, index: torch.Tensor, axis: int, tokens: int, b
 
 def scatter_tokens(full: torch.Tensor, index: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """`full` with the tokens `index` replaced by `kept`: routed tokens keep their route-start value. Laid out in
-    memory as `full` is (see `_gather`): the blocks after the route see the stream as they would without it."""
+    memory as `full` is: the blocks after the route see the stream as they would without it."""
     full = full.to(kept.dtype)
     order = _dense_order(full)
     if order is not None:
