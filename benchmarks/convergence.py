@@ -243,7 +243,7 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-METHOD_FIELDS = ("routes", "dar", "stages")  # what a method changes in a recipe (stages: SPRINT's rates by step)
+METHOD_FIELDS = ("routes", "dar", "stages")  # what a method changes in a recipe (stages: SPRINT's rates by step or second)
 # Fields TrainConfig gained after runs were made: hashed only where a recipe sets them (not at their default), so
 # the dump, and so both hashes, of every run made before a field existed stay what they were; a config without
 # the field at all hashes the same way.
@@ -530,7 +530,8 @@ def run_one(run: Run, plan: Study, wall_s: float) -> dict:
     result.update(
         steps=stats["step"], train_seconds=seconds, first_step_seconds=stats["first_step_seconds"],
         steps_per_s=(stats["step"] - 1) / seconds, wall_seconds=time.perf_counter() - STARTED,
-        out_of_time=stats["out_of_time"], parameters=stats["parameters"],
+        out_of_time=stats["out_of_time"], stages=stats.get("stages", []),
+        stage_step_seconds=stats.get("stage_step_seconds", []), parameters=stats["parameters"],
         classifier_test_accuracy=classifier_accuracy, evals=stats["evals"],
         log=[{k: r[k] for k in ("step", "loss", "train_seconds")} for r in log],
         config=config.model_dump(mode="json"))
