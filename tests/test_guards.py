@@ -207,7 +207,7 @@ def test_a_new_batch_reuses_the_graph_unless_the_batch_size_was_baked_in(per_sam
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=(torch.randn(2, 16, 1),)).train()
     x = torch.randn(5, 16, 1)
     assert at_rate_zero_matches_the_original(routed, x)
-    (bucket,) = [b for (train, _), b in programs(routed).programs.items() if train]
+    (bucket,) = [b for (train, _, _), b in programs(routed).programs.items() if train]
     assert len(bucket) == (2 if per_sample else 1)
 
 
