@@ -15,7 +15,6 @@ Each fused route's end is the module `routekit.sprint.<k>` of the model (paramet
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import Fusion
@@ -65,33 +64,18 @@ class FusedEnd(nn.Module):
         last block's output at the kept tokens `index` (B, K), or at every token where `index` is None; None
         where the route's blocks did not run (`routekit.path_drop`)."""
         dtype = deep.dtype if deep is not None else dense.dtype
-        dim = self.mask.shape[0]
-        weight = self.fuse.weight
-        # Linear(cat([deep, dense])) as its two halves, deep·W_deepᵀ + dense·W_denseᵀ + b: every position the
-        # route set aside holds the mask token, whose product is one vector, so the deep half runs on the kept
-        # tokens alone and is scattered among copies of it (no (B, N, 2D) concatenation made, K rows multiplied
-        # where the concatenation would multiply N)
-        masked = self._linear(self.mask.to(dtype), weight[:, :dim])
-        total = self._linear(dense.to(dtype), weight[:, dim:], self.fuse.bias)
-        filled = masked.expand(total.shape)
+        filled = self.mask.to(dtype).expand(dense.shape)
         if deep is None:
-            part = filled
-        elif index is None:
-            part = self._linear(deep, weight[:, :dim])
-        else:
-            part = scatter_tokens(filled, index, self._linear(deep, weight[:, :dim]))
+            deep = filled
+        elif index is not None:
+            deep = scatter_tokens(filled, index, deep)
         if self.training and self.path_drop > 0:
             dropped = uniform(dense.shape[0], generator=self.generator, device=dense.device) < self.path_drop
-            part = torch.where(dropped[:, None, None], filled, part)
-        return (part + total).to(dtype)
-
-    @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear, with `x` in the weight's dtype where autocast does not cast it (a bf16 stream of an fp32
-        model), as the model's own Linears take it."""
-        if not torch.is_autocast_enabled(x.device.type):
-            x = x.to(weight.dtype)
-        return F.linear(x, weight, bias)
+            deep = torch.where(dropped[:, None, None], filled, deep)
+        both = torch.cat([deep, dense.to(dtype)], dim=-1)
+        if not torch.is_autocast_enabled(both.device.type):  # a bf16 stream of an fp32 model: as its Linears take it
+            both = both.to(self.fuse.weight.dtype)
+        return self.fuse(both).to(dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.mask.shape[0]}, path_drop={self.path_drop}, init={self.init!r}"
