@@ -15,7 +15,8 @@ FLOP counter, forward, recompute and backward).
     python -m benchmarks.finetune --depth 4 8                  # fewer blocks (double, single) where memory is short
     python -m benchmarks.finetune --quick                      # CPU smoke run: a tiny FLUX, 64 + 8 tokens
 
-Writes benchmarks/results/finetune_flux.{json,md,png} (or --out DIR) with the machine, the commit and the command.
+Writes benchmarks/results/finetune_flux.{json,md,png} (or --out DIR, --name STEM) with the machine, the commit and
+the command. SPRINT's fused span: `--routes 2:-3:0.75:random:sprint --name finetune_flux_sprint`.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps of each variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="finetune_flux", help="results file stem (default finetune_flux)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny FLUX, 64 image + 8 text tokens")
     args = p.parse_args(argv)
     finetune._needs("diffusers", "peft")
@@ -175,10 +177,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['speedup']:.3f}× | {r['flop_limit']:.3f}× |\n" for r in rows)
             + f"\nStep-by-step speed-ups: {min(pairs):.3f}–{max(pairs):.3f}×. Peak memory with both variants and "
               f"their optimizer state: {peak:.1f} GiB.\n")
-    out = write("finetune_flux", info, {"rows": rows, "setup": setup}, "FLUX LoRA fine-tuning step: routed against "
+    out = write(args.name, info, {"rows": rows, "setup": setup}, "FLUX LoRA fine-tuning step: routed against "
                 "--routes none", body, out=args.out, plot=plot)
     print(body)
-    print(f"wrote {out / 'finetune_flux.md'}")
+    print(f"wrote {out / (args.name + '.md')}")
 
 
 if __name__ == "__main__":
