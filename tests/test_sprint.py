@@ -21,6 +21,7 @@ from backbone_helpers import inputs, perturb, small_mamba, small_rwkv  # noqa: E
 from zoo import ZOO, Missing  # noqa: E402
 
 import routekit as rk  # noqa: E402
+import routekit.sharding  # noqa: E402,F401
 from backbones import dit  # noqa: E402
 from routekit.model import original_forward  # noqa: E402
 
@@ -234,6 +235,18 @@ def test_a_fused_model_compiles_and_trains():
     assert model.routekit.sprint["0"].fuse.weight.grad is not None
 
 
+def test_a_fused_route_keeps_forced_tokens_in_its_deep_path_and_shards_by_block():
+    model, (x, t, y) = fused(small_dit(), generator=torch.Generator().manual_seed(0), path_drop=0.0)
+    model.train()
+    forced = torch.zeros(2, 16, dtype=torch.bool)
+    forced[:, :3] = True
+    with rk.force_keep(model, forced):
+        model(x, t, y)
+    assert not rk.last_route_mask(model)[:, :3].any()
+    units = rk.sharding.fsdp_units(model)
+    assert [unit[0] for unit in units] == list(model.blocks)  # the blocks, as with TREAD's routes; the ends in the root
+
+
 # ---- the zoo: models people train, fused ---------------------------------------------------------------------
 
 SPRINT_ROWS = {  # (span, what path_drop says: None where the weak pass runs, else the refusal it gives)
@@ -242,6 +255,7 @@ SPRINT_ROWS = {  # (span, what path_drop says: None where the weak pass runs, el
     "diffusers Flux (across both stacks)": ({"start": 2, "end": -2}, "crosses"),
     "diffusers Wan": ({"start": 1, "end": 3}, None),  # text by cross-attention: read, never handed on
     "transformers Llama": ({"start": 1, "end": 2}, None),
+    "transformers ViT": ({"start": 1, "end": 2}, None),  # its class token, kept in the deep path
     "transformers Mamba": ({"start": 1, "end": 2}, None),
 }
 
