@@ -213,9 +213,8 @@ def install(model: nn.Module, plan: Plan, tr: Trace | None, example: tuple[tuple
             executor.attach(model, list(state.routes), routing.original)
     if tr is not None and plan.changes_model:
         # the eval forward of a model DAR or a fused route changed is a program too (TREAD's routes alone evaluate
-        # with the original forward): built now, so a
-        # trace that fails says so at apply, and a first evaluation under torch.compile(fullgraph=True), where
-        # building it would be a graph break, finds it ready
+        # with the original forward): built now, so a trace that fails says so at apply, and a first evaluation
+        # under torch.compile(fullgraph=True), where building it would be a graph break, finds it ready
         with training_mode(model, False):
             executor.program(model, *example)
     return routing

@@ -155,7 +155,8 @@ def _drop_blocks(graph: fx.Graph, k: int, route: RoutePlan, report, by_name: dic
     for node in reversed(list(graph.nodes)):
         if node in made and not node.users and node.op != "output":
             graph.erase_node(node)
-    left = [b.qualname for b in blocks if b.node in {n.name for n in graph.nodes}]
+    names = {n.name for n in graph.nodes}
+    left = [b.qualname for b in blocks if b.node in names]
     if left:
         raise ConfigError(
             f"path_drop runs the model without route {k}'s blocks ({blocks[0].qualname} … {blocks[-1].qualname}), "

@@ -35,8 +35,8 @@ def set_rate(model: nn.Module, rate: float, route: int | None = None) -> nn.Modu
         raise InputError(f"route {route!r} does not exist; valid routes are 0..{len(plan.placed) - 1}, or None for all")
     with eager(), torch.no_grad():
         try:
-            routes = [r.route.model_copy(update={"rate": Route(start=0, end=0, rate=rate).rate})
-                      if route in (None, k) else r.route for k, r in enumerate(plan.placed)]
+            routes = [Route(**{**r.route.model_dump(), "rate": rate}) if route in (None, k) else r.route
+                      for k, r in enumerate(plan.placed)]
             if [r.rate for r in routes] == [r.route.rate for r in plan.placed]:
                 return model
             new = make_plan(plan.report, routes, plan.dar.config if plan.dar else None, Probe(inner, plan.report),
