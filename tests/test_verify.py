@@ -377,16 +377,17 @@ def test_rate_0_is_bit_identical_whatever_kernels_the_cpu_picks():
 
 def test_a_route_lays_every_token_out_as_the_stream_is_and_fewer_contiguous():
     """Keeping every token (rate 0, where the bits must be the original's), the gather keeps the stream's layout;
-    dropping some, it lays them out contiguous, as a hand-written gather does; the scatter back keeps the
-    stream's layout either way."""
+    dropping some, it lays them out contiguous, as a hand-written gather does, and so does the scatter back."""
     stream = torch.randn(2, 5, 12).transpose(1, 2)  # (2, 12, 5), stored as (2, 5, 12): a patch embedding's view
-    every = gather_tokens(stream, torch.arange(12).expand(2, 12))
+    all_tokens = torch.arange(12).expand(2, 12)
+    every = gather_tokens(stream, all_tokens)
     assert every.stride() == stream.stride() and torch.equal(every, stream)
+    assert routekit.routing.scatter_tokens(stream, all_tokens, every).stride() == stream.stride()
     index = torch.tensor([[0, 3, 7], [1, 2, 11]])
     kept = gather_tokens(stream, index)
     assert kept.is_contiguous() and torch.equal(kept, torch.stack([s[i] for s, i in zip(stream, index)]))
     back = routekit.routing.scatter_tokens(stream, index, kept * 2)
-    assert back.stride() == stream.stride()
+    assert back.is_contiguous()
     want = stream.clone()
     for b in range(2):
         want[b, index[b]] *= 2
