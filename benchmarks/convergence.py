@@ -75,6 +75,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -100,6 +101,9 @@ LABELS = {"vanilla": "vanilla", "tread": "TREAD", "dar": "DAR", "dar_tread": "DA
 # and at 540 its run stopped at 401 of its 420 training seconds.
 WALL_S = 570.0
 REPORT_S = 10.0  # wall seconds kept after the final evaluation for the result and the report
+# wall seconds kept, in a run with a fused route, for sampling its final EMA three more ways (compare_guidance): as
+# long as about four evaluations with the recipe's CFG (DiT-B/2's take 4-7 s on an H200)
+GUIDANCE_S = 30.0
 SAME_CODE = "same_code.json"  # beside the results: code hashes declared equal (load_same_code)
 
 
@@ -495,7 +499,7 @@ def run_one(run: Run, plan: Study, wall_s: float) -> dict:
     Refuses, before any training, a run whose fingerprint disagrees with the results of its backbone that
     exist. A run that nears the wall-clock limit stops training early (``out_of_time``), still evaluates and
     still writes its result: a process killed at the limit would leave nothing."""
-    from recipes.train import train
+    from recipes.train import Trainer
 
     config = run_config(run, plan)
     cuda = torch.cuda.is_available()
@@ -523,8 +527,12 @@ def run_one(run: Run, plan: Study, wall_s: float) -> dict:
     shutil.rmtree(folder, ignore_errors=True)  # a fresh training folder each time
     print(f"[{run.name}] {run.group.budget_s:g} training seconds, an evaluation every {run.group.eval_every_s:g} s; "
           f"planned wall {run.group.planned_wall_s:.0f} s, stopped early past {wall_s:g} s", file=sys.stderr)
-    stats = train(config, folder, budget_s=run.group.budget_s, eval_every_s=run.group.eval_every_s,
-                  deadline=STARTED + wall_s - REPORT_S, progress=False)
+    trainer = Trainer(config, folder, progress=False)
+    kept = REPORT_S + (GUIDANCE_S if config.fused else 0.0)
+    stats = trainer.run(budget_s=run.group.budget_s, eval_every_s=run.group.eval_every_s,
+                        deadline=STARTED + wall_s - kept)
+    if config.fused:
+        result["guidance"] = compare_guidance(trainer)
     log = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
     seconds = stats["train_seconds"]
     result.update(
@@ -541,6 +549,58 @@ def run_one(run: Run, plan: Study, wall_s: float) -> dict:
     print(f"[{run.name}] wrote {path}" + (" (out of time: training stopped early)" if stats["out_of_time"] else ""),
           file=sys.stderr)
     return result
+
+
+WARM_STEPS = 3  # steps a warm-up takes in each stage: the first compiles, the others check it is not compiled again
+
+
+def warm_up(run: Run, plan: Study) -> None:
+    """Compile the run's training programs into this machine's Inductor and Triton caches, and write nothing:
+    its recipe for a few steps at each stage's rate in turn (its stages moved to steps), so that the run itself,
+    started next on the same machine, finds its first step and each stage's first step in the caches. A stage's
+    new rate is a new program, which under torch.compile recompiles; a SPRINT run would otherwise spend about a
+    minute of its wall-clock limit twice (vanilla's first step ~40 s, a routed one ~60 s)."""
+    from recipes.train import Trainer
+
+    config = run_config(run, plan)
+    stages = [{"step": WARM_STEPS * (k + 1), "rate": stage.rate} for k, stage in enumerate(config.stages)]
+    config = with_overrides(config, {"stages": stages, "log_every": 1})
+    folder = Path(tempfile.mkdtemp(prefix="routekit-warm-"))
+    try:
+        began = time.perf_counter()
+        Trainer(config, folder / "run", progress=False).run(max_steps=WARM_STEPS * (len(stages) + 1))
+        print(f"[{run.name}] warmed up: {WARM_STEPS * (len(stages) + 1)} steps over {len(stages) + 1} rates in "
+              f"{time.perf_counter() - began:.0f} s; nothing written", file=sys.stderr)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def compare_guidance(trainer) -> list[dict]:
+    """A fused (SPRINT) run's final EMA sampled with CFG and with path-drop guidance (PDG) at the recipe's
+    guidance scale: each at the recipe's ODE steps, and each at the steps whose sampling FLOPs come nearest the
+    other's at the recipe's steps (PDG's weak half skips the route's blocks, so at equal FLOPs it takes more
+    steps). The recipe's own kind at its steps is the run's final evaluation, not sampled again. Records:
+    kind, steps, FD, accuracy, FLOPs of one guided evaluation and of one image."""
+    from recipes.sampling import network_calls
+
+    sampler, objective = trainer.config.sampler, trainer.objective
+    kept = lambda record: {k: float(record[k]) for k in ("fd", "accuracy", "guided_eval_flops", "sampling_flops")}
+    found = {(sampler.guidance_kind, sampler.steps): kept(trainer.evals[-1])}
+
+    def quality(kind: str, steps: int) -> dict:
+        if (kind, steps) not in found:
+            found[kind, steps] = kept(trainer.sample_quality(sampler.model_copy(update={"guidance_kind": kind,
+                                                                                       "steps": steps})))
+        return found[kind, steps]
+
+    at_recipe = {kind: quality(kind, sampler.steps) for kind in ("cfg", "pdg")}
+    for kind, other in (("cfg", "pdg"), ("pdg", "cfg")):
+        per_call, target = at_recipe[kind]["guided_eval_flops"], at_recipe[other]["sampling_flops"]
+        steps = min(range(1, 4 * sampler.steps + 1),
+                    key=lambda n: abs(per_call * network_calls(objective, n) - target))
+        quality(kind, steps)
+    by_cost = sorted(found.items(), key=lambda item: item[1]["sampling_flops"])
+    return [{"kind": kind, "steps": steps, "guidance": sampler.guidance, **q} for (kind, steps), q in by_cost]
 
 
 # ---------------------------------------------------------------- report
@@ -644,7 +704,7 @@ def summarise_group(group: Group, results: list[dict]) -> dict:
             "best_accuracy": spread(max(e["accuracy"] for e in r["evals"]) for r in runs),
             "lower_fd_than_vanilla": sum(at(r, "train_seconds", when, "fd") < at(v, "train_seconds", when, "fd")
                                          for r, v in pairs),
-            "pairs": len(pairs),
+            "pairs": len(pairs), "guidance": _guidance(runs),
             "equal_steps": {"step": spread(steps), "fd": spread(fd_at_step), "vanilla_fd": spread(vanilla_at_step),
                             "ratio": spread(a / b for a, b in zip(fd_at_step, vanilla_at_step)),
                             "lower": sum(a < b for a, b in zip(fd_at_step, vanilla_at_step))} if pairs else None}
@@ -764,8 +824,8 @@ def findings(summary: dict) -> list[str]:
                                      + f", sooner in {mine['sooner']} of {mine['pairs']} seeds"
                                      for mine, theirs in zip(m["levels"], base["levels"]))
                 text = f"{label} {_level_verdict(m)} per training second: {arrivals}. At {_secs(when)} s: {end}."
-                if method == "tread":
-                    text += " " + _tread_bar(m)
+                if method in BARS:
+                    text += " " + _bar(m, BARS[method])
             steps = m["equal_steps"]
             if steps:
                 verdict = "in these minutes" if group["early"] else f"it {_verdict(steps['lower'], m['pairs'])}"
@@ -773,20 +833,72 @@ def findings(summary: dict) -> list[str]:
                          f"{_fmt(steps['vanilla_fd'])} at equal steps (step {_fmt(steps['step'], _secs)}), "
                          f"ratio {_fmt(steps['ratio'], _ratio)}, {_seeds(steps['lower'], m['pairs'])}.")
             lines.append(text)
+            if m["guidance"]:
+                lines.append(_guidance_finding(label, m["guidance"]))
     return lines
 
 
-TREAD_BAR = 0.7  # the study's question: does TREAD reach each level in at most this share of vanilla's seconds?
+# The study's questions: does the method reach each level in at most this share of vanilla's seconds?
+BARS = {"tread": 0.7, "sprint": 0.6}
 
 
-def _tread_bar(m: dict) -> str:
-    """TREAD against the study's bar at each level, every seed counted: a level some seed never reaches fails it."""
+def _bar(m: dict, bar: float) -> str:
+    """A method against its bar at each level, every seed counted: a level some seed never reaches fails it."""
     shares = ", ".join(f"{level['name']} {_times(level)}" for level in m["levels"])
-    met = [level["name"] for level in m["levels"] if level["ratio"] is not None and level["ratio"] <= TREAD_BAR]
+    met = [level["name"] for level in m["levels"] if level["ratio"] is not None and level["ratio"] <= bar]
     where = ("met at every level" if len(met) == len(m["levels"]) else f"met at {', '.join(met)} only" if met
              else "met at no level")
-    return (f"The study's bar (each level in ≤ {TREAD_BAR:.2f}× vanilla's seconds, every seed reaching it): "
+    return (f"The study's bar (each level in ≤ {bar:.2f}× vanilla's seconds, every seed reaching it): "
             f"{shares}; {where}.")
+
+
+def _guidance(runs: list[dict]) -> list[dict]:
+    """Per (guidance kind, ODE steps) the runs sampled their final EMA with (``compare_guidance``): FD and
+    accuracy over seeds, FLOPs per image; and each PDG entry's CFG entry of the nearest FLOPs (``against``)."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        for g in r.get("guidance", ()):
+            by.setdefault((g["kind"], g["steps"]), []).append(g)
+    rows = [{"kind": kind, "steps": steps, "seeds": len(found), "fd": spread(g["fd"] for g in found),
+             "accuracy": spread(g["accuracy"] for g in found),
+             "sampling_flops": statistics.fmean(g["sampling_flops"] for g in found)}
+            for (kind, steps), found in sorted(by.items(), key=lambda item: item[1][0]["sampling_flops"])]
+    for row in rows:
+        cfg = [c for c in rows if c["kind"] == "cfg"]
+        if row["kind"] == "pdg" and cfg:
+            near = min(cfg, key=lambda c: abs(c["sampling_flops"] - row["sampling_flops"]))
+            row["against"] = {"steps": near["steps"], "flops_ratio": row["sampling_flops"] / near["sampling_flops"]}
+    return rows
+
+
+def _guidance_finding(label: str, rows: list[dict]) -> str:
+    """PDG against CFG where their sampling FLOPs per image are nearest, in words."""
+    cfg = {r["steps"]: r for r in rows if r["kind"] == "cfg"}
+    parts = []
+    for r in rows:
+        if "against" not in r:
+            continue
+        c = cfg[r["against"]["steps"]]
+        better = "lower" if r["fd"]["mean"] < c["fd"]["mean"] else "higher"
+        parts.append(f"PDG at {r['steps']} steps ({r['sampling_flops'] / 1e9:.2f} GFLOPs an image) FD "
+                     f"{_fmt(r['fd'])}, {better} than CFG's {_fmt(c['fd'])} at {c['steps']} steps "
+                     f"({c['sampling_flops'] / 1e9:.2f} GFLOPs, {r['against']['flops_ratio']:.2f}× PDG's FLOPs "
+                     f"there); accuracy {_fmt(r['accuracy'])} vs {_fmt(c['accuracy'])}")
+    return f"{label}, guidance on the final EMA at about equal sampling FLOPs: " + "; ".join(parts) + "."
+
+
+def guidance_table(group: dict) -> list[str]:
+    """Per method that compared guidance: each (kind, steps) with its FLOPs per image, FD and accuracy."""
+    lines = []
+    for method, m in group["methods"].items():
+        if not m["guidance"]:
+            continue
+        if not lines:
+            lines = ["| method | guidance | ODE steps | GFLOPs per image | FD | accuracy | seeds |",
+                     "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {LABELS[method]} | {r['kind'].upper()} | {r['steps']} | {r['sampling_flops'] / 1e9:.2f} | "
+                  f"{_fmt(r['fd'])} | {_fmt(r['accuracy'])} | {r['seeds']} |" for r in m["guidance"]]
+    return lines
 
 
 def headline(summary: dict, plan: Study) -> str:
@@ -896,6 +1008,11 @@ def markdown(data: dict, plan: Study) -> str:
                   f"Training seconds to each level, mean (min–max) over seeds, and × vanilla's; FD and accuracy at "
                   f"the end are read at {_secs(group['seconds'])} s, the training second every run below reached.", "",
                   *level_table(group), "", *group_table(group), ""]
+        table = guidance_table(group)
+        if table:
+            lines += ["Guidance on the final EMA weights (recipe's scale), each kind at the recipe's ODE steps and at "
+                      "the steps whose sampling FLOPs come nearest the other kind's: FD and accuracy against what "
+                      "drawing one image computes.", "", *table, ""]
     lines += ["## How it is measured", "",
               "- Training seconds exclude evaluation and the first step (compilation); every curve is also drawn "
               "against steps. FD: Fréchet distance in the feature classifier's 128-d features to the held-out test "
@@ -1004,6 +1121,9 @@ def main(argv: list[str] | None = None) -> None:
     action.add_argument("--report", action="store_true", help="merge the results that exist; say what is missing")
     parser.add_argument("--quick", action="store_true",
                         help="the plan shrunk to tiny models on synthetic data: seconds on a CPU")
+    parser.add_argument("--warm", action="store_true",
+                        help="with --run: compile the run's programs into this machine's caches (a few steps at each "
+                        "stage's rate) and write nothing; the run itself, next on the same machine, then starts warm")
     parser.add_argument("--wall-s", type=float, default=WALL_S,
                         help=f"wall seconds a run may take from the process's start (default {WALL_S:g}); training "
                         "stops early to leave room for the final evaluation and the files")
@@ -1012,6 +1132,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=Path, help="training folders (default runs/convergence)")
     args = parser.parse_args(argv)
     plan = study(args.quick, args.results, args.out, args.runs)
+    if args.warm:
+        if not args.run:
+            parser.error("--warm warms one run's compilation: name it with --run BACKBONE/METHOD/SEED")
+        warm_up(plan.find(args.run), plan)
+        return
     if args.list:
         done = {r["file"]: r for r in load_results(plan)}
         print("\n".join(plan_table(plan, done)))

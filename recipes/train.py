@@ -40,6 +40,7 @@ import routekit as rk
 from recipes.config import (
     RESUMABLE,
     ConfigError,
+    SamplerConfig,
     TrainConfig,
     differences,
     load_config,
@@ -50,7 +51,7 @@ from recipes.config import (
 from recipes.data import BatchOrder, load_dataset
 from recipes.metrics import Evaluator
 from recipes.objectives import make_objective
-from recipes.sampling import guided_eval_flops, sample
+from recipes.sampling import guided_eval_flops, network_calls, sample
 from routekit.model import report_of, routing_of
 
 SAMPLE_CHUNK = 250  # images per sampling call: bounds memory when guidance doubles the batch
@@ -401,7 +402,8 @@ class Trainer:
         self.longest_pause = 0.0  # wall seconds of the longest evaluation, grid or checkpoint so far
         self.evaluated_at: int | None = None
         self.last_checkpoint: Path | None = None
-        self.sample_flops: int | None = None  # of one guided evaluation per image, counted at the first evaluation
+        # of one guided evaluation per image, by (guidance kind, scale): counted at the first evaluation of each
+        self.sample_flops: dict[tuple[str, float], int] = {}
 
     def _check_folder(self, checkpoint: Path, step: int, saved: TrainConfig) -> None:
         """Refuse to continue a checkpoint in a folder whose history it does not belong to (every rank
@@ -463,7 +465,7 @@ class Trainer:
         """Every route's rate, in the trained model and in its EMA (which samples with it)."""
         rk.set_rate(self.acc.unwrap_model(self.net), rate)
         rk.set_rate(self.ema, rate)
-        self.sample_flops = None  # counted again at the next evaluation, in case sampling's cost follows the rate
+        self.sample_flops = {}  # counted again at the next evaluation, in case sampling's cost follows the rate
 
     def _next_stages(self, seconds: float | None = None) -> None:
         """Begin every stage whose start has come, between two steps: one by step once that many steps are taken
@@ -505,10 +507,11 @@ class Trainer:
             update_ema(self.ema, acc.unwrap_model(self.net), decay)
         return loss.detach()
 
-    def generate(self, labels: torch.Tensor) -> torch.Tensor:
-        """EMA samples for labels, in chunks, from a fixed seed (the same noise at every evaluation)."""
+    def generate(self, labels: torch.Tensor, sampler: SamplerConfig | None = None) -> torch.Tensor:
+        """EMA samples for labels, in chunks, from a fixed seed (the same noise at every evaluation), drawn as
+        ``sampler`` says (default: the recipe's)."""
         generator = torch.Generator().manual_seed(self.config.seed)
-        sampler, out = self.config.sampler, []
+        sampler, out = sampler or self.config.sampler, []
         chunks = labels.split(SAMPLE_CHUNK)
         # the final evaluation may take minutes after the last step: a bar says so (none off a terminal)
         for chunk in tqdm(chunks, desc=f"evaluating step {self.step}: sampling", unit="chunk", leave=False,
@@ -526,21 +529,30 @@ class Trainer:
         if not self.main:
             return
         seconds, begin = self.clock.seconds(), time.perf_counter()
-        if self.evaluator is None:
-            self.evaluator = Evaluator(self.dataset, self.device, self.config.data.cache_dir)
-        labels = torch.arange(self.config.eval.samples, device=self.device) % self.dataset.num_classes
-        record = {"step": self.step, "train_seconds": round(seconds, 3), **self.evaluator(self.generate(labels), labels)}
-        if self.sample_flops is None:  # what guidance costs: CFG and PDG compared by what they compute
-            sampler = self.config.sampler
-            self.sample_flops = guided_eval_flops(self.objective, self.ema, self.dataset.shape,
-                                                  guidance=sampler.guidance, null_class=self.dataset.num_classes,
-                                                  guidance_kind=sampler.guidance_kind, device=self.device)
-        record["guided_eval_flops"] = self.sample_flops
+        record = {"step": self.step, "train_seconds": round(seconds, 3), **self.sample_quality()}
         record["eval_seconds"] = round(time.perf_counter() - begin, 3)  # wall time, the first one with the classifier
         self.evals.append(record)
         with (self.out / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         tqdm.write(f"step {self.step}: fd {record['fd']:.3f}, accuracy {record['accuracy']:.3f}")
+
+    def sample_quality(self, sampler: SamplerConfig | None = None) -> dict[str, float]:
+        """FD and accuracy of ``eval.samples`` EMA samples drawn as ``sampler`` says (default: the recipe's), and
+        what guidance costs, so that CFG and PDG compare by what they compute: the FLOPs of one guided network
+        evaluation per image (``guided_eval_flops``) and of drawing one image (``sampling_flops``)."""
+        sampler = sampler or self.config.sampler
+        if self.evaluator is None:
+            self.evaluator = Evaluator(self.dataset, self.device, self.config.data.cache_dir)
+        labels = torch.arange(self.config.eval.samples, device=self.device) % self.dataset.num_classes
+        quality = self.evaluator(self.generate(labels, sampler), labels)
+        key = (sampler.guidance_kind, sampler.guidance)
+        if key not in self.sample_flops:
+            self.sample_flops[key] = guided_eval_flops(self.objective, self.ema, self.dataset.shape,
+                                                       guidance=sampler.guidance, null_class=self.dataset.num_classes,
+                                                       guidance_kind=sampler.guidance_kind, device=self.device)
+        flops = self.sample_flops[key]
+        return {**quality, "guided_eval_flops": flops,
+                "sampling_flops": flops * network_calls(self.objective, sampler.steps)}
 
     def sample_grid(self) -> None:
         """A PNG of ``per_class`` EMA samples per class, one class per row (main only)."""

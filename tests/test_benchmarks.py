@@ -290,9 +290,57 @@ def test_convergence_next_runs_the_plan_in_order_and_the_report_says_what_is_mis
         convergence_main(monkeypatch, "--run", "dit_b2/tread/1", *folders)
 
 
-def fake_result(plan, name: str, points: list[tuple], **fingerprint) -> None:
+def test_convergence_samples_a_sprint_run_with_cfg_and_pdg_at_about_equal_flops(tmp_path, monkeypatch):
+    """A run with a fused route samples its final EMA with path-drop guidance beside CFG: each kind at the
+    recipe's steps (CFG's is the final evaluation) and at the steps whose sampling FLOPs come nearest the other's;
+    an image's FLOPs are one guided evaluation's times the sampler's network calls. The report tabulates them."""
+    folders = ("--quick", "--results", str(tmp_path / "results"), "--out", str(tmp_path), "--runs", str(tmp_path / "runs"))
+    convergence_main(monkeypatch, "--run", "dit_b2/sprint/0", *folders)
+    result = json.loads((tmp_path / "results" / "dit_b2" / "sprint_seed0.json").read_text())
+    found = {(g["kind"], g["steps"]): g for g in result["guidance"]}
+    steps = result["config"]["sampler"]["steps"]
+    final = result["evals"][-1]
+    assert found["cfg", steps]["fd"] == final["fd"] and ("pdg", steps) in found
+    for g in result["guidance"]:
+        assert g["sampling_flops"] == g["guided_eval_flops"] * (2 * g["steps"] - 1)  # EDM's Heun sampler
+    assert found["pdg", steps]["guided_eval_flops"] < found["cfg", steps]["guided_eval_flops"]
+    assert [g["sampling_flops"] for g in result["guidance"]] == sorted(g["sampling_flops"] for g in result["guidance"])
+    text = (tmp_path / "convergence.md").read_text()
+    assert f"| SPRINT | PDG | {steps} |" in text and f"| SPRINT | CFG | {steps} |" in text
+
+
+def test_convergence_warm_up_compiles_every_stage_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """--warm takes a few steps at each of the run's rates (SPRINT's 0.75, then its fine-tune stage's 0) and leaves
+    no result, report or training folder; without --run it is refused by name."""
+    folders = ("--quick", "--results", str(tmp_path / "results"), "--out", str(tmp_path), "--runs", str(tmp_path / "runs"))
+    convergence_main(monkeypatch, "--warm", "--run", "dit_b2/sprint/0", *folders)
+    assert "6 steps over 2 rates" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit):
+        convergence_main(monkeypatch, "--warm", "--next", *folders)
+    assert "--warm warms one run's compilation" in capsys.readouterr().err
+
+
+def test_convergence_holds_sprint_to_its_bar_and_says_how_pdg_compares_with_cfg(tmp_path):
+    """SPRINT's bar is 0.6× vanilla's seconds at every level; its guidance records become a sentence comparing
+    PDG with CFG where their sampling FLOPs are nearest."""
+    plan = convergence.study(True, tmp_path / "results", tmp_path, tmp_path / "runs")
+    fake_result(plan, "dit_b2/vanilla/0", [(10, 0.25, 100.0, 0.1), (20, 0.5, 1.0, 0.9)])
+    fake_result(plan, "dit_b2/sprint/0", [(15, 0.25, 5.0, 0.5), (30, 0.5, 1.0, 0.95)],
+                guidance=[{"kind": "pdg", "steps": 2, "fd": 2.0, "accuracy": 0.9, "sampling_flops": 3e9},
+                          {"kind": "cfg", "steps": 2, "fd": 1.0, "accuracy": 0.95, "sampling_flops": 4.5e9},
+                          {"kind": "pdg", "steps": 3, "fd": 0.5, "accuracy": 0.97, "sampling_flops": 5e9}])
+    text = (tmp_path / "convergence.md").read_text() if convergence.report(plan) else ""
+    assert "The study's bar (each level in ≤ 0.60× vanilla's seconds" in text
+    assert ("PDG at 2 steps (3.00 GFLOPs an image) FD 2, higher than CFG's 1 at 2 steps (4.50 GFLOPs, 0.67× PDG's "
+            "FLOPs there)") in text
+    assert "PDG at 3 steps (5.00 GFLOPs an image) FD 0.5, lower than CFG's 1" in text
+    assert "| SPRINT | PDG | 3 | 5.00 | 0.5 | 0.97 | 1 |" in text
+
+
+def fake_result(plan, name: str, points: list[tuple], guidance: list[dict] | None = None, **fingerprint) -> None:
     """Write a result for the named run of plan as run_one would, with evaluations (step, seconds, FD) or
-    (step, seconds, FD, accuracy); accuracy 0.5 where not given."""
+    (step, seconds, FD, accuracy); accuracy 0.5 where not given; `guidance`, a fused run's guidance records."""
     run = plan.find(name)
     config = convergence.run_config(run, plan)
     steps, seconds = points[-1][0], points[-1][1]
@@ -302,7 +350,7 @@ def fake_result(plan, name: str, points: list[tuple], **fingerprint) -> None:
         "routekit": {"commit": "abc1234", "source": fingerprint.pop("routekit", "r1")},
         "fingerprint": {**convergence.fingerprint(run, config, "CPU", None, "e1"), **fingerprint},
         "config": config.model_dump(mode="json"), "steps": steps, "train_seconds": seconds, "steps_per_s": steps / seconds,
-        "first_step_seconds": 0.1, "wall_seconds": 2.0,
+        "first_step_seconds": 0.1, "wall_seconds": 2.0, **({"guidance": guidance} if guidance else {}),
         "evals": [{"step": step, "train_seconds": t, "fd": fd, "accuracy": accuracy[0] if accuracy else 0.5}
                   for step, t, fd, *accuracy in points]}
     path = plan.results / run.file
