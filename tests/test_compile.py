@@ -168,7 +168,9 @@ def test_applied_at_batch_2_compiled_and_trained_at_another_batch(variant: str) 
 def test_blocks_compiled_one_by_one_are_compiled_once_per_token_count_and_stay_static(mode):
     """A DiT whose blocks are compiled on their own (as the official TREAD code ships it) meets two token counts
     in a route, all and the kept ones: each is compiled once, static (Dynamo's automatic dynamic shapes would
-    compile a slower dynamic kernel for both), and inspect says what a compiled block sees."""
+    compile a slower dynamic kernel for both), and inspect says what a compiled block sees. The blocks after the
+    route see every token laid out contiguous (the route's scatter gives them so, as a hand-written one does),
+    the blocks before it DiT's transposed patch embedding: a third graph, once."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -179,7 +181,7 @@ def test_blocks_compiled_one_by_one_are_compiled_once_per_token_count_and_stay_s
     routed = rk.apply(model, rk.Route(start=1, end=2), example_inputs=args, mode=mode).train()
     for _ in range(3):
         routed(*args).square().mean().backward()
-    assert counters["stats"]["unique_graphs"] == 2  # one per token count, for all four blocks
+    assert counters["stats"]["unique_graphs"] == 3  # per token count and layout, for all four blocks
     assert rk.last_route_mask(routed).sum(1).tolist() == [8, 8]  # routed in boundary mode too (the private copy
     # of a block.compile()'d block once ran the original's compiled call, which skipped the copy's routing hooks)
     plan = report_of(routed)
