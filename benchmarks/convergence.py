@@ -528,9 +528,9 @@ def run_one(run: Run, plan: Study, wall_s: float) -> dict:
     print(f"[{run.name}] {run.group.budget_s:g} training seconds, an evaluation every {run.group.eval_every_s:g} s; "
           f"planned wall {run.group.planned_wall_s:.0f} s, stopped early past {wall_s:g} s", file=sys.stderr)
     trainer = Trainer(config, folder, progress=False)
-    kept = REPORT_S + (GUIDANCE_S if config.fused else 0.0)
+    reserved = REPORT_S + (GUIDANCE_S if config.fused else 0.0)
     stats = trainer.run(budget_s=run.group.budget_s, eval_every_s=run.group.eval_every_s,
-                        deadline=STARTED + wall_s - kept)
+                        deadline=STARTED + wall_s - reserved)
     if config.fused:
         result["guidance"] = compare_guidance(trainer)
     log = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
@@ -564,7 +564,7 @@ def warm_up(run: Run, plan: Study) -> None:
 
     config = run_config(run, plan)
     stages = [{"step": WARM_STEPS * (k + 1), "rate": stage.rate} for k, stage in enumerate(config.stages)]
-    config = with_overrides(config, {"stages": stages, "log_every": 1})
+    config = with_overrides(config, {"stages": stages})  # a stage by step begins before its step, not at a log
     folder = Path(tempfile.mkdtemp(prefix="routekit-warm-"))
     try:
         began = time.perf_counter()
@@ -863,8 +863,8 @@ def _guidance(runs: list[dict]) -> list[dict]:
              "accuracy": spread(g["accuracy"] for g in found),
              "sampling_flops": statistics.fmean(g["sampling_flops"] for g in found)}
             for (kind, steps), found in sorted(by.items(), key=lambda item: item[1][0]["sampling_flops"])]
+    cfg = [c for c in rows if c["kind"] == "cfg"]
     for row in rows:
-        cfg = [c for c in rows if c["kind"] == "cfg"]
         if row["kind"] == "pdg" and cfg:
             near = min(cfg, key=lambda c: abs(c["sampling_flops"] - row["sampling_flops"]))
             row["against"] = {"steps": near["steps"], "flops_ratio": row["sampling_flops"] / near["sampling_flops"]}

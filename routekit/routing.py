@@ -41,7 +41,7 @@ def _gather(x: torch.Tensor, axis: int, index: torch.Tensor) -> torch.Tensor:
     as a hand-written gather gives them: the blocks see a new tensor either way, and a transposed stream (a patch
     embedding's `flatten(2).transpose(1, 2)`, which DiM's scan blocks read) runs its matmuls and convolutions
     slower than a contiguous one."""
-    order = _dense_order(x) if index.shape[1] == x.shape[axis] else None
+    order = _kept_layout(x, axis, index)
     if order is None:
         return _take(x, axis, index, 0)
     inverse = sorted(range(x.dim()), key=order.__getitem__)
@@ -55,6 +55,12 @@ def _take(x: torch.Tensor, axis: int, index: torch.Tensor, batch: int) -> torch.
     expanded = list(x.shape)
     expanded[axis] = index.shape[1]
     return x.gather(axis, (index if batch < axis else index.t()).reshape(shape).expand(expanded))
+
+
+def _kept_layout(x: torch.Tensor, axis: int, index: torch.Tensor) -> list[int] | None:
+    """The axis order a route lays `x` out in, gathered or scattered back at `index` (B, K) along `axis`: x's own
+    (`_dense_order`) where every token is kept, where the bits must be the original's; else None, contiguous."""
+    return _dense_order(x) if index.shape[1] == x.shape[axis] else None
 
 
 def _dense_order(x: torch.Tensor) -> list[int] | None:
@@ -166,11 +172,12 @@ def _gather_axis(x: torch.Tensor, index: torch.Tensor, axis: int, tokens: int, b
 
 def scatter_tokens(full: torch.Tensor, index: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """`full` with the tokens `index` replaced by `kept`: routed tokens keep their route-start value. Laid out as
-    `_gather` lays out its tokens: as `full` is where every token comes back from the blocks (the bits must be
-    the original's), contiguous where some were routed around, as a hand-written scatter gives it (the blocks
-    after the route ran their kernels several percent slower on DiM's transposed stream)."""
+    `_gather` lays out its tokens (`_kept_layout`): as `full` is where every token comes back from the blocks,
+    contiguous where some were routed around, as a hand-written scatter gives it (handed DiM's transposed stream
+    back, the blocks after the route copied their gradients in the backward where the hand-written route's did
+    not)."""
     full = full.to(kept.dtype)
-    order = _dense_order(full) if index.shape[1] == full.shape[1] else None
+    order = _kept_layout(full, 1, index)
     if order is not None:
         inverse = sorted(range(full.dim()), key=order.__getitem__)
         return _put(full.permute(order), order.index(1), index, kept.permute(order), order.index(0)).permute(inverse)
