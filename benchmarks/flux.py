@@ -9,7 +9,10 @@ tokens; one train step (forward + backward + AdamW, bf16 autocast) at batch 1 an
 - routekit, across stacks: SimpleTuner's headline route, block 2 → -2 counted over both stacks;
 - hand-written, across stacks: that route written here, independently of routekit, as SimpleTuner runs it:
   image tokens only, an independent selection per sample, each sample's rows of the joint [text; image] RoPE
-  table cut for it.
+  table cut for it;
+- routekit SPRINT, across stacks (only when asked for with --variants): the same span at SPRINT's rate 0.75,
+  ending in SPRINT's fusion (`fuse="sprint"`: the deep and dense paths joined by a linear layer, samples' deep
+  paths dropped at SPRINT's rate 0.1).
 
 Every variant runs the same attention processor (`AnyRopeAttention`: FLUX's attention, with a RoPE table of one
 row set for the batch or one per sample), so per-sample tables are possible and the variants run the same
@@ -23,9 +26,10 @@ its program's assumptions), measured apart.
     python benchmarks/flux.py --modes eager compile
     python benchmarks/flux.py --quick          # CPU smoke run: a tiny FLUX, 64 + 8 tokens
     python benchmarks/flux.py --modes compile --batches 1 --add   # one part of a longer study
+    python benchmarks/flux.py --variants vanilla "routekit SPRINT across stacks" --add
 
 Writes benchmarks/results/flux.{json,md,png} (or --out DIR), after every measurement. With --add, the rows
-already there for the batches and modes this call does not measure stay, each with the commit it was measured
+already there for the batches, modes and variants this call does not measure stay, each with the commit it was measured
 at: compiled FLUX takes minutes a variant to compile, so its rows come from calls of under ten minutes each.
 """
 
@@ -63,7 +67,11 @@ FULL = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 128, "num
 TINY = {"num_layers": 4, "num_single_layers": 8, "attention_head_dim": 16, "num_attention_heads": 2,
         "joint_attention_dim": 32, "pooled_projection_dim": 16, "in_channels": 16, "axes_dims_rope": (4, 6, 6)}
 START, END, RATE = 2, -2, 0.5  # SimpleTuner's documented FLUX route, over both stacks
-VARIANTS = ("vanilla", "routekit single stack", "routekit across stacks", "hand-written across stacks")
+SPRINT_RATE = 0.75  # SPRINT's drop rate in pre-training
+VARIANTS = ("vanilla", "routekit single stack", "routekit across stacks", "hand-written across stacks",
+            "routekit SPRINT across stacks")
+DEFAULT_VARIANTS = VARIANTS[:4]
+SAME_ROUTE_AS_HAND = ("routekit across stacks", "hand-written across stacks")  # SPRINT's is another route
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -154,8 +162,10 @@ def variant(name: str, config: dict, example: tuple[tuple, dict], device: str) -
         return model
     if name == "hand-written across stacks":
         return HandRoutedFlux(model, START, END, RATE)
-    route = rk.Route(start=START, end=END, rate=RATE) if name == "routekit across stacks" else \
-        rk.Route(start="single_transformer_blocks.1", end="single_transformer_blocks.-2", rate=RATE)
+    route = {"routekit across stacks": lambda: rk.Route(start=START, end=END, rate=RATE),
+             "routekit SPRINT across stacks": lambda: rk.Route(start=START, end=END, rate=SPRINT_RATE, fuse="sprint"),
+             "routekit single stack": lambda: rk.Route(start="single_transformer_blocks.1",
+                                                       end="single_transformer_blocks.-2", rate=RATE)}[name]()
     return rk.apply(model, route, example_inputs=example[0], example_kwargs=example[1])
 
 
@@ -180,7 +190,7 @@ def table(rows: list[dict]) -> str:
         base, hand = group.get("vanilla"), group.get("hand-written across stacks")
         for name, r in group.items():
             speed = base["step_ms"] / r["step_ms"] if base else float("nan")
-            rel = f"{hand['step_ms'] / r['step_ms']:.3f}" if hand and name.endswith("across stacks") else ""
+            rel = f"{hand['step_ms'] / r['step_ms']:.3f}" if hand and name in SAME_ROUTE_AS_HAND else ""
             host = f"{r['host_ms']:.3f} ({r['host_ms'] / r['step_ms']:.2%})" if "host_ms" in r else ""
             adamw = aside = ""
             if "optimizer_ms" in r and base and "optimizer_ms" in base:
@@ -196,19 +206,21 @@ def table(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     keys = list(dict.fromkeys((r["batch"], r["mode"]) for r in rows))
     with figure(path, figsize=(7, 4)) as (_, ax):
-        for k, name in enumerate(VARIANTS[1:]):
+        names = [name for name in VARIANTS[1:] if any(r["variant"] == name for r in rows)]
+        width = 0.8 / max(len(names), 1)
+        for k, name in enumerate(names):
             speeds = []
             for key in keys:
                 group = {r["variant"]: r for r in rows if (r["batch"], r["mode"]) == key}
                 speeds.append(group["vanilla"]["step_ms"] / group[name]["step_ms"] if name in group else 0)
-            ax.bar([i + 0.25 * k for i in range(len(keys))], speeds, 0.25, label=name)
+            ax.bar([i + width * k for i in range(len(keys))], speeds, width, label=name)
         for key_index, key in enumerate(keys):
             limit = next((r["flop_limit"] for r in rows if (r["batch"], r["mode"]) == key
                           and r["variant"] == "routekit across stacks"), None)
             if limit:
-                ax.hlines(limit, key_index - 0.15, key_index + 0.65, colors="grey", linestyles="--")
+                ax.hlines(limit, key_index - 0.15, key_index + 0.8, colors="grey", linestyles="--")
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xticks([i + 0.25 for i in range(len(keys))], [f"batch {b}, {m}" for b, m in keys])
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))], [f"batch {b}, {m}" for b, m in keys])
         ax.set_ylabel("train-step speed-up over vanilla (median)")
         ax.set_title("FLUX, 4 double + 8 single blocks, 4096 + 512 tokens; dashed: FLOP limit across stacks",
                      fontsize=9)
@@ -220,6 +232,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 2; 2 with --quick)")
     p.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile"],
                    help="eager and/or torch.compile of the whole model (default eager)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS),
+                   help="which variants to measure (default: all but SPRINT's)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -228,6 +242,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny FLUX, 64 + 8 tokens (eager unless "
                    "--modes says otherwise)")
     args = p.parse_args()
+    if "vanilla" not in args.variants:
+        p.error("--variants must include vanilla: every row's speed-up and FLOP limit are against it")
     device = device_or_exit(args.quick)
     config, side, text = (TINY, 8, 8) if args.quick else (FULL, 64, 512)
     if args.quick:
@@ -235,18 +251,19 @@ def main() -> None:
     args.modes, args.batches = args.modes or ["eager"], args.batches or ([2] if args.quick else [1, 2])
     example = inputs(config, 2, side, text, device)
     info = machine()
-    measured = lambda r: r["batch"] in args.batches and r["mode"] in args.modes
+    measured = lambda r: r["batch"] in args.batches and r["mode"] in args.modes and r["variant"] in args.variants
     rows, shared = (kept_rows(args.out / "flux.json", measured) if args.add else []), {}
     info["attention"] = "SDPA (flash or memory-efficient on a GPU) through AnyRopeAttention in every variant"
     body = (f"FLUX widths at reduced depth ({config['num_layers']} double + {config['num_single_layers']} single "
             f"blocks), {side * side} image + {text} text tokens; routes at rate {RATE}: across stacks {START} → {END} "
-            "over the chain, single stack: single block 1 → -2. Median and p90 of each variant's step times; ")
+            f"over the chain, single stack: single block 1 → -2; SPRINT's: {START} → {END} at rate {SPRINT_RATE}, "
+            "fused. Median and p90 of each variant's step times; ")
     backends = attention_backends(device)
     backends.__enter__()
     for batch in args.batches:
         batch_inputs = inputs(config, batch, side, text, device, seed=1)
         flops = {}
-        for name in VARIANTS:
+        for name in [name for name in VARIANTS if name in args.variants]:
             model = variant(name, config, example, device)
             flops[name] = step_flops(model, *batch_inputs)
             for mode in args.modes:

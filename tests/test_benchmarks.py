@@ -644,7 +644,8 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
     """A tiny FLUX: routekit's route across both stacks and the hand-written one save the same FLOPs (the same
     blocks see the same number of tokens), routekit selects per sample as the hand-written route does (the
     attention takes a RoPE table per sample), every variant runs a train step, and routekit's host time is
-    reported. A second call with --add measures another batch and keeps the first call's rows."""
+    reported. A second call with --add measures SPRINT's route beside a new vanilla, and keeps the rows of the
+    variants it did not measure."""
     run_benchmark("flux.py", "--quick", "--out", str(tmp_path))
     data = labelled(tmp_path, "flux", "python benchmarks/flux.py --quick")
     rows = {r["variant"]: r for r in data["rows"]}
@@ -655,10 +656,17 @@ def test_flux_quick_places_the_same_cross_stack_route_by_hand_and_by_routekit(tm
     assert data["shared"] == {"routekit single stack": False, "routekit across stacks": False}
     assert rows["routekit across stacks"]["host_ms"] > 0
     assert all(r["optimizer_ms"] > 0 for r in rows.values()) and "AdamW aside |" in (tmp_path / "flux.md").read_text()
-    run_benchmark("flux.py", "--quick", "--batches", "1", "--add", "--out", str(tmp_path))  # another call's share
-    added = json.loads((tmp_path / "flux.json").read_text())["rows"]
-    assert [(r["batch"], r["variant"]) for r in added] == [(b, v) for b in (2, 1) for v in rows]
-    assert all(r["commit"] for r in added) and "| commit |" in (tmp_path / "flux.md").read_text()
+    sprint = "routekit SPRINT across stacks"
+    run_benchmark("flux.py", "--quick", "--variants", "vanilla", sprint, "--add", "--out", str(tmp_path))
+    added = {r["variant"]: r for r in json.loads((tmp_path / "flux.json").read_text())["rows"]}
+    assert set(added) == {*rows, sprint} and added["hand-written across stacks"] == rows["hand-written across stacks"]
+    assert added["vanilla"] != rows["vanilla"] and added[sprint]["flop_limit"] > rows["routekit across stacks"]["flop_limit"]
+    text = (tmp_path / "flux.md").read_text()
+    assert all(r["commit"] for r in added.values()) and "| commit |" in text
+    assert f"| 2 | eager | {sprint} |" in text and "SPRINT's: 2 → -2 at rate 0.75, fused" in text
+    refused = subprocess.run([sys.executable, "benchmarks/flux.py", "--quick", "--variants", sprint, "--out",
+                              str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--variants must include vanilla" in refused.stderr  # its speed-ups' base
 
 
 def test_lumina2_quick_routes_captions_of_different_lengths_in_boundary_mode(tmp_path):
