@@ -45,6 +45,24 @@ class Assumptions:
     traced_through: tuple[str, ...] = ()
     batch_generic: bool = True
 
+    def __post_init__(self):
+        # The module paths to look up, parents first, each as (its parent's place, its name): `broken` runs before
+        # every training call, and torch.compile traces it into every graph, so each of a model's hundred-odd
+        # paths costs one module-table lookup there (`get_submodule`, or a walk from the root, costs more).
+        places: dict[str, int] = {"": 0}
+        walk: list[tuple[int, str]] = []
+
+        def place(path: str) -> int:
+            if path not in places:
+                parent, _, atom = path.rpartition(".")
+                walk.append((place(parent), atom))
+                places[path] = len(walk)
+            return places[path]
+
+        object.__setattr__(self, "_reads", tuple((place(p), p, a, v) for p, a, v in self.reads))
+        object.__setattr__(self, "_traced", tuple((place(p), p) for p in self.traced_through))
+        object.__setattr__(self, "_walk", tuple(walk))
+
     def under(self, prefix: str) -> Assumptions:
         """These assumptions of a submodule traced alone, as seen from the model that holds it at `prefix`."""
         at = lambda path: f"{prefix}.{path}" if path else prefix  # noqa: E731
@@ -58,28 +76,21 @@ class Assumptions:
     def broken(self, root: nn.Module) -> str | None:
         """The first assumption that no longer holds for `root` (the model the graph runs on), said in words;
         None when all hold."""
-        for path, attr, value in self.reads:
-            module = _module(root, path)
+        modules = [root]  # every path's module, in `_walk`'s order (None past a module that is gone)
+        for parent, atom in self._walk:
+            above = modules[parent]
+            modules.append(above.__dict__["_modules"].get(atom) if above is not None else None)
+        for place, path, attr, value in self._reads:
+            module = modules[place]
             now = module.__dict__.get(attr, _MISSING) if module is not None else _MISSING
             if type(now) is not type(value) or now != value:
                 shown = "gone" if now is _MISSING else repr(now)
                 return f"{path or type(root).__name__}.{attr} is {shown}, was {value!r} when the graph was traced"
-        for path in self.traced_through:
-            module = _module(root, path)
+        for place, path in self._traced:
+            module = modules[place]
             if module is not None and hooked(module):
                 return f"{path} has hooks now, which the traced graph (built through its forward) would not run"
         return None
-
-
-def _module(root: nn.Module, path: str) -> nn.Module | None:
-    """The submodule at `path`, through the module tables themselves (checked before every training call:
-    `get_submodule`'s own checks cost more than the walk)."""
-    module = root
-    for atom in path.split(".") if path else ():
-        module = module.__dict__["_modules"].get(atom)
-        if module is None:
-            return None
-    return module
 
 
 def hooked(module: nn.Module) -> bool:

@@ -92,7 +92,7 @@ class Programs:
                 "original": self.original, "dropping": 0}
 
     def __call__(self, routed: nn.Module, args: tuple, kwargs: dict) -> Any:
-        check_sharding(routed, self.called())
+        check_sharding(routed, self.called)
         tensors, program = self.program(routed, args, kwargs)
         if program is UNROUTED:
             return self.original(*args, **kwargs)

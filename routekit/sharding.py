@@ -16,6 +16,7 @@ correct, gathered once per layer. Parameters the block reads directly rather tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -105,7 +106,7 @@ def _reachable(start: fx.Node, step) -> set[fx.Node]:
     return seen
 
 
-def check_sharding(routed: nn.Module, called: frozenset[str]) -> None:
+def check_sharding(routed: nn.Module, called: Callable[[], frozenset[str]]) -> None:
     """A rewritten graph calls only the modules in `called`: it traces through the rest (the owner's own
     layers, and with DAR the blocks and their non-leaf layers), so a module whose own forward no longer runs
     cannot carry an FSDP unit (its parameters would never be gathered: FSDP2
@@ -113,10 +114,12 @@ def check_sharding(routed: nn.Module, called: frozenset[str]) -> None:
     checkpoint (nothing would be recomputed). Accepted: `routekit.shard`'s units (`routekit.sharding.fsdp_units`:
     per block, the layers DAR calls in it, grouped), single called layers, and the whole model. Any other
     group of several modules is refused too: FSDP gathers a group at its first module's forward and frees
-    it after its last, which only routekit's units are checked to fit."""
+    it after its last, which only routekit's units are checked to fit. `called` gives the modules the graphs call;
+    it is asked only in a distributed run (a union over every program, which torch.compile would otherwise trace
+    at every call)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    _check_units(routed, called)
+    _check_units(routed, called())
 
 
 @torch.compiler.disable  # plain Python over the module tree, once per call: a graph break, not a trace

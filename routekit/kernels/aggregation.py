@@ -280,6 +280,8 @@ def aggregate_op(sources: list[Tensor], query: Tensor, eps: float, out_dtype: to
 
 @aggregate_op.register_fake
 def _(sources, query, eps, out_dtype, keep_o32, launch, mix=None, state=None, norm_eps=None):
+    _checked(sources, query, out_dtype)  # the checks a compiled caller leaves to the trace (`_unchecked`)
+    _checked_prefix(None if state is None else (mix, state), sources[0])
     b, n, d = sources[0].shape
     new = sources[0].new_empty
     return new((b, n, d), dtype=out_dtype), new((b, n, d) if keep_o32 else (0,), dtype=torch.float32), \
@@ -441,6 +443,17 @@ def _checked_prefix(prefix: tuple[Tensor, Tensor] | None, like: Tensor) -> tuple
     return mix, state
 
 
+def _unchecked(sources: Sources, out_dtype: torch.dtype | None, prefix: tuple[Tensor, Tensor] | None,
+               ) -> tuple[list[Tensor], torch.dtype, int, Tensor | None, Tensor | None]:
+    """What `_checked` and `_checked_prefix` give, without their checks, for a caller under torch.compile: Dynamo
+    steps through this Python at every aggregation of a model (most of DAR's share of its trace was checks), while
+    the op's fake, which checks the same, runs as plain Python when the trace reaches the op."""
+    sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
+    b, n, _ = sources[0].shape
+    mix, state = prefix if prefix is not None else (None, None)
+    return sources, out_dtype or sources[0].dtype, b * n, mix, state
+
+
 def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
                      launch: AggregateLaunch | None = None, prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Fused DAR aggregation with the contract of ``naive.aggregate``.
@@ -450,9 +463,12 @@ def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_
     ``aggregate_launch`` for tuning sweeps. ``prefix``: one (mix, state) pair of
     ``weighted_sums.weighted_sum_triton`` (its sources join this mix).
     """
-    sources, out_dtype, rows = _checked(sources, query, out_dtype)
+    if torch.compiler.is_compiling():
+        sources, out_dtype, rows, mix, state = _unchecked(sources, out_dtype, prefix)
+    else:
+        sources, out_dtype, rows = _checked(sources, query, out_dtype)
+        mix, state = _checked_prefix(prefix, sources[0])
     launch = launch_list(sources[0].shape[-1], rows, launch)
-    mix, state = _checked_prefix(prefix, sources[0])
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources)
                                               or (mix is not None and (mix.requires_grad or state.requires_grad)))
     # backward reads g . o from the output, or from an fp32 copy when the output is rounded below the
@@ -478,8 +494,7 @@ def merge_with_stats_triton(sources: Sources, query: Tensor, eps: float, prefix:
     ``merge``: the op that launches the merge kernels lives in this module, which imports that one.)"""
     if not _compiling():
         return None
-    sources, out_dtype, rows = _checked(sources, query, None)
-    mix, state = _checked_prefix(prefix, sources[0])
+    sources, out_dtype, rows, mix, state = _unchecked(sources, None, prefix)
     if not _merges(state, torch.broadcast_to(query, sources[0].shape), len(sources)):
         return None
     launch = launch_list(sources[0].shape[-1], rows, launch)
