@@ -342,6 +342,19 @@ def test_bad_shapes_are_rejected_with_a_message_naming_them(kernel, bad):
     assert isinstance(info.value, InputError) and isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("bad", list(BAD_INPUTS))
+def test_a_compiled_aggregation_names_bad_inputs_as_an_eager_one_does(bad):
+    """Under torch.compile a list of sources is checked by the op's fake, which runs as plain Python (Dynamo would
+    step through the checks at every aggregation of a model): the trace stops with the same message."""
+    sources, query, _ = Case(2, 2, 3, 8, torch.float32, "d", False, 1.0, seed=1).tensors()
+    transform, message = BAD_INPUTS[bad]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda v, q: aggregate(v, q, kernel="triton"), backend="eager", fullgraph=True)
+    v, q = transform(sources, query)
+    with pytest.raises(Exception, match=message):  # a list, as routekit's graphs pass it, where it is one
+        compiled(list(v.unbind(0)) if isinstance(v, torch.Tensor) and v.dim() == 4 else v, q)
+
+
 def test_triton_kernel_stays_inside_a_compiled_graph():
     """A custom op, not a graph break: fullgraph=True compiles it, and forward and gradients hold."""
     sources, query, grad = Case(4, 2, 3, 24, torch.float32, "b1d", True, 2.0, seed=9).tensors()

@@ -443,13 +443,14 @@ def _checked_prefix(prefix: tuple[Tensor, Tensor] | None, like: Tensor) -> tuple
     return mix, state
 
 
-def _unchecked(sources: Sources, out_dtype: torch.dtype | None, prefix: tuple[Tensor, Tensor] | None,
+def _unchecked(sources: list[Tensor], out_dtype: torch.dtype | None, prefix: tuple[Tensor, Tensor] | None,
                ) -> tuple[list[Tensor], torch.dtype, int, Tensor | None, Tensor | None]:
-    """What `_checked` and `_checked_prefix` give, without their checks, for a caller under torch.compile: Dynamo
-    steps through this Python at every aggregation of a model (most of DAR's share of its trace was checks), while
-    the op's fake, which checks the same, runs as plain Python when the trace reaches the op."""
-    sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
-    b, n, _ = sources[0].shape
+    """What `_checked` and `_checked_prefix` give for a non-empty list of sources, without their checks, for a caller
+    under torch.compile: Dynamo steps through this Python at every aggregation of a model (most of DAR's share of
+    its trace was checks), while the op's fake, which checks the same, runs as plain Python when the trace reaches
+    the op."""
+    sources = list(sources)
+    b, n = sources[0].shape[0], sources[0].shape[1]
     mix, state = prefix if prefix is not None else (None, None)
     return sources, out_dtype or sources[0].dtype, b * n, mix, state
 
@@ -463,7 +464,7 @@ def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_
     ``aggregate_launch`` for tuning sweeps. ``prefix``: one (mix, state) pair of
     ``weighted_sums.weighted_sum_triton`` (its sources join this mix).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and isinstance(sources, (list, tuple)) and sources:
         sources, out_dtype, rows, mix, state = _unchecked(sources, out_dtype, prefix)
     else:
         sources, out_dtype, rows = _checked(sources, query, out_dtype)
@@ -494,7 +495,11 @@ def merge_with_stats_triton(sources: Sources, query: Tensor, eps: float, prefix:
     ``merge``: the op that launches the merge kernels lives in this module, which imports that one.)"""
     if not _compiling():
         return None
-    sources, out_dtype, rows, mix, state = _unchecked(sources, None, prefix)
+    if isinstance(sources, (list, tuple)) and sources:
+        sources, out_dtype, rows, mix, state = _unchecked(sources, None, prefix)
+    else:
+        sources, out_dtype, rows = _checked(sources, query, None)
+        mix, state = _checked_prefix(prefix, sources[0])
     if not _merges(state, torch.broadcast_to(query, sources[0].shape), len(sources)):
         return None
     launch = launch_list(sources[0].shape[-1], rows, launch)
