@@ -280,7 +280,7 @@ def aggregate_op(sources: list[Tensor], query: Tensor, eps: float, out_dtype: to
 
 @aggregate_op.register_fake
 def _(sources, query, eps, out_dtype, keep_o32, launch, mix=None, state=None, norm_eps=None):
-    _checked(sources, query, out_dtype)  # the checks a compiled caller leaves to the trace (`_unchecked`)
+    _checked(sources, query, out_dtype)  # the checks a compiled caller leaves to the trace (`_inputs`)
     _checked_prefix(None if state is None else (mix, state), sources[0])
     b, n, d = sources[0].shape
     new = sources[0].new_empty
@@ -443,16 +443,18 @@ def _checked_prefix(prefix: tuple[Tensor, Tensor] | None, like: Tensor) -> tuple
     return mix, state
 
 
-def _unchecked(sources: list[Tensor], out_dtype: torch.dtype | None, prefix: tuple[Tensor, Tensor] | None,
-               ) -> tuple[list[Tensor], torch.dtype, int, Tensor | None, Tensor | None]:
-    """What `_checked` and `_checked_prefix` give for a non-empty list of sources, without their checks, for a caller
-    under torch.compile: Dynamo steps through this Python at every aggregation of a model (most of DAR's share of
-    its trace was checks), while the op's fake, which checks the same, runs as plain Python when the trace reaches
-    the op."""
-    sources = list(sources)
-    b, n = sources[0].shape[0], sources[0].shape[1]
-    mix, state = prefix if prefix is not None else (None, None)
-    return sources, out_dtype or sources[0].dtype, b * n, mix, state
+def _inputs(sources: Sources, query: Tensor, out_dtype: torch.dtype | None, prefix: tuple[Tensor, Tensor] | None,
+            ) -> tuple[list[Tensor], torch.dtype, int, Tensor | None, Tensor | None]:
+    """(sources as a list, out_dtype, rows B*N, mix, state), checked by `_checked` and `_checked_prefix`; under
+    torch.compile a non-empty list is taken as it is: Dynamo steps through this Python at every aggregation of a
+    model (most of DAR's share of its trace was checks), while the op's fake, which checks the same, runs as plain
+    Python when the trace reaches the op."""
+    if torch.compiler.is_compiling() and isinstance(sources, (list, tuple)) and sources:
+        sources = list(sources)
+        mix, state = prefix if prefix is not None else (None, None)
+        return sources, out_dtype or sources[0].dtype, sources[0].shape[0] * sources[0].shape[1], mix, state
+    sources, out_dtype, rows = _checked(sources, query, out_dtype)
+    return (sources, out_dtype, rows, *_checked_prefix(prefix, sources[0]))
 
 
 def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None,
@@ -464,11 +466,7 @@ def aggregate_triton(sources: Sources, query: Tensor, eps: float = 1e-6, *, out_
     ``aggregate_launch`` for tuning sweeps. ``prefix``: one (mix, state) pair of
     ``weighted_sums.weighted_sum_triton`` (its sources join this mix).
     """
-    if torch.compiler.is_compiling() and isinstance(sources, (list, tuple)) and sources:
-        sources, out_dtype, rows, mix, state = _unchecked(sources, out_dtype, prefix)
-    else:
-        sources, out_dtype, rows = _checked(sources, query, out_dtype)
-        mix, state = _checked_prefix(prefix, sources[0])
+    sources, out_dtype, rows, mix, state = _inputs(sources, query, out_dtype, prefix)
     launch = launch_list(sources[0].shape[-1], rows, launch)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or any(t.requires_grad for t in sources)
                                               or (mix is not None and (mix.requires_grad or state.requires_grad)))
@@ -495,11 +493,7 @@ def merge_with_stats_triton(sources: Sources, query: Tensor, eps: float, prefix:
     ``merge``: the op that launches the merge kernels lives in this module, which imports that one.)"""
     if not _compiling():
         return None
-    if isinstance(sources, (list, tuple)) and sources:
-        sources, out_dtype, rows, mix, state = _unchecked(sources, None, prefix)
-    else:
-        sources, out_dtype, rows = _checked(sources, query, None)
-        mix, state = _checked_prefix(prefix, sources[0])
+    sources, out_dtype, rows, mix, state = _inputs(sources, query, None, prefix)
     if not _merges(state, torch.broadcast_to(query, sources[0].shape), len(sources)):
         return None
     launch = launch_list(sources[0].shape[-1], rows, launch)
